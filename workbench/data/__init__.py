@@ -1,0 +1,1 @@
+"""Data in: read sources, normalise formats to chat messages, clean, split, tokenise."""

@@ -1,0 +1,59 @@
+"""Typed errors. Every message says what went wrong *and* what to do next.
+
+All errors derive from :class:`WorkbenchError`, so a notebook can catch one type; each front end
+(widgets, CLI, magics, the lab panel) shows ``str(error)`` as it is.
+"""
+
+from __future__ import annotations
+
+
+class WorkbenchError(Exception):
+    """Base class of every error the workbench raises on purpose."""
+
+
+class SpecError(WorkbenchError, ValueError):
+    """A RunSpec (or a YAML file holding one) is invalid.
+
+    ``problems`` holds one ``(field_path, message)`` pair per problem, e.g.
+    ``("train.lr", "must be greater than 0")``.
+    """
+
+    def __init__(self, problems: list[tuple[str, str]], source: str | None = None) -> None:
+        self.problems = problems
+        self.source = source
+        where = f" in {source}" if source else ""
+        lines = [f"invalid run spec{where}:"]
+        lines += [f"  {path or '<root>'}: {msg}" for path, msg in problems]
+        super().__init__("\n".join(lines))
+
+
+class ModelNotFoundError(WorkbenchError, FileNotFoundError):
+    """The model id is neither a built-in, an existing folder, nor reachable on the hub."""
+
+
+class DatasetError(WorkbenchError, ValueError):
+    """A dataset source cannot be used (missing, unreadable, empty)."""
+
+
+class DatasetFormatError(DatasetError):
+    """A row of a dataset does not have the fields its format needs."""
+
+
+class EmptyDatasetError(DatasetError):
+    """A dataset (or what is left of it after cleaning or splitting) has no rows."""
+
+
+class ResourceError(WorkbenchError, RuntimeError):
+    """The requested resources (GPUs, processes) are not available on the target."""
+
+
+class RunNotFoundError(WorkbenchError, LookupError):
+    """No run in the registry matches the given id or name."""
+
+
+class LaunchError(WorkbenchError, RuntimeError):
+    """The backend could not start the run."""
+
+
+class JobFailedError(WorkbenchError, RuntimeError):
+    """Raised by ``Job.wait(raise_on_failure=True)`` when the run ended badly."""

@@ -1,0 +1,270 @@
+"""RunSpec: the one validated, serialisable description of a fine-tuning run.
+
+Every front end (widgets, magics, CLI, lab panel) builds a :class:`RunSpec` and hands it to the
+same library calls. A spec round-trips through YAML (``RunSpec.from_yaml`` / ``to_yaml``) and every
+validation problem is reported as a :class:`~workbench.errors.SpecError` naming the field path and
+what to do, e.g. ``train.lr: must be greater than 0``.
+
+    >>> spec = RunSpec(name="demo", train={"max_steps": 10})
+    >>> RunSpec.from_yaml(spec.to_yaml()) == spec
+    True
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from workbench.errors import SpecError
+
+BUILTIN_MODEL = "builtin:tiny-llama"
+BUILTIN_DATASET = "builtin:teaching"
+
+
+class _Section(BaseModel):
+    # extra="forbid" turns a typo in a field name into an error instead of a silent default.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSpec(_Section):
+    id: str = Field(BUILTIN_MODEL, description="built-in name, local folder, or hub id")
+    revision: str | None = Field(None, description="hub revision (branch, tag or commit)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    quantization: Literal["none", "4bit", "8bit"] = "none"  # 4bit is what QLoRA trains on
+    trust_remote_code: bool = False
+
+
+class DataSource(_Section):
+    path: str = Field(BUILTIN_DATASET, description="jsonl/csv/parquet file, datasets folder, hub id")
+    format: Literal["auto", "alpaca", "sharegpt", "messages", "text"] = "auto"
+    split: str = "train"  # which split of a hub dataset or a DatasetDict on disk
+    max_rows: int | None = Field(None, gt=0)  # read at most this many rows (quick trials)
+
+
+class CleanSpec(_Section):
+    """Cleaning applied to the text of each example before formatting (see workbench.data)."""
+
+    enabled: bool = False
+    steps: list[str] | None = None  # None: the default pipeline, in its default order
+    options: dict[str, dict[str, Any]] = Field(default_factory=dict)  # per-step parameters
+
+
+class DataSpec(_Section):
+    sources: list[DataSource] = Field(default_factory=lambda: [DataSource()], min_length=1)
+    validation_fraction: float = Field(0.1, ge=0.0, lt=1.0)  # held out by content hash
+    max_length: int = Field(256, ge=16)  # tokens per example; longer ones are truncated
+    packing: bool = False  # concatenate examples into max_length blocks (faster, same loss mask)
+    clean: CleanSpec = Field(default_factory=CleanSpec)
+
+
+class MethodSpec(_Section):
+    kind: Literal["lora", "qlora", "full"] = "lora"
+    lora_r: int = Field(16, ge=1, le=1024)  # higher: more capacity and more memory
+    lora_alpha: int = Field(32, ge=1)  # scale = alpha / r
+    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+
+
+class TrainSpec(_Section):
+    epochs: float = Field(1.0, gt=0)
+    max_steps: int | None = Field(None, gt=0)  # overrides epochs when set
+    batch_size: int = Field(8, ge=1)  # per process (per GPU)
+    grad_accum: int = Field(1, ge=1)
+    lr: float = Field(2e-4, gt=0, lt=1)
+    scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "cosine"
+    warmup_ratio: float = Field(0.0, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    seed: int = 42
+    gradient_checkpointing: bool = False  # trade ~30% speed for much less activation memory
+    log_every: int = Field(1, ge=1)  # steps between metrics lines
+    eval_every: int | None = Field(None, ge=1)  # steps between validation losses (None: at end)
+
+
+class ResourceSpec(_Section):
+    gpus_per_node: int = Field(0, ge=0)  # 0: train on CPU
+    processes_per_node: int | None = Field(None, ge=1)  # None: one per GPU, or 2 on CPU
+    nodes: int = Field(1, ge=1)
+    gpu_type: str | None = None  # for planning and pricing, e.g. "A100-80G"
+
+    @property
+    def procs_per_node(self) -> int:
+        if self.processes_per_node is not None:
+            return self.processes_per_node
+        return self.gpus_per_node if self.gpus_per_node > 0 else 2
+
+    @property
+    def world_size(self) -> int:
+        return self.procs_per_node * self.nodes
+
+
+class ParallelSpec(_Section):
+    strategy: Literal["auto", "ddp", "zero1", "zero2", "zero3"] = "auto"
+    offload_optimizer: bool = False
+    offload_params: bool = False
+
+
+class CheckpointSpec(_Section):
+    every_steps: int | None = Field(None, ge=1)
+    every_minutes: float | None = Field(None, gt=0)
+    keep: int = Field(2, ge=1)
+    storage: str | None = None  # folder or s3:// URL
+
+
+class BudgetSpec(_Section):
+    currency: str = "CNY"
+    price_per_gpu_hour: float | None = Field(None, ge=0)  # None: from the price table
+    price_per_cpu_core_hour: float = Field(0.0, ge=0)
+    limit: float | None = Field(None, gt=0)  # stop cleanly before passing it
+
+
+class TrackingSpec(_Section):
+    tensorboard: bool = True
+    wandb: Literal["disabled", "offline", "online"] = "disabled"
+
+
+class ServeSpec(_Section):
+    merge: bool = False  # serve merged weights instead of base + LoRA adapter
+    max_model_len: int = Field(256, ge=16)
+
+
+_TARGET_RE = re.compile(r"^(local|(ssh|slurm):[A-Za-z0-9_.-]+)$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class RunSpec(_Section):
+    """A whole run. Every section has defaults: ``RunSpec()`` is the built-in quickstart."""
+
+    name: str = "quickstart"
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    data: DataSpec = Field(default_factory=DataSpec)
+    method: MethodSpec = Field(default_factory=MethodSpec)
+    train: TrainSpec = Field(default_factory=TrainSpec)
+    resources: ResourceSpec = Field(default_factory=ResourceSpec)
+    target: str = "local"  # local, ssh:NAME or slurm:NAME
+    parallel: ParallelSpec = Field(default_factory=ParallelSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    budget: BudgetSpec = Field(default_factory=BudgetSpec)
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec)
+    serve: ServeSpec = Field(default_factory=ServeSpec)
+
+    @field_validator("name")
+    @classmethod
+    def _name_ok(cls, v: str) -> str:
+        if not _NAME_RE.match(v):
+            raise ValueError(
+                "use 1-64 letters, digits, '-', '_' or '.', starting with a letter or digit"
+            )
+        return v
+
+    @field_validator("target")
+    @classmethod
+    def _target_ok(cls, v: str) -> str:
+        if not _TARGET_RE.match(v):
+            raise ValueError("use 'local', 'ssh:NAME' or 'slurm:NAME'")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RunSpec:
+        if self.method.kind == "qlora" and self.model.quantization == "none":
+            # QLoRA means LoRA on a 4-bit base: make the spec say so instead of failing later.
+            object.__setattr__(self.model, "quantization", "4bit")
+        if self.method.kind != "qlora" and self.model.quantization != "none":
+            raise ValueError(
+                "model.quantization is only for method.kind 'qlora'; set method.kind: qlora "
+                "or model.quantization: none"
+            )
+        return self
+
+    # -- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def parse(cls, data: Any, source: str | None = None) -> RunSpec:
+        """Validate a mapping (e.g. loaded YAML) into a RunSpec, or raise SpecError."""
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise SpecError([("", f"expected a mapping of sections, got {type(data).__name__}")],
+                            source)
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise SpecError(_problems(exc), source) from None
+
+    @classmethod
+    def from_yaml(cls, text_or_path: str | Path) -> RunSpec:
+        """Load from YAML text or from a path to a YAML file."""
+        source = None
+        text = str(text_or_path)
+        if isinstance(text_or_path, Path) or (
+            "\n" not in text and text.endswith((".yaml", ".yml"))
+        ):
+            path = Path(text_or_path)
+            if not path.is_file():
+                raise SpecError([("", f"file {path} does not exist; check the path")], str(path))
+            source, text = str(path), path.read_text(encoding="utf-8")
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise SpecError([("", f"not valid YAML: {exc}")], source) from None
+        return cls.parse(data, source)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(self.to_yaml(), encoding="utf-8")
+        return path
+
+    def updated(self, **changes: Any) -> RunSpec:
+        """A copy with dotted-path changes applied, e.g. ``spec.updated(**{"train.lr": 1e-3})``."""
+        data = self.model_dump(mode="json")
+        for dotted, value in changes.items():
+            node = data
+            *parents, leaf = dotted.split(".")
+            for p in parents:
+                node = node.setdefault(p, {})
+            node[leaf] = value
+        return RunSpec.parse(data)
+
+
+def _problems(exc: ValidationError) -> list[tuple[str, str]]:
+    out = []
+    for err in exc.errors():
+        loc = [str(p) for p in err["loc"]]
+        path = ".".join(loc)
+        if err["type"] == "extra_forbidden":
+            msg = _unknown_field_message(loc)
+        elif err["type"] == "literal_error":
+            msg = f"got {err['input']!r}; {err['msg'].lower()}"
+        else:
+            msg = err["msg"]
+            if msg.startswith("Value error, "):
+                msg = msg[len("Value error, "):]
+        out.append((path, msg))
+    return out
+
+
+def _unknown_field_message(loc: list[str]) -> str:
+    model: Any = RunSpec
+    for part in loc[:-1]:
+        field = model.model_fields.get(part) if hasattr(model, "model_fields") else None
+        if field is None:
+            break
+        ann = field.annotation
+        inner = getattr(ann, "__args__", None)
+        candidates = [ann, *(inner or ())]
+        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)),
+                     None)
+        if model is None:
+            break
+    allowed = sorted(model.model_fields) if model is not None else []
+    name = loc[-1]
+    close = difflib.get_close_matches(name, allowed, n=1, cutoff=0.5)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    return f"unknown field '{name}'; {hint}allowed fields: {', '.join(allowed)}"
