@@ -1,0 +1,137 @@
+"""The run directory: one layout on every target, and the only channel between a run and its readers.
+
+    RUN_DIR/spec.yaml      resolved RunSpec, written once
+    RUN_DIR/plan.json      what the planner decided and why
+    RUN_DIR/status.json    state machine, replaced atomically (tmp + rename)
+    RUN_DIR/metrics.jsonl  one JSON object per line, appended by global rank 0 only
+    RUN_DIR/data/          the prepared train/validation examples (chat messages or text)
+    RUN_DIR/logs/          one file per rank, plus the supervisor's
+    RUN_DIR/adapter/ | model/   final artefacts; RUN_DIR/tb/ TensorBoard events
+
+Readers tolerate a partially written last line in metrics.jsonl: :class:`MetricsReader` only
+consumes complete lines and remembers its byte offset, so polling costs only the new bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from workbench.spec import RunSpec
+
+PENDING, QUEUED, RUNNING = "pending", "queued", "running"
+SUCCEEDED, FAILED, CANCELLED, BUDGET_STOPPED = "succeeded", "failed", "cancelled", "budget_stopped"
+STATES = (PENDING, QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED, BUDGET_STOPPED)
+TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED, BUDGET_STOPPED})
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with tmp.open("w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=1, default=str)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+class RunDir:
+    """Paths and small, safe reads and writes of one run directory."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
+    # -- paths ----------------------------------------------------------------------------------
+    spec_file = property(lambda self: self.path / "spec.yaml")
+    plan_file = property(lambda self: self.path / "plan.json")
+    status_file = property(lambda self: self.path / "status.json")
+    metrics_file = property(lambda self: self.path / "metrics.jsonl")
+    data_dir = property(lambda self: self.path / "data")
+    logs_dir = property(lambda self: self.path / "logs")
+    adapter_dir = property(lambda self: self.path / "adapter")
+    model_dir = property(lambda self: self.path / "model")
+    tb_dir = property(lambda self: self.path / "tb")
+
+    def create(self, spec: RunSpec) -> RunDir:
+        self.path.mkdir(parents=True, exist_ok=False)
+        self.logs_dir.mkdir()
+        self.data_dir.mkdir()
+        self.spec_file.write_text(spec.to_yaml(), encoding="utf-8")
+        self.write_status(state=PENDING, created=time.time())
+        return self
+
+    def spec(self) -> RunSpec:
+        return RunSpec.from_yaml(self.spec_file)
+
+    # -- status ---------------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        try:
+            return json.loads(self.status_file.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return {"state": PENDING}
+
+    def write_status(self, **changes: Any) -> dict[str, Any]:
+        """Merge ``changes`` into status.json (read-modify-replace, never a torn file)."""
+        status = self.status() if self.status_file.exists() else {}
+        status.update(changes)
+        status["updated"] = time.time()
+        write_json_atomic(self.status_file, status)
+        return status
+
+    # -- metrics --------------------------------------------------------------------------------
+    def append_metrics(self, record: dict[str, Any]) -> None:
+        line = json.dumps(record, default=float) + "\n"
+        # One write() of a whole line: readers never see half a record except at the very end.
+        with self.metrics_file.open("a", encoding="utf-8") as fh:
+            fh.write(line)
+            fh.flush()
+
+    def metrics(self) -> list[dict[str, Any]]:
+        return MetricsReader(self.metrics_file).read_new()
+
+    # -- logs -----------------------------------------------------------------------------------
+    def log_files(self) -> list[Path]:
+        return sorted(self.logs_dir.glob("*.log")) if self.logs_dir.is_dir() else []
+
+    def artefact_dir(self) -> Path | None:
+        for d in (self.adapter_dir, self.model_dir):
+            if d.is_dir():
+                return d
+        return None
+
+
+class MetricsReader:
+    """Incremental reader of a metrics.jsonl file, tolerant of a partially written last line."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.offset = 0
+
+    def read_new(self) -> list[dict[str, Any]]:
+        return list(self._iter_new())
+
+    def _iter_new(self) -> Iterator[dict[str, Any]]:
+        try:
+            with self.path.open("rb") as fh:
+                fh.seek(self.offset)
+                chunk = fh.read()
+        except FileNotFoundError:
+            return
+        end = chunk.rfind(b"\n")
+        if end < 0:
+            return  # nothing complete yet
+        self.offset += end + 1
+        for raw in chunk[: end + 1].splitlines():
+            if not raw.strip():
+                continue
+            try:
+                yield json.loads(raw)
+            except json.JSONDecodeError:
+                # A line cut by a crash mid-write and later followed by others: skip it, keep going.
+                continue

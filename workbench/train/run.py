@@ -1,0 +1,202 @@
+"""One training process: read RUN_DIR, build model + tokenizer + data, run the Trainer, save artefacts.
+
+Every rank runs this (torchrun sets RANK / LOCAL_RANK / WORLD_SIZE). It is deliberately one
+readable function per stage, in the order a reader expects: logs, spec, tokenizer, model, data,
+trainer, save. Terminal states (succeeded / failed / cancelled) are written by the supervisor that
+started the ranks, because only it sees every rank's exit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from workbench.rundir import RunDir
+from workbench.spec import RunSpec
+
+
+def _redirect_output(rd: RunDir, rank: int) -> None:
+    # One log file per rank, the same on every backend: the run directory is all a reader needs.
+    rd.logs_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(rd.logs_dir / f"rank-{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+
+
+def load_tokenizer(spec: RunSpec, source: str) -> Any:
+    from transformers import AutoTokenizer
+
+    from workbench.data.tokenize import ensure_chat_template
+
+    tok = AutoTokenizer.from_pretrained(source, revision=spec.model.revision,
+                                        trust_remote_code=spec.model.trust_remote_code)
+    ensure_chat_template(tok)
+    return tok
+
+
+def load_model(spec: RunSpec, source: str) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {"revision": spec.model.revision,
+                              "trust_remote_code": spec.model.trust_remote_code}
+    cuda = torch.cuda.is_available()
+    if spec.model.dtype == "auto":
+        dtype = torch.bfloat16 if cuda and torch.cuda.is_bf16_supported() else torch.float32
+    else:
+        dtype = getattr(torch, spec.model.dtype)
+    kwargs["dtype"] = dtype
+    if spec.model.quantization != "none":
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=spec.model.quantization == "4bit",
+            load_in_8bit=spec.model.quantization == "8bit",
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=dtype,
+        )
+        kwargs["device_map"] = {"": int(os.environ.get("LOCAL_RANK", 0))}
+    model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    if spec.method.kind in ("lora", "qlora"):
+        from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+        if spec.method.kind == "qlora":
+            model = prepare_model_for_kbit_training(
+                model, use_gradient_checkpointing=spec.train.gradient_checkpointing)
+        lora = LoraConfig(
+            r=spec.method.lora_r,
+            lora_alpha=spec.method.lora_alpha,
+            lora_dropout=spec.method.lora_dropout,
+            target_modules=spec.method.target_modules,
+            task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(model, lora)
+    return model
+
+
+def load_split(rd: RunDir, split: str, tokenizer: Any, spec: RunSpec) -> list[dict[str, Any]]:
+    from workbench.data.tokenize import pack, tokenize_example
+
+    path = rd.data_dir / f"{split}.jsonl"
+    if not path.is_file():
+        return []
+    with path.open(encoding="utf-8") as fh:
+        rows = [tokenize_example(json.loads(line), tokenizer, spec.data.max_length)
+                for line in fh if line.strip()]
+    rows = [r for r in rows if any(label != -100 for label in r["labels"])]
+    return pack(rows, spec.data.max_length) if spec.data.packing else rows
+
+
+def training_arguments(spec: RunSpec, rd: RunDir, has_eval: bool) -> Any:
+    import torch
+    from transformers import TrainingArguments
+
+    cuda = torch.cuda.is_available()
+    t = spec.train
+    report_to = []
+    if spec.tracking.tensorboard:
+        report_to.append("tensorboard")
+        os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(rd.tb_dir))
+    if spec.tracking.wandb != "disabled":
+        report_to.append("wandb")
+        os.environ.setdefault("WANDB_MODE", spec.tracking.wandb)
+        os.environ.setdefault("WANDB_DIR", str(rd.path))
+        os.environ.setdefault("WANDB_PROJECT", "workbench")
+    bf16 = cuda and torch.cuda.is_bf16_supported() and spec.model.dtype in ("auto", "bfloat16")
+    return TrainingArguments(
+        output_dir=str(rd.path / "trainer"),
+        per_device_train_batch_size=t.batch_size,
+        per_device_eval_batch_size=t.batch_size,
+        gradient_accumulation_steps=t.grad_accum,
+        learning_rate=t.lr,
+        lr_scheduler_type=t.scheduler,
+        warmup_steps=t.warmup_ratio,  # a float in [0, 1) is a ratio of total steps
+        weight_decay=t.weight_decay,
+        num_train_epochs=t.epochs,
+        max_steps=t.max_steps or -1,
+        seed=t.seed,
+        activation_checkpointing=t.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False} if t.gradient_checkpointing else None,
+        logging_steps=t.log_every,
+        logging_first_step=True,
+        eval_strategy="steps" if (has_eval and t.eval_every) else "no",
+        eval_steps=t.eval_every,
+        save_strategy="no",
+        report_to=report_to,
+        use_cpu=not cuda,
+        ddp_backend=None if cuda else "gloo",
+        ddp_find_unused_parameters=False,
+        bf16=bf16,
+        include_num_input_tokens_seen="non_padding",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        remove_unused_columns=False,
+    )
+
+
+def save_artefacts(trainer: Any, tokenizer: Any, spec: RunSpec, rd: RunDir, source: str) -> Path:
+    out = rd.adapter_dir if spec.method.kind in ("lora", "qlora") else rd.model_dir
+    trainer.save_model(str(out))
+    if trainer.is_world_process_zero():
+        tokenizer.save_pretrained(str(out))
+        (out / "workbench.json").write_text(json.dumps({
+            "base_model": source, "base_model_id": spec.model.id, "method": spec.method.kind,
+            "lora_r": spec.method.lora_r if spec.method.kind != "full" else None,
+        }, indent=1))
+    return out
+
+
+def main(run_dir: str) -> int:
+    rd = RunDir(run_dir)
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    _redirect_output(rd, rank)
+    print(f"workbench.train rank {rank}/{world} pid {os.getpid()} run {rd.path}", flush=True)
+
+    from transformers import Trainer
+
+    from workbench.data.tokenize import Collator
+    from workbench.models import resolve_model
+    from workbench.train.callbacks import RunDirCallback
+
+    spec = rd.spec()
+    source = resolve_model(spec.model.id)
+    tokenizer = load_tokenizer(spec, source)
+    model = load_model(spec, source)
+    train_rows = load_split(rd, "train", tokenizer, spec)
+    eval_rows = load_split(rd, "validation", tokenizer, spec)
+    args = training_arguments(spec, rd, has_eval=bool(eval_rows))
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=train_rows,
+        eval_dataset=eval_rows or None,
+        data_collator=Collator(tokenizer.pad_token_id),
+        callbacks=[RunDirCallback(rd, world)],
+    )
+    trainer.train()
+    if eval_rows:
+        trainer.evaluate()
+    out = save_artefacts(trainer, tokenizer, spec, rd, source)
+    print(f"saved {out}", flush=True)
+    _shutdown_distributed()
+    return 0
+
+
+def _shutdown_distributed() -> None:
+    # Leaving a gloo group alive at interpreter exit aborts the process ("terminate called
+    # without an active exception"), which would turn a finished run into a failed one.
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
