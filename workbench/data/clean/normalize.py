@@ -48,7 +48,7 @@ class Normalize(Step):
               f"form must be NFC, NFKC, NFD, NFKD or none (got {self.form!r})")
         check(self.max_blank_lines >= 0, "max_blank_lines must be >= 0")
         self._blank = "\n" * (self.max_blank_lines + 1)
-        self._too_many = re.compile("\n{%d,}" % (self.max_blank_lines + 2))
+        self._too_many = re.compile(f"\n{{{self.max_blank_lines + 2},}}")
 
     def normalize(self, text: str) -> str:
         if self.form != "none" and not (text.isascii() and self.form in ("NFC", "NFD")):

@@ -47,7 +47,7 @@ _ID_WEIGHTS = (7, 9, 10, 5, 8, 4, 2, 1, 6, 3, 7, 9, 10, 5, 8, 4, 2)
 
 def cn_id_checksum_ok(number: str) -> bool:
     """True when an 18-character Chinese resident ID has a valid check character."""
-    total = sum(int(d) * w for d, w in zip(number[:17], _ID_WEIGHTS))
+    total = sum(int(d) * w for d, w in zip(number[:17], _ID_WEIGHTS, strict=True))
     return "10X98765432"[total % 11] == number[17].upper()
 
 

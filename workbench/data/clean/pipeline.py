@@ -226,7 +226,7 @@ class CleanPipeline:
         bar = tqdm(desc="cleaning", unit=" docs", disable=not self.progress, mininterval=0.5)
         try:
             for rows, results in self._results(self._batches(records, text_fields)):
-                for row, res in zip(rows, results):
+                for row, res in zip(rows, results, strict=True):
                     new, failed, reason, detail, keys, lang, modified, counters = res
                     removed_at = failed
                     for i, key in keys:

@@ -43,7 +43,7 @@ def _top_ngram_char_fraction(ws: list[str], n: int, total_chars: int) -> float:
     """Characters covered by the most frequent word n-gram over all word characters (Gopher)."""
     if len(ws) < n:
         return 0.0
-    counts = Counter(zip(*(ws[i:] for i in range(n))))
+    counts = Counter(zip(*(ws[i:] for i in range(n)), strict=False))
     gram, count = counts.most_common(1)[0]
     if count < 2:
         return 0.0
@@ -54,7 +54,7 @@ def _dup_ngram_char_fraction(ws: list[str], n: int, total_chars: int) -> float:
     """Characters of words inside any n-gram that occurs more than once (Gopher)."""
     if len(ws) < n:
         return 0.0
-    grams = list(zip(*(ws[i:] for i in range(n))))
+    grams = list(zip(*(ws[i:] for i in range(n)), strict=False))
     counts = Counter(grams)
     if counts.most_common(1)[0][1] < 2:
         return 0.0
@@ -63,7 +63,7 @@ def _dup_ngram_char_fraction(ws: list[str], n: int, total_chars: int) -> float:
         if counts[g] > 1:
             for j in range(i, i + n):
                 covered[j] = True
-    return sum(len(w) for w, c in zip(ws, covered) if c) / max(total_chars, 1)
+    return sum(len(w) for w, c in zip(ws, covered, strict=True) if c) / max(total_chars, 1)
 
 
 def _default_top_ngrams() -> dict[int, float]:
@@ -81,7 +81,8 @@ class QualityFilter(Step):
     Defaults, by source:
 
     - Gopher quality filter (Rae et al. 2021, "Scaling Language Models", App. A): ``min_words=50``,
-      ``max_words=100_000``, mean word length in ``[3, 10]`` (English), ``max_symbol_word_ratio=0.1``
+      ``max_words=100_000``, mean word length in ``[3, 10]`` (English),
+      ``max_symbol_word_ratio=0.1``
       (``#`` and ellipses per word), ``max_bullet_lines=0.9``, ``max_ellipsis_lines=0.3``,
       ``min_alpha_words=0.8`` (words containing a letter; CJK characters are letters),
       ``min_stop_words=2`` (from the, be, to, of, and, that, have, with; Chinese: 的, 了, 是, ...).
@@ -131,7 +132,7 @@ class QualityFilter(Step):
     def apply(self, doc: Doc) -> str | None:  # a flat list of rules, in Gopher's order
         text = doc.text
         zh = doc.language() == "zh"
-        ws = words(text)
+        ws = words(text.lower())  # lowercased once: stop words and n-grams compare lowercase
         n = len(ws)
         if self.min_words is not None and n < self.min_words:
             doc.detail = f"{n} words < {self.min_words}"
@@ -139,7 +140,7 @@ class QualityFilter(Step):
         if self.max_words is not None and n > self.max_words:
             doc.detail = f"{n} words > {self.max_words}"
             return "gopher_max_words"
-        word_chars = sum(len(w) for w in ws)
+        word_chars = sum(map(len, ws))
         if not zh and n:
             mean = word_chars / n
             if self.min_mean_word_length is not None and mean < self.min_mean_word_length:
@@ -167,7 +168,8 @@ class QualityFilter(Step):
                 doc.detail = f"{ell} of {nl} lines end with an ellipsis"
                 return "gopher_ellipsis_lines"
         if self.min_alpha_words is not None and n:
-            alpha = sum(any(c.isalpha() for c in w) for w in ws)
+            # A word is a \\w run: without a letter it is (almost always) all digits.
+            alpha = n - sum(map(str.isdigit, ws))
             if alpha / n < self.min_alpha_words:
                 doc.detail = f"{alpha / n:.0%} of words contain a letter"
                 return "gopher_alpha_words"
@@ -175,7 +177,7 @@ class QualityFilter(Step):
             stops = ZH_STOP_WORDS if zh else EN_STOP_WORDS
             found = 0
             for w in ws:
-                if w.lower() in stops:
+                if w in stops:
                     found += 1
                     if found >= self.min_stop_words:
                         break
@@ -200,7 +202,7 @@ class QualityFilter(Step):
         if self.max_dup_paragraph_chars is not None and chars > self.max_dup_paragraph_chars:
             doc.detail = f"{chars:.0%} of characters are in repeated paragraphs"
             return "gopher_dup_paragraph_chars"
-        lw = [w.lower() for w in ws]
+        lw = ws
         for k, limit in self.max_top_ngram_chars.items():
             f = _top_ngram_char_fraction(lw, k, word_chars)
             if f > limit:

@@ -175,8 +175,10 @@ class CleanReport:
             why = ", ".join(f"{k} {v}" for k, v in s.reasons.most_common())
             extra = f", rewrote {s.modified}" if s.modified else ""
             if s.replacements:
-                extra += " (" + ", ".join(f"{k} {v}" for k, v in sorted(s.replacements.items())) + ")"
-            lines.append(f"  {s.name:<12} removed {s.removed:>7}{extra}" + (f"  [{why}]" if why else ""))
+                kinds = ", ".join(f"{k} {v}" for k, v in sorted(s.replacements.items()))
+                extra += f" ({kinds})"
+            why = f"  [{why}]" if why else ""
+            lines.append(f"  {s.name:<12} removed {s.removed:>7}{extra}{why}")
         if self.languages_in:
             lines.append("  languages: " + ", ".join(
                 f"{k} {v}" for k, v in self.languages_in.most_common(6)))

@@ -28,7 +28,7 @@ def words(text: str) -> list[str]:
 def cjk_fraction(text: str, sample: int = 2000) -> float:
     """Share of CJK characters among the non-space characters of the first ``sample`` chars."""
     head = text[:sample]
-    letters = sum(1 for c in head if not c.isspace())
+    letters = len("".join(head.split()))
     if letters == 0:
         return 0.0
     return len(_CJK_CHAR.findall(head)) / letters
