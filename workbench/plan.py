@@ -286,7 +286,7 @@ class _Setup:
     on_gpu: bool
 
 
-def _activation_bytes(s: _Setup, checkpointing: bool) -> float:
+def _activation_bytes(s: _Setup, checkpointing: bool, logit_bytes: float = 0.0) -> float:
     """Peak activation bytes of one micro-batch (flash/SDPA attention, no dropout).
 
     Per layer and token, autograd keeps (in compute dtype b unless noted): the two RMSNorm inputs
@@ -295,28 +295,37 @@ def _activation_bytes(s: _Setup, checkpointing: bool) -> float:
     output, gate, SiLU(gate), up and their product (h + 4f). This adapts Korthikanti et al. 2022
     ("Reducing Activation Recomputation in Large Transformer Models", sec. 4.1, 34·s·b·h bytes per
     layer for GPT) to Llama's SwiGLU MLP and fp32 norms, without the attention-score term that
-    flash attention removes. With gradient checkpointing only each layer's input (b·h) is kept,
-    plus one layer recomputed during backward. The loss adds _LOGIT_BYTES per token x vocab.
+    flash attention removes.
+
+    The loss holds _LOGIT_BYTES per token x vocab entry at the start of backward, when (without
+    checkpointing) every layer's activations are still alive. With gradient checkpointing only
+    each layer's input (b·h) is kept; the loss buffers are freed before the first layer is
+    recomputed, so the peak is the larger of the two moments, not their sum. Backward through a
+    layer briefly adds gradient tensors (~3f + 2h per token).
     """
     tokens = s.micro_batch * s.seq_len
     b = s.compute_bytes
     h, f = s.shape.hidden, s.shape.intermediate
     per_layer = tokens * (b * (7 * h + 4 * f) + 2 * 4 * h)
-    logits = tokens * s.shape.vocab * _LOGIT_BYTES
+    backward_transient = tokens * b * (3 * f + 2 * h)
+    logits = tokens * s.shape.vocab * logit_bytes
     embeddings_and_final_norm = tokens * h * (b + 4)
     if checkpointing:
-        kept = s.shape.layers * tokens * h * b + per_layer
-    else:
-        kept = s.shape.layers * per_layer
-    return kept + logits + embeddings_and_final_norm
+        kept = s.shape.layers * tokens * h * b
+        return kept + embeddings_and_final_norm + max(logits, per_layer + backward_transient)
+    kept = s.shape.layers * per_layer
+    return kept + embeddings_and_final_norm + max(logits, backward_transient)
 
 
-def estimate_memory(s: _Setup, st: Strategy) -> MemoryBreakdown:
+def estimate_memory(s: _Setup, st: Strategy, logit_bytes: float = _LOGIT_BYTES) -> MemoryBreakdown:
     """Per-GPU peak memory of one strategy. Model-state formulas follow DeepSpeed's estimators
     (``estimate_zero2_model_states_mem_needs``/``estimate_zero3_...``) for mixed precision:
     2 B bf16 weights, 4 B fp32 master, 2 B bf16 + 4 B fp32 gradients, 8 B Adam moments per
     trainable parameter; ZeRO-1 shards the optimizer (and master), ZeRO-2 also the gradients,
-    ZeRO-3 also the weights (Rajbhandari et al. 2020, "ZeRO", sec. 5)."""
+    ZeRO-3 also the weights (Rajbhandari et al. 2020, "ZeRO", sec. 5).
+
+    ``logit_bytes`` is what the loss holds per token x vocab entry: 12 for transformers' fp32
+    cross-entropy; a chunked loss (torchtune's CEWithChunkedOutputLoss) holds far less."""
     sh = s.shape
     n = s.world
     b = s.compute_bytes
@@ -377,8 +386,8 @@ def estimate_memory(s: _Setup, st: Strategy) -> MemoryBreakdown:
             host += frozen_bytes / n + adapter_working
             trainable -= adapter_working
 
-    act_gc = _activation_bytes(s, True)
-    act_no = _activation_bytes(s, False)
+    act_gc = _activation_bytes(s, True, logit_bytes)
+    act_no = _activation_bytes(s, False, logit_bytes)
     act = act_gc if s.checkpointing else act_no
 
     if zero and not z3:
@@ -549,11 +558,9 @@ def step_seconds(s: _Setup, st: Strategy, r: _Run) -> tuple[float, float]:
     sh = s.shape
     fwd = _forward_flops_per_token(sh, s.seq_len)
     lora = sh.lora_params(s.lora_r, s.targets)
-    if st.method == "full":
-        per_token = 3 * fwd  # backward = 2x forward (grads for activations and for weights)
-    else:
-        # Frozen weights need no weight gradient: backward computes only activation gradients.
-        per_token = 2 * fwd + 6 * lora
+    # Full: backward = 2x forward (gradients for activations and for weights). LoRA: frozen
+    # weights need no weight gradient, so backward computes only activation gradients.
+    per_token = 3 * fwd if st.method == "full" else 2 * fwd + 6 * lora
     if s.checkpointing:
         per_token += fwd  # one more forward to recompute
     flops = per_token * r.tokens_per_step
@@ -710,7 +717,7 @@ class Plan:
             fig = ax.figure
         left = 0.0
         colors = ("#4c72b0", "#55a868", "#c44e52", "#8172b2", "#ccb974", "#8c8c8c")
-        for comp, color in zip(MemoryBreakdown.COMPONENTS, colors):
+        for comp, color in zip(MemoryBreakdown.COMPONENTS, colors, strict=True):
             value = getattr(self.memory, comp)
             ax.barh([0], [value], left=left, color=color, label=f"{comp} {value:.1f}")
             left += value

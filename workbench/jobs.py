@@ -1,0 +1,260 @@
+"""launch() and the Job handle: the one launch path every front end calls.
+
+    >>> job = launch(RunSpec(train={"max_steps": 20}))   # doctest: +SKIP
+    >>> job.wait()                                       # doctest: +SKIP
+    'succeeded'
+    >>> job.metrics_df()[["step", "loss"]].tail(1)       # doctest: +SKIP
+
+``launch`` validates the spec, checks the model and the resources, prepares the data into a new
+run directory, records the run in the registry and hands it to the target's backend. A Job reads
+everything from the run directory (through the backend), so a Job found again after a kernel
+restart (``jobs()``, ``get_job(id)``) is as good as the one ``launch`` returned.
+"""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from workbench.backends import Backend, get_backend
+from workbench.errors import JobFailedError, WorkbenchError
+from workbench.home import runs_dir
+from workbench.registry import Registry, RunRecord
+from workbench.rundir import PENDING, QUEUED, TERMINAL, MetricsReader, RunDir, write_json_atomic
+from workbench.spec import RunSpec
+
+
+def _new_run_id(name: str) -> str:
+    return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+
+
+def _validate_model(spec: RunSpec) -> None:
+    from workbench.models import load_config
+
+    load_config(spec.model.id, spec.model.revision, spec.model.trust_remote_code)
+
+
+def _plan(spec: RunSpec, force: bool) -> dict[str, Any] | None:
+    """The planner's verdict; refuses a plan that cannot fit unless ``force``."""
+    try:
+        from workbench import plan as planning
+    except ImportError:  # the planner is optional at this layer
+        return None
+    result = planning.plan(spec)
+    if not force:
+        planning.check_fits(result)
+    return result.to_dict()
+
+
+def launch(spec: RunSpec | dict | str | Path | None = None, *, force: bool = False,
+           registry: Registry | None = None) -> Job:
+    """Start a run and return its Job. ``spec`` may be a RunSpec, a mapping, or a YAML path.
+
+    Nothing is left behind when a check fails: the run directory is only kept (and the run only
+    registered) once the spec, model, resources, plan and data have all been accepted.
+    """
+    if spec is None:
+        spec = RunSpec()
+    elif isinstance(spec, dict):
+        spec = RunSpec.parse(spec)
+    elif isinstance(spec, (str, Path)):
+        spec = RunSpec.from_yaml(spec)
+    registry = registry or Registry()
+    backend = get_backend(spec.target)
+    _validate_model(spec)
+    if spec.target == "local":
+        from workbench.backends.local import check_local_resources
+
+        check_local_resources(spec)
+    plan = _plan(spec, force)
+    run_id = _new_run_id(spec.name)
+    rd = RunDir(runs_dir() / run_id)
+    rd.create(spec)
+    try:
+        if plan is not None:
+            write_json_atomic(rd.plan_file, plan)
+        from workbench.data.prepare import prepare_data
+
+        summary = prepare_data(spec, rd.data_dir)
+        rd.write_status(data=summary.counts)
+    except BaseException:
+        shutil.rmtree(rd.path, ignore_errors=True)
+        raise
+    now = time.time()
+    registry.add_run(RunRecord(id=run_id, name=spec.name, target=spec.target, backend_job_id=None,
+                               run_dir=str(rd.path), state=PENDING, created=now, updated=now))
+    job_id = backend.submit(rd.path, spec)
+    registry.update_run(run_id, backend_job_id=job_id, state=QUEUED)
+    return Job(registry.get_run(run_id), registry=registry, backend=backend)
+
+
+def get_job(id_or_name: str, registry: Registry | None = None) -> Job:
+    """Find a run again (by id, name, or unique id prefix), e.g. after a kernel restart."""
+    registry = registry or Registry()
+    return Job(registry.get_run(id_or_name), registry=registry)
+
+
+def jobs(limit: int | None = None, registry: Registry | None = None) -> list[Job]:
+    """Every run in the registry, newest first, with states refreshed from their run dirs."""
+    registry = registry or Registry()
+    out = [Job(r, registry=registry) for r in registry.list_runs(limit)]
+    for job in out:
+        if job.record.state not in TERMINAL:
+            job.status()
+    return out
+
+
+class Job:
+    """A handle on one run: state, metrics, logs, wait, cancel — the same on every backend."""
+
+    def __init__(self, record: RunRecord, registry: Registry | None = None,
+                 backend: Backend | None = None) -> None:
+        self.record = record
+        self.registry = registry or Registry()
+        self.backend = backend or get_backend(record.target)
+        self.run_dir = RunDir(record.run_dir)
+        self._reader = MetricsReader(self.run_dir.metrics_file)
+        self._metrics: list[dict[str, Any]] = []
+
+    id = property(lambda self: self.record.id)
+    name = property(lambda self: self.record.name)
+    target = property(lambda self: self.record.target)
+
+    def __repr__(self) -> str:
+        return f"<Job {self.id} {self.state}>"
+
+    # -- state -----------------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        """status.json as the backend sees it; keeps the registry's cached state in step."""
+        status = self.backend.status(self.run_dir.path, self.record.backend_job_id)
+        state = status.get("state", PENDING)
+        if state != self.record.state:
+            self.registry.update_run(self.id, state=state)
+            self.record = self.registry.get_run(self.id)
+        return status
+
+    @property
+    def state(self) -> str:
+        return str(self.status().get("state", PENDING))
+
+    @property
+    def done(self) -> bool:
+        return self.state in TERMINAL
+
+    @property
+    def spec(self) -> RunSpec:
+        return self.run_dir.spec()
+
+    # -- metrics and logs ------------------------------------------------------------------------
+    def metrics(self) -> list[dict[str, Any]]:
+        """Every metrics line so far (read incrementally: each call reads only new bytes)."""
+        self._metrics += self._reader.read_new()
+        return list(self._metrics)
+
+    def metrics_df(self) -> Any:
+        import pandas as pd
+
+        return pd.DataFrame(self.metrics())
+
+    def logs(self, tail: int | None = 50, name: str | None = None) -> str:
+        """The last ``tail`` lines of each log (or of the one called ``name``, e.g. 'rank-0.log')."""
+        texts = self.backend.logs(self.run_dir.path)
+        if name is not None:
+            texts = {name: texts.get(name, "")}
+        parts = []
+        for fname, text in texts.items():
+            lines = text.splitlines()
+            if tail is not None:
+                lines = lines[-tail:]
+            parts.append(f"==> {fname} <==\n" + "\n".join(lines))
+        return "\n\n".join(parts)
+
+    # -- control ---------------------------------------------------------------------------------
+    def wait(self, timeout: float | None = None, progress: bool = True,
+             raise_on_failure: bool = False, poll: float = 0.5) -> str:
+        """Block until the run ends (or ``timeout`` seconds pass); return the state."""
+        from tqdm.auto import tqdm
+
+        deadline = None if timeout is None else time.time() + timeout
+        bar = None
+        try:
+            while True:
+                status = self.status()
+                state = status.get("state", PENDING)
+                if progress:
+                    total = status.get("total_steps")
+                    if bar is None and total:
+                        bar = tqdm(total=total, desc=self.name, unit="step")
+                    if bar is not None:
+                        bar.n = status.get("step", 0) or 0
+                        loss = status.get("last_loss")
+                        bar.set_postfix_str(f"loss {loss:.3f}" if loss is not None else state,
+                                            refresh=True)
+                if state in TERMINAL:
+                    break
+                if deadline is not None and time.time() > deadline:
+                    return state
+                time.sleep(poll)
+        finally:
+            if bar is not None:
+                bar.close()
+        if raise_on_failure and state != "succeeded":
+            raise JobFailedError(f"run {self.id} ended {state}: {status.get('error', '')}")
+        return state
+
+    def cancel(self, timeout: float = 30.0) -> str:
+        """Stop every process of the run; the run ends 'cancelled' (unless it already ended)."""
+        self.backend.cancel(self.run_dir.path, self.record.backend_job_id, timeout=timeout)
+        return self.state
+
+    # -- views -----------------------------------------------------------------------------------
+    def show(self) -> Any:
+        """A live widget: loss curve, throughput, progress, ETA, state and a cancel button."""
+        from workbench.widgets.job_view import JobView
+
+        return JobView(self)
+
+    def plot(self, ax: Any = None) -> Any:
+        from workbench.widgets.plots import loss_figure
+
+        return loss_figure(self.metrics(), title=self.id, ax=ax)
+
+    def summary(self) -> dict[str, Any]:
+        """One flat dict of what a person asks first: state, progress, loss, speed, time."""
+        status = self.status()
+        rows = self.metrics()
+        train = [m for m in rows if "loss" in m]
+        evals = [m for m in rows if "eval_loss" in m]
+        speeds = [m["tokens_per_s"] for m in train if m.get("tokens_per_s")]
+        return {
+            "id": self.id, "state": status.get("state"), "target": self.target,
+            "step": status.get("step"), "total_steps": status.get("total_steps"),
+            "first_loss": train[0]["loss"] if train else None,
+            "last_loss": train[-1]["loss"] if train else None,
+            "eval_loss": evals[-1]["eval_loss"] if evals else None,
+            "tokens_per_s": sum(speeds) / len(speeds) if speeds else None,
+            "elapsed_s": status.get("elapsed_s"), "eta_s": status.get("eta_s"),
+            "error": status.get("error"),
+        }
+
+    def _repr_html_(self) -> str:
+        import html
+
+        s = self.summary()
+        cells = "".join(f"<tr><th style='text-align:left'>{html.escape(str(k))}</th>"
+                        f"<td style='text-align:left'>{html.escape(_fmt(v))}</td></tr>"
+                        for k, v in s.items() if v is not None)
+        return f"<table>{cells}</table>"
+
+    def artefact(self) -> Path:
+        art = self.run_dir.artefact_dir()
+        if art is None:
+            raise WorkbenchError(f"run {self.id} has no adapter/ or model/ (state {self.state})")
+        return art
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
