@@ -16,13 +16,13 @@ from typing import ClassVar
 
 from workbench.data.clean.step import Doc, Step, check
 
-_EMAIL = re.compile(r"(?<![\w.+-])[A-Za-z0-9][A-Za-z0-9._%+-]*@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*"
-                    r"\.[A-Za-z]{2,}(?![\w-])")
+_EMAIL = re.compile(r"(?<![A-Za-z0-9_.+-])[A-Za-z0-9][A-Za-z0-9._%+-]*@"
+                    r"[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}(?![A-Za-z0-9_-])")
 _OCTET = r"(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
 _IPV4 = re.compile(rf"(?<![\d.]){_OCTET}(?:\.{_OCTET}){{3}}(?!\.?\d)")
 _H = r"[0-9A-Fa-f]{1,4}"
-_IPV6 = re.compile(rf"(?<![\w:])(?:(?:{_H}:){{7}}{_H}|(?:{_H}:){{1,6}}:(?:{_H}:){{0,5}}{_H})"
-                   r"(?![\w:])")
+_IPV6 = re.compile(rf"(?<![A-Za-z0-9_:])(?:(?:{_H}:){{7}}{_H}"
+                   rf"|(?:{_H}:){{1,6}}:(?:{_H}:){{0,5}}{_H})(?![A-Za-z0-9_:])")
 # Chinese resident identity card (GB 11643-1999): region, birth date YYYYMMDD, sequence, check.
 _CN_ID = re.compile(r"(?<![\dA-Za-z])[1-9]\d{5}(?:18|19|20)\d{2}(?:0[1-9]|1[0-2])"
                     r"(?:0[1-9]|[12]\d|3[01])\d{3}[\dXx](?![\dA-Za-z])")
@@ -34,7 +34,7 @@ _CN_MOBILE = re.compile(r"(?<![\d+])(?:(?:\+|00)86[ -]?)?1[3-9]\d(?:[ -]?\d{4}){
 # Other phone numbers: international (+CC ...), North American (xxx) xxx-xxxx, Chinese landlines
 # 0xx(x)-xxxxxxx(x). Separators are required so that bare numbers are not taken for phones.
 _PHONE = re.compile(
-    r"(?<![\w+])(?:"
+    r"(?<![A-Za-z0-9_+])(?:"
     r"\+\d{1,3}[ .-]?(?:\(\d{1,4}\)[ .-]?)?\d{1,4}(?:[ .-]\d{2,4}){1,4}"
     r"|\(\d{3}\)[ .-]?\d{3}[ .-]\d{4}"
     r"|\d{3}[.-]\d{3}[.-]\d{4}"

@@ -34,6 +34,12 @@ def read_records(path: str | Path, text_fields: Sequence[str] = ("text",)) -> It
     as_text = path.suffix.lower() in TEXT_SUFFIXES
     rows = 0
     with path.open("rb") as f:
+        # Sniff the head like git does: a NUL byte in the first 8 KB means binary, whichever
+        # line it is on (a PNG's first "line" is not valid UTF-8 before its first NUL).
+        if b"\x00" in f.read(8192):
+            raise DatasetError(f"{path.name} looks like a binary file (it contains NUL bytes); "
+                               "pass a UTF-8 JSON Lines (.jsonl) or text (.txt) file")
+        f.seek(0)
         for lineno, raw in enumerate(f, start=1):
             if b"\x00" in raw:
                 raise DatasetError(
