@@ -986,8 +986,9 @@ def _suggest(spec: RunSpec, p: Plan, gpu: GpuType, on_gpu: bool, shape: ModelSha
                 q = check({"resources.gpu_type": g.name, "parallel.strategy": "auto"}, g)
                 if q and q.fits:
                     out.append(Suggestion(f"a bigger card: resources.gpu_type {g.name} "
-                                          f"({g.memory_gib:.0f} GiB)",
-                                          {"resources.gpu_type": g.name}))
+                                          f"({g.memory_gib:.0f} GiB) with {q.strategy.label}",
+                                          {"resources.gpu_type": g.name,
+                                           "parallel.strategy": "auto"}))
                     break
         if not out:
             out.append(Suggestion(
@@ -1004,7 +1005,7 @@ def _suggest(spec: RunSpec, p: Plan, gpu: GpuType, on_gpu: bool, shape: ModelSha
             q = check({"method.kind": "lora", "parallel.strategy": "auto"})
             if q and q.cost is not None and q.fits and q.cost <= p.budget_limit:
                 out.append(Suggestion(f"use LoRA: {q.cost:,.2f} {q.currency}",
-                                      {"method.kind": "lora"}))
+                                      {"method.kind": "lora", "parallel.strategy": "auto"}))
         if on_gpu:
             for g in gpu_table().values():
                 if g.name in ("CPU", gpu.name) or g.price_per_hour is None:
@@ -1012,7 +1013,8 @@ def _suggest(spec: RunSpec, p: Plan, gpu: GpuType, on_gpu: bool, shape: ModelSha
                 q = check({"resources.gpu_type": g.name, "parallel.strategy": "auto"}, g)
                 if q and q.fits and q.cost is not None and q.cost <= p.budget_limit:
                     out.append(Suggestion(f"resources.gpu_type {g.name}: {q.cost:,.2f} "
-                                          f"{q.currency}", {"resources.gpu_type": g.name}))
+                                          f"{q.currency}", {"resources.gpu_type": g.name,
+                                                            "parallel.strategy": "auto"}))
                     break
     if p.steps is None:
         out.append(Suggestion("set train.max_steps so time and cost can be estimated"))

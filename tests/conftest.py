@@ -1,0 +1,34 @@
+"""Shared fixtures. Every test session gets its own WORKBENCH_HOME, so tests never touch the
+user's runs and the notebooks executed by nbval (kernels inherit this environment) see it too."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+_HOME = Path(tempfile.mkdtemp(prefix="workbench-test-home-"))
+os.environ["WORKBENCH_HOME"] = str(_HOME)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never depend on the hub
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def wb_home() -> Path:
+    return _HOME
+
+
+@pytest.fixture(scope="session")
+def tiny_model(wb_home: Path) -> Path:
+    from workbench.assets import builtin_model_path
+
+    return builtin_model_path()
+
+
+@pytest.fixture
+def registry(tmp_path: Path):
+    from workbench.registry import Registry
+
+    return Registry(tmp_path / "registry.sqlite")

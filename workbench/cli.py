@@ -1,0 +1,181 @@
+"""The ``workbench`` command line: launch, status, logs, cancel, plan, data, spec, demo.
+
+Each command is a few lines over the same library calls the widgets use. ``run(argv)`` executes a
+command and returns its result object (a Job, a list of Jobs, text); ``main`` prints it. The
+``%workbench`` magic calls ``run`` in the kernel, so the CLI and the magics cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from workbench.errors import WorkbenchError
+
+
+def _fmt_duration(s: float | None) -> str:
+    if s is None:
+        return "-"
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def status_table(jobs: list[Any]) -> str:
+    rows = [("RUN", "TARGET", "STATE", "STEP", "LOSS", "ETA")]
+    for job in jobs:
+        s = job.summary()
+        step = f"{s['step'] or 0}/{s['total_steps'] or '?'}"
+        loss = f"{s['last_loss']:.4f}" if s["last_loss"] is not None else "-"
+        eta = _fmt_duration(s["eta_s"]) if s["state"] == "running" else "-"
+        rows.append((job.id, job.target, s["state"] or "-", step, loss, eta))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def _launch(args: argparse.Namespace) -> Any:
+    from workbench.jobs import launch
+
+    job = launch(args.spec, force=args.force)
+    print(f"launched {job.id}  (run dir {job.run_dir.path})", flush=True)
+    if args.wait:
+        state = job.wait(progress=True)
+        print(f"{job.id} {state}")
+        if state != "succeeded":
+            print(job.summary().get("error") or "", file=sys.stderr)
+    return job
+
+
+def _status(args: argparse.Namespace) -> Any:
+    from workbench.jobs import get_job, jobs
+
+    if args.run:
+        job = get_job(args.run)
+        s = job.summary()
+        return "\n".join(f"{k:>12}: {v}" for k, v in s.items() if v is not None)
+    return status_table(jobs(limit=args.limit))
+
+
+def _logs(args: argparse.Namespace) -> Any:
+    from workbench.jobs import get_job
+
+    job = get_job(args.run)
+    if not args.follow:
+        return job.logs(tail=args.tail, name=args.name)
+    offsets: dict[str, int] = {}
+    while True:  # follow: print new bytes of every log until the run ends
+        for path in job.run_dir.log_files():
+            data = job.backend.read(job.run_dir.path, f"logs/{path.name}", offsets.get(path.name, 0))
+            if data:
+                offsets[path.name] = offsets.get(path.name, 0) + len(data)
+                sys.stdout.write(data.decode("utf-8", errors="replace"))
+                sys.stdout.flush()
+        if job.done:
+            return ""
+        time.sleep(0.5)
+
+
+def _cancel(args: argparse.Namespace) -> Any:
+    from workbench.jobs import get_job
+
+    job = get_job(args.run)
+    return f"{job.id} {job.cancel()}"
+
+
+def _plan(args: argparse.Namespace) -> Any:
+    from workbench.plan import plan
+    from workbench.spec import RunSpec
+
+    return plan(RunSpec.from_yaml(args.spec), gpu_type=args.gpu_type).summary()
+
+
+def _spec(args: argparse.Namespace) -> Any:
+    from workbench.spec import RunSpec
+
+    text = RunSpec().to_yaml()
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        return f"wrote {args.output}"
+    return text.rstrip()
+
+
+def _demo(args: argparse.Namespace) -> Any:
+    from workbench.notebook import run_notebook
+
+    run_notebook(args.notebook, timeout=args.timeout)
+    return ""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="workbench", description="Fine-tune language models.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    c = sub.add_parser("launch", help="start a run from a spec YAML file")
+    c.add_argument("spec", help="path to a RunSpec YAML file (`workbench spec` prints one)")
+    c.add_argument("--force", action="store_true", help="launch even if the plan does not fit")
+    c.add_argument("--wait", action="store_true", help="wait for the run to end, with progress")
+    c.set_defaults(func=_launch)
+
+    c = sub.add_parser("status", help="list runs, or show one run")
+    c.add_argument("run", nargs="?", help="run id or name")
+    c.add_argument("--limit", type=int, default=20)
+    c.set_defaults(func=_status)
+
+    c = sub.add_parser("logs", help="print a run's logs")
+    c.add_argument("run")
+    c.add_argument("--tail", type=int, default=50, help="lines per log file")
+    c.add_argument("--name", help="one log file, e.g. rank-0.log")
+    c.add_argument("-f", "--follow", action="store_true", help="keep printing until the run ends")
+    c.set_defaults(func=_logs)
+
+    c = sub.add_parser("cancel", help="stop a run")
+    c.add_argument("run")
+    c.set_defaults(func=_cancel)
+
+    c = sub.add_parser("plan", help="memory, strategy, time and cost of a spec, before launch")
+    c.add_argument("spec")
+    c.add_argument("--gpu-type", help="plan for this GPU type (see workbench/gpus.py)")
+    c.set_defaults(func=_plan)
+
+    c = sub.add_parser("spec", help="print the default RunSpec as YAML (a starting point)")
+    c.add_argument("-o", "--output", help="write it to this file")
+    c.set_defaults(func=_spec)
+
+    c = sub.add_parser("demo", help="run the quickstart notebook headless, printing its outputs")
+    c.add_argument("--notebook", default="notebooks/quickstart.ipynb")
+    c.add_argument("--timeout", type=int, default=900, help="seconds per cell")
+    c.set_defaults(func=_demo)
+
+    try:
+        from workbench.data.commands import register as register_data
+    except ImportError:  # pragma: no cover - the data commands ship with the package
+        register_data = None
+    if register_data is not None:
+        register_data(sub)
+    return p
+
+
+def run(argv: Sequence[str]) -> Any:
+    """Parse ``argv`` and run the command; return its result (raises WorkbenchError)."""
+    args = build_parser().parse_args(list(argv))
+    return args.func(args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        result = run(sys.argv[1:] if argv is None else argv)
+    except WorkbenchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if isinstance(result, int):
+        return result
+    if result not in (None, ""):
+        print(result if isinstance(result, str) else repr(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,6 @@
+"""Notebook views: the run form and the live job view (thin views over workbench's library calls)."""
+
+from workbench.widgets.job_view import JobView
+from workbench.widgets.run_form import RunForm
+
+__all__ = ["JobView", "RunForm"]

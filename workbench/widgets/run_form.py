@@ -1,0 +1,149 @@
+"""RunForm: pick a model, a dataset (with a preview), a method and the key knobs; launch.
+
+The form holds a :class:`~workbench.spec.RunSpec` and nothing else: ``form.spec`` is what would be
+launched, and the Launch button calls :func:`workbench.launch` like every other front end.
+"""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+import ipywidgets as W
+
+from workbench.errors import WorkbenchError
+from workbench.spec import BUILTIN_DATASET, BUILTIN_MODEL, DataSource, RunSpec
+
+_STYLE = {"description_width": "110px"}
+_WIDE = W.Layout(width="460px")
+
+
+def _preview_html(rows: list[dict[str, Any]]) -> str:
+    out = ["<table style='font-size:12px'><tr><th>prompt</th><th>response</th></tr>"]
+    for ex in rows:
+        if "text" in ex:
+            prompt, reply = ex["text"][:120], ""
+        else:
+            users = [m["content"] for m in ex["messages"] if m["role"] == "user"]
+            bots = [m["content"] for m in ex["messages"] if m["role"] == "assistant"]
+            prompt, reply = (users[0] if users else "")[:120], (bots[0] if bots else "")[:120]
+        out.append(f"<tr><td style='text-align:left'>{html.escape(prompt)}</td>"
+                   f"<td style='text-align:left'>{html.escape(reply)}</td></tr>")
+    return "".join(out) + "</table>"
+
+
+class RunForm(W.VBox):
+    """``RunForm(spec)`` shows ``spec``'s choices; ``form.spec`` reads them back as a RunSpec."""
+
+    def __init__(self, spec: RunSpec | None = None, targets: list[str] | None = None) -> None:
+        spec = spec or RunSpec()
+        self._base = spec
+        self.job: Any = None
+        self.name = W.Text(spec.name, description="Run name", style=_STYLE, layout=_WIDE)
+        self.model = W.Combobox(value=spec.model.id, options=[BUILTIN_MODEL],
+                                description="Model", style=_STYLE, layout=_WIDE,
+                                placeholder="builtin:tiny-llama, a folder, or ORG/NAME")
+        src = spec.data.sources[0]
+        self.dataset = W.Combobox(value=src.path, options=[BUILTIN_DATASET],
+                                  description="Dataset", style=_STYLE, layout=_WIDE,
+                                  placeholder="jsonl / csv / parquet path, or ORG/NAME")
+        self.format = W.Dropdown(options=["auto", "alpaca", "sharegpt", "messages", "text"],
+                                 value=src.format, description="Format", style=_STYLE)
+        self.preview = W.HTML()
+        self.method = W.ToggleButtons(options=["lora", "qlora", "full"], value=spec.method.kind,
+                                      description="Method", style=_STYLE)
+        self.lora_r = W.IntSlider(spec.method.lora_r, min=1, max=128, description="LoRA rank",
+                                  style=_STYLE)
+        self.lr = W.FloatLogSlider(spec.train.lr, base=10, min=-6, max=-1, step=0.1,
+                                   readout_format=".1e", description="Learning rate", style=_STYLE)
+        self.epochs = W.BoundedFloatText(spec.train.epochs, min=0.01, max=1000, step=1,
+                                         description="Epochs", style=_STYLE)
+        self.batch = W.IntSlider(spec.train.batch_size, min=1, max=128, description="Batch/proc",
+                                 style=_STYLE)
+        self.gpus = W.IntSlider(spec.resources.gpus_per_node, min=0, max=8,
+                                description="GPUs/node", style=_STYLE)
+        self.procs = W.IntSlider(spec.resources.procs_per_node, min=1, max=16,
+                                 description="Processes", style=_STYLE)
+        self.target = W.Dropdown(options=targets or [spec.target], value=spec.target,
+                                 description="Target", style=_STYLE)
+        self.message = W.HTML()
+        self.launch_button = W.Button(description="Launch", icon="play", button_style="primary")
+        self.launch_button.on_click(lambda _b: self.launch())
+        self.output = W.Output()
+        self.dataset.observe(lambda _c: self.update_preview(), names="value")
+        self.format.observe(lambda _c: self.update_preview(), names="value")
+        for w in (self.model, self.method, self.lora_r, self.lr, self.epochs, self.batch,
+                  self.gpus, self.procs, self.target, self.name):
+            w.observe(lambda _c: self.validate(), names="value")
+        self.gpus.observe(self._gpus_changed, names="value")
+        super().__init__([
+            W.HTML("<b>Fine-tuning run</b>"), self.name, self.model, self.dataset, self.format,
+            self.preview, self.method, self.lora_r, self.lr, self.epochs, self.batch, self.gpus,
+            self.procs, self.target, self.message, self.launch_button, self.output,
+        ])
+        self.update_preview()
+        self.validate()
+
+    def _gpus_changed(self, change: dict[str, Any]) -> None:
+        if change["new"] > 0:
+            self.procs.value = change["new"]
+
+    @property
+    def spec(self) -> RunSpec:
+        """The RunSpec the form describes (raises SpecError if a choice is invalid)."""
+        data = self._base.model_dump(mode="json")
+        data["name"] = self.name.value
+        data["model"]["id"] = self.model.value
+        data["data"]["sources"][0].update(path=self.dataset.value, format=self.format.value)
+        data["method"].update(kind=self.method.value, lora_r=self.lora_r.value)
+        data["train"].update(lr=self.lr.value, epochs=self.epochs.value,
+                             batch_size=self.batch.value)
+        data["resources"].update(gpus_per_node=self.gpus.value,
+                                 processes_per_node=self.procs.value)
+        data["target"] = self.target.value
+        if self.method.value != "qlora":
+            data["model"]["quantization"] = "none"
+        return RunSpec.parse(data)
+
+    def validate(self) -> RunSpec | None:
+        try:
+            spec = self.spec
+        except WorkbenchError as exc:
+            self.message.value = f"<pre style='color:#d62728'>{html.escape(str(exc))}</pre>"
+            self.launch_button.disabled = True
+            return None
+        self.message.value = ""
+        self.launch_button.disabled = False
+        return spec
+
+    def update_preview(self) -> None:
+        from workbench.data.prepare import preview_rows
+
+        try:
+            rows = preview_rows(DataSource(path=self.dataset.value, format=self.format.value), 3)
+            self.preview.value = _preview_html(rows)
+        except WorkbenchError as exc:
+            self.preview.value = f"<span style='color:#d62728'>{html.escape(str(exc))}</span>"
+
+    def launch(self, force: bool = False) -> Any:
+        from workbench.jobs import launch
+
+        spec = self.validate()
+        if spec is None:
+            return None
+        self.launch_button.disabled = True
+        self.message.value = "<i>preparing data and starting…</i>"
+        try:
+            self.job = launch(spec, force=force)
+        except WorkbenchError as exc:
+            self.message.value = f"<pre style='color:#d62728'>{html.escape(str(exc))}</pre>"
+            return None
+        finally:
+            self.launch_button.disabled = False
+        self.message.value = f"launched <code>{html.escape(self.job.id)}</code>"
+        self.output.clear_output()
+        with self.output:
+            from IPython.display import display
+
+            display(self.job.show())
+        return self.job
