@@ -1,0 +1,362 @@
+"""The pre-launch planner, validated against DeepSpeed's estimators, published figures and a
+measured CPU run of the built-in tiny model.
+
+Tolerances (why each is what it is):
+- DeepSpeed ZeRO-2/3 model states: 0.5%. The planner uses the same byte accounting, so only
+  rounding may differ.
+- Published 7B figures: 15%. They come from different trainers, batch shapes and GB/GiB habits;
+  the planner must land in the same place, not reproduce a particular setup.
+- Llama-3.1-8B LoRA at 2 x 2,048 packed tokens (~16 GiB allocated, a chunked-loss trainer): 12%
+  on what that trainer allocates (observed +9.5%); the planner's own figure adds transformers'
+  unchunked fp32 loss (5.9 GiB at this shape).
+- Tiny model on CPU, measured: 20%. The peak is measured as RSS high-water mark growth, which
+  also sees allocator rounding and oneDNN scratch buffers; observed errors were 4-8%.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from workbench.errors import WorkbenchError
+from workbench.gpus import UnknownGPUError
+from workbench.plan import (
+    GiB,
+    Plan,
+    PlanError,
+    Strategy,
+    _setup,
+    check_fits,
+    choose_strategy,
+    estimate_memory,
+    model_shape,
+    plan,
+)
+from workbench.spec import ParallelSpec, RunSpec
+
+LLAMA2_7B = "meta-llama/Llama-2-7b-hf"
+LLAMA31_8B = "meta-llama/Llama-3.1-8B"
+QWEN_05B = "Qwen/Qwen2.5-0.5B"
+
+
+@pytest.fixture(autouse=True)
+def _env(tmp_path_factory, monkeypatch):
+    # One home for the whole module, so the tiny model is built once; the hub is never asked.
+    home = tmp_path_factory.getbasetemp() / "plan-home"
+    monkeypatch.setenv("WORKBENCH_HOME", str(home))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def gpu_spec(model: str, kind: str = "lora", *, gpus: int = 1, gpu: str = "A100-80G",
+             batch: int = 1, seq: int = 512, gc: bool = True, strategy: str = "auto",
+             **extra) -> RunSpec:
+    data = {
+        "model": {"id": model},
+        "method": {"kind": kind},
+        "train": {"batch_size": batch, "gradient_checkpointing": gc, "max_steps": 1000},
+        "data": {"max_length": seq, "packing": True},
+        "resources": {"gpus_per_node": gpus, "gpu_type": gpu},
+        "parallel": {"strategy": strategy},
+    }
+    for dotted, value in extra.items():
+        section, key = dotted.split("__")
+        data.setdefault(section, {})[key] = value
+    return RunSpec.parse(data)
+
+
+# -- parameter counts from configs ------------------------------------------------------------
+
+def test_counts_match_the_real_tiny_model_and_peft():
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from workbench.assets import builtin_model_path
+
+    real = AutoModelForCausalLM.from_pretrained(builtin_model_path())
+    shape = model_shape("builtin:tiny-llama")
+    assert shape.source == "config"
+    assert shape.params == sum(p.numel() for p in real.parameters())
+    for targets in ("all-linear", ["q_proj", "v_proj"]):
+        peft_model = get_peft_model(
+            AutoModelForCausalLM.from_pretrained(builtin_model_path()),
+            LoraConfig(r=8, target_modules=targets),
+        )
+        trainable, _ = peft_model.get_nb_trainable_parameters()
+        assert shape.lora_params(8, targets) == trainable
+
+
+@pytest.mark.parametrize("model_id, params", [
+    # Published parameter counts (model cards / papers).
+    (LLAMA2_7B, 6_738_415_616),
+    (LLAMA31_8B, 8_030_261_248),
+    (QWEN_05B, 494_032_768),
+])
+def test_hub_models_offline_fall_back_to_configs(model_id, params):
+    shape = model_shape(model_id)
+    assert shape.source == "offline table"
+    assert shape.params == params
+
+
+# -- against DeepSpeed's own estimators -------------------------------------------------------
+
+@pytest.mark.parametrize("model_id", ["builtin:tiny-llama", QWEN_05B, LLAMA2_7B])
+@pytest.mark.parametrize("gpus", [1, 2, 8])
+def test_model_states_match_deepspeed_estimators(model_id, gpus):
+    from deepspeed.runtime.zero.stage3 import (
+        estimate_zero3_model_states_mem_needs,
+        model_to_params,
+    )
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    from transformers import AutoModelForCausalLM
+
+    from workbench.plan import _config_for
+
+    # Count the way DeepSpeed does, on our own meta-device instance.
+    cfg, _ = _config_for(model_id, None, False)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(cfg)
+    total = sum(p.numel() for p in meta.parameters())
+    _, largest = model_to_params(meta)
+
+    spec = gpu_spec(model_id, "full", gpus=gpus, gpu="H200")
+    setup = _setup(spec, model_shape(model_id), True, 512)
+
+    def ours(parallel: str, opt: bool = False, params: bool = False) -> float:
+        return estimate_memory(setup, Strategy("full", parallel, opt, params)).model_states * GiB
+
+    for offload in (False, True):
+        _, ds = estimate_zero2_model_states_mem_needs(total, gpus, 1, cpu_offload=offload)
+        assert ours("zero2", offload) == pytest.approx(ds, rel=0.005)
+    for offload, offload_params in ((False, False), (True, False), (True, True)):
+        _, ds, _ = estimate_zero3_model_states_mem_needs(
+            total, largest, gpus, 1, cpu_offload=offload, cpu_offload_params=offload_params)
+        assert ours("zero3", offload, offload_params) == pytest.approx(ds, rel=0.005)
+
+
+# -- against published figures ----------------------------------------------------------------
+
+@pytest.mark.parametrize("kind, gc, published_gb", [
+    ("lora", True, 16),  # "7B LoRA ~16 GB" (bf16 base, adapters + Adam state)
+    ("qlora", True, 6),  # "7B QLoRA 4-bit ~6 GB" (Dettmers et al. 2023)
+    ("full", False, 120),  # "7B full mixed precision ~120 GB" (~16-18 bytes per parameter)
+])
+def test_7b_against_published_figures(kind, gc, published_gb):
+    p = plan(gpu_spec(LLAMA2_7B, kind, gpu="H200", gc=gc, strategy="ddp"))
+    predicted_gb = p.memory.total * GiB / 1e9
+    print(f"7B {kind}: predicted {predicted_gb:.1f} GB, published ~{published_gb} GB")
+    assert predicted_gb == pytest.approx(published_gb, rel=0.15), p.summary()
+
+
+def test_llama31_8b_lora_batch2_2048_packed():
+    spec = gpu_spec(LLAMA31_8B, "lora", batch=2, seq=2048, method__lora_r=8,
+                    method__target_modules=["q_proj", "v_proj", "o_proj", "gate_proj",
+                                            "up_proj", "down_proj"])
+    p = plan(spec)
+    setup = _setup(spec, model_shape(LLAMA31_8B), True, 2048)
+    # The ~16 GiB figure is torch's allocated peak under a trainer that computes the loss in
+    # chunks, so it holds no full fp32 logits and excludes the CUDA context: compare like with
+    # like, then check what our trainer (transformers' fp32 loss) adds on top.
+    chunked = estimate_memory(setup, p.strategy, logit_bytes=0)
+    allocated = chunked.model_states + chunked.activations
+    assert allocated == pytest.approx(16.0, rel=0.12)
+    print(f"Llama-3.1-8B LoRA 2x2048: {allocated:.2f} GiB allocated with a chunked loss "
+          f"(reference 16), {p.memory.total:.2f} GiB planned for our trainer")
+    # transformers' loss holds 12 B per token x vocab entry (5.9 GiB here) at its peak, which
+    # replaces the recomputed layer's ~1.2 GiB as the activation peak under checkpointing.
+    loss_gib = 2 * 2048 * 128256 * 12 / GiB
+    assert loss_gib - 1.5 < p.memory.activations - chunked.activations < loss_gib
+    assert p.fits and p.memory.total < 80 - p.safety_margin_gib
+
+
+# -- against a measured CPU run of the tiny model ---------------------------------------------
+
+def _rss(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self")
+@pytest.mark.parametrize("batch, gc", [(8, False), (16, False), (16, True)])
+def test_tiny_model_cpu_peak_matches_measurement(batch, gc):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from workbench.assets import builtin_model_path
+
+    seq = 256
+    spec = RunSpec.parse({
+        "train": {"batch_size": batch, "gradient_checkpointing": gc, "max_steps": 3},
+        "data": {"max_length": seq, "packing": True},
+        "method": {"kind": "lora", "lora_r": 16, "target_modules": "all-linear"},
+    })
+    p = plan(spec)
+    predicted = (p.memory.gradients + p.memory.optimizer + p.memory.activations) * GiB
+
+    libc = ctypes.CDLL("libc.so.6")
+    M_MMAP_THRESHOLD = -3
+    # Big tensors get their own mmap and go back to the OS when freed, so RSS follows live
+    # memory instead of glibc's heap high-water mark.
+    libc.mallopt(M_MMAP_THRESHOLD, 64 * 1024)
+    try:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(builtin_model_path(), dtype=torch.float32)
+        if gc:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.enable_input_require_grads()
+        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32,
+                                                 target_modules="all-linear"))
+        model.train()
+        opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-3)
+
+        def step(ids: torch.Tensor) -> None:
+            out = model(input_ids=ids, labels=ids)
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        vocab = model.config.vocab_size
+        step(torch.randint(0, vocab, (1, 32)))  # one-time lazy initialisation, not training memory
+        ids = torch.randint(0, vocab, (batch, seq))
+        opt.state.clear()  # measure optimizer state allocation too
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+        base = _rss("VmRSS:")
+        for _ in range(2):
+            step(ids)
+        measured = _rss("VmHWM:") - base
+    finally:
+        libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024)  # glibc's default
+    assert measured > 0
+    print(f"tiny CPU batch {batch} gc={gc}: predicted {predicted / 2**20:.1f} MiB, "
+          f"measured {measured / 2**20:.1f} MiB")
+    assert predicted == pytest.approx(measured, rel=0.20), (predicted / 2**20, measured / 2**20)
+
+
+# -- choices, refusals, suggestions -----------------------------------------------------------
+
+def test_auto_picks_cheapest_strategy_that_fits():
+    # 7B full fine-tuning: 8 x A100-80G shard it without offloading; one card needs offload.
+    eight = plan(gpu_spec(LLAMA2_7B, "full", gpus=8, gc=True))
+    assert eight.fits and eight.strategy.parallel in ("zero1", "zero2", "zero3")
+    assert not eight.strategy.offload_optimizer
+    assert choose_strategy(gpu_spec(LLAMA2_7B, "full", gpus=8)) == eight.strategy.parallel_spec()
+    one = plan(gpu_spec(LLAMA2_7B, "full", gpus=1, gc=True))
+    assert one.strategy.offload_optimizer
+    # Every method x strategy x offload is evaluated and reported.
+    labels = {c.strategy.label for c in eight.candidates}
+    assert {"full + ddp", "lora + zero3", "qlora + zero3 + offload optimizer & params"} <= labels
+    ddp = next(c for c in eight.candidates if c.strategy.label == "full + ddp")
+    assert not ddp.fits
+    small = choose_strategy(RunSpec())
+    assert isinstance(small, ParallelSpec) and small.strategy == "ddp"
+
+
+def test_a_run_that_cannot_fit_is_refused_with_concrete_fixes():
+    spec = gpu_spec(LLAMA2_7B, "full", gpu="RTX 4090", gc=False, strategy="ddp", batch=4)
+    p = plan(spec)
+    assert not p.fits
+    texts = [s.text for s in p.suggestions]
+    assert any("QLoRA" in t or "LoRA" in t for t in texts), texts
+    assert any("GPUs" in t for t in texts) or any("gpu_type" in t for t in texts), texts
+    with pytest.raises(PlanError) as info:
+        check_fits(p)
+    msg = str(info.value)
+    assert "exceeds" in msg and "RTX 4090" in msg and texts[0] in msg and "force" in msg
+    assert isinstance(info.value, WorkbenchError)
+    # Every suggestion that changes the spec really makes it fit.
+    for s in p.suggestions:
+        if s.changes:
+            assert plan(spec.updated(**s.changes)).fits, s.text
+
+
+def test_budget_verdict_and_max_steps_suggestion():
+    spec = gpu_spec(LLAMA2_7B, "lora", gpu="A100-80G", train__max_steps=20_000,
+                    budget__limit=1.0)
+    p = plan(spec)
+    assert p.currency == "CNY" and p.price_per_hour == 3.75
+    assert p.cost == pytest.approx(p.hours * 3.75)
+    assert p.budget_verdict == "over budget"
+    fix = next(s for s in p.suggestions if "train.max_steps" in s.changes)
+    assert f"{fix.changes['train.max_steps']:,}" in fix.text
+    fixed = plan(spec.updated(**fix.changes))
+    assert fixed.budget_verdict == "within budget"
+    assert plan(spec.updated(**{"budget.limit": None})).budget_verdict == "no limit"
+
+
+def test_time_follows_flops_and_utilisation():
+    p = plan(gpu_spec(LLAMA2_7B, "full", gpus=8, gc=False, seq=2048))
+    tokens = 8 * 2048 * 1000
+    assert p.total_tokens == tokens
+    # Full fine-tuning ~ 6 x params FLOPs per token (Kaplan et al. 2020) plus attention.
+    assert p.flops == pytest.approx(6 * 6.74e9 * tokens, rel=0.15)
+    assert p.hours == pytest.approx(p.flops / (8 * 312e12 * 0.40) / 3600, rel=0.25)
+
+
+def test_cpu_run_plans_against_host_ram_and_core_price():
+    import os
+
+    import psutil
+
+    spec = RunSpec.parse({"budget": {"price_per_cpu_core_hour": 0.1}})
+    p = plan(spec)
+    assert p.device == "cpu" and p.fits
+    assert p.capacity_gib == pytest.approx(psutil.virtual_memory().total / GiB / 2)
+    # Steps from the built-in teaching rows (90% kept for training), global batch 8 x 2.
+    from workbench.assets.teaching import teaching_rows
+
+    rows = int(len(list(teaching_rows("train"))) * 0.9)
+    assert p.steps == math.ceil(rows / 16)
+    assert p.cost == pytest.approx(p.hours * (os.cpu_count() or 1) * 0.1)
+
+
+def test_unknown_rows_need_max_steps():
+    p = plan(RunSpec.parse({"data": {"sources": [{"path": "someorg/somedataset"}]}}))
+    assert p.steps is None and p.hours is None and p.cost is None
+    assert any("max_steps" in s.text for s in p.suggestions)
+
+
+def test_local_jsonl_rows_are_counted(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"instruction": f"q{i}", "output": "a"}) + "\n"
+                            for i in range(100)))
+    p = plan(RunSpec.parse({"data": {"sources": [{"path": str(data)}],
+                                     "validation_fraction": 0.0},
+                            "train": {"batch_size": 5}}))
+    assert p.steps == math.ceil(100 / (5 * 2))
+
+
+def test_bad_inputs_are_typed_errors():
+    with pytest.raises(UnknownGPUError, match="known types"):
+        plan(gpu_spec(QWEN_05B, gpu="GTX 480"))
+    if not torch.cuda.is_available():
+        with pytest.raises(PlanError, match="resources.gpu_type"):
+            plan(RunSpec.parse({"resources": {"gpus_per_node": 1}}))
+
+
+def test_outputs_json_text_chart_html():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    p = plan(gpu_spec(QWEN_05B, "lora", gpus=2, gpu="RTX 4090"))
+    assert isinstance(p, Plan)
+    d = json.loads(json.dumps(p.to_dict()))
+    assert d["fits"] is True and d["strategy"]["label"] == p.strategy.label
+    assert set(d["memory_gib"]) >= {"weights", "trainable", "gradients", "optimizer",
+                                    "activations", "overhead", "total"}
+    assert len(d["candidates"]) == len(p.candidates)
+    text = p.summary()
+    for needle in ("Qwen/Qwen2.5-0.5B", "RTX 4090", "FITS", "Cost:", "CNY", "activations"):
+        assert needle in text
+    fig = p.plot()
+    ax = fig.axes[0]
+    assert len(ax.patches) == 6  # one bar segment per component
+    assert sum(b.get_width() for b in ax.patches) == pytest.approx(p.memory.total, rel=1e-6)
+    assert "fits" in p._repr_html_()
