@@ -335,7 +335,9 @@ def estimate_memory(s: _Setup, st: Strategy, logit_bytes: float = _LOGIT_BYTES) 
     zero = st.parallel != "ddp"
     z3 = st.parallel == "zero3"
 
-    # Weights held for compute.
+    # Weights held for compute (bytes, as floats: quantised sizes are fractional).
+    frozen_bytes: float
+    weights: float
     if st.method == "qlora":
         quant = _QUANT_BYTES["4bit"]
         frozen_bytes = sh.linear_weights * quant + (p - sh.linear_weights) * b
@@ -352,6 +354,9 @@ def estimate_memory(s: _Setup, st: Strategy, logit_bytes: float = _LOGIT_BYTES) 
         weights = frozen_bytes
 
     # Trainable copy, gradients, optimizer.
+    trainable: float
+    grads: float
+    optim: float
     host = 0.0
     t = trainable_params
     if not zero:
@@ -506,6 +511,7 @@ def estimate_data(spec: RunSpec) -> DataEstimate:
         total = max(1, int(total * (1 - spec.data.validation_fraction)))
     L = spec.data.max_length
     lengths = [min(L, _text_chars(r) / _CHARS_PER_TOKEN + _TEMPLATE_TOKENS) for r in sample]
+    per_example: float
     if spec.data.packing:
         per_example = L  # packed blocks are full by construction
         note = "packed: every sequence is max_length tokens"
@@ -875,6 +881,10 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
         reasons.append(f"peak {mem.total:.1f} GiB per {unit} exceeds {capacity - margin:.1f} GiB "
                        f"usable of {capacity:.1f} ({gpu.name}, keeping {margin:.1f} free); "
                        f"largest part: {biggest} {getattr(mem, biggest):.1f} GiB")
+    if mem.host_offloaded:
+        # Not part of `fits`: the target's host RAM is not known here (a remote node's may differ).
+        reasons.append(f"offloading needs ~{mem.host_offloaded * res.procs_per_node:.0f} GiB of "
+                       f"host RAM per node ({mem.host_offloaded:.1f} GiB per process)")
     if steps is None:
         reasons.append("time and cost unknown: the number of training rows is unknown; "
                        "set train.max_steps")
@@ -882,6 +892,7 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
         reasons.append(f"no price for {gpu.name}: set budget.price_per_gpu_hour or edit gpus.yaml")
 
     limit = spec.budget.limit
+    verdict: Literal["within budget", "over budget", "no limit", "unknown"]
     if limit is None:
         verdict = "no limit"
     elif chosen.cost is None:
