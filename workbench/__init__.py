@@ -21,6 +21,7 @@ from workbench.errors import (
     WorkbenchError,
 )
 from workbench.jobs import Job, get_job, jobs, launch
+from workbench.plan import plan
 from workbench.spec import RunSpec
 
 __version__ = "0.1.0"
@@ -43,6 +44,7 @@ __all__ = [
     "jobs",
     "launch",
     "load_ipython_extension",
+    "plan",
 ]
 
 

@@ -37,15 +37,13 @@ def _validate_model(spec: RunSpec) -> None:
     load_config(spec.model.id, spec.model.revision, spec.model.trust_remote_code)
 
 
-def _plan(spec: RunSpec, force: bool) -> dict[str, Any] | None:
+def _plan(spec: RunSpec, force: bool) -> dict[str, Any]:
     """The planner's verdict; refuses a plan that cannot fit unless ``force``."""
-    try:
-        from workbench import plan as planning
-    except ImportError:  # the planner is optional at this layer
-        return None
-    result = planning.plan(spec)
+    from workbench.plan import check_fits, plan
+
+    result = plan(spec)
     if not force:
-        planning.check_fits(result)
+        check_fits(result)
     return result.to_dict()
 
 
@@ -74,8 +72,7 @@ def launch(spec: RunSpec | dict | str | Path | None = None, *, force: bool = Fal
     rd = RunDir(runs_dir() / run_id)
     rd.create(spec)
     try:
-        if plan is not None:
-            write_json_atomic(rd.plan_file, plan)
+        write_json_atomic(rd.plan_file, plan)
         from workbench.data.prepare import prepare_data
 
         summary = prepare_data(spec, rd.data_dir)

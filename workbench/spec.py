@@ -250,6 +250,12 @@ def _problems(exc: ValidationError) -> list[tuple[str, str]]:
     return out
 
 
+# Names people bring from the Trainer or other tools, mapped to ours.
+_FAMILIAR = {"learning_rate": "lr", "num_train_epochs": "epochs", "gradient_accumulation_steps":
+             "grad_accum", "per_device_train_batch_size": "batch_size", "r": "lora_r",
+             "lora_rank": "lora_r", "gpus": "gpus_per_node", "num_nodes": "nodes"}
+
+
 def _unknown_field_message(loc: list[str]) -> str:
     model: Any = RunSpec
     for part in loc[:-1]:
@@ -265,6 +271,7 @@ def _unknown_field_message(loc: list[str]) -> str:
             break
     allowed = sorted(model.model_fields) if model is not None else []
     name = loc[-1]
-    close = difflib.get_close_matches(name, allowed, n=1, cutoff=0.5)
+    close = [_FAMILIAR[name]] if _FAMILIAR.get(name) in allowed else difflib.get_close_matches(
+        name, allowed, n=1, cutoff=0.5)
     hint = f"did you mean '{close[0]}'? " if close else ""
     return f"unknown field '{name}'; {hint}allowed fields: {', '.join(allowed)}"

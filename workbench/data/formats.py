@@ -31,7 +31,7 @@ def detect_format(row: dict[str, Any], where: str) -> str:
         return "messages"
     if "conversations" in row:
         return "sharegpt"
-    if "instruction" in row and "output" in row:
+    if "instruction" in row:
         return "alpaca"
     if "text" in row:
         return "text"

@@ -12,11 +12,12 @@ prepared files, identically on every target.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workbench.data.formats import example_text, to_example
+from workbench.data.formats import detect_format, example_text, to_example
 from workbench.data.sources import read_rows
 from workbench.data.split import assign_split
 from workbench.errors import EmptyDatasetError
@@ -34,11 +35,21 @@ class DataSummary:
         return {"counts": self.counts, "per_source": self.per_source, "cleaning": self.cleaning}
 
 
+def source_examples(source: DataSource) -> Iterator[dict[str, Any]]:
+    """A source's rows as examples. "auto" is decided once, on the first row, so a later row
+    missing a field is reported as missing it rather than as being of another format."""
+    fmt = source.format
+    for where, row in read_rows(source):
+        if fmt == "auto":
+            fmt = detect_format(row, where)
+        yield to_example(row, fmt, where)
+
+
 def preview_rows(source: DataSource, n: int = 5) -> list[dict[str, Any]]:
     """The first ``n`` examples of a source, normalised (for the run form's preview)."""
     out = []
-    for where, row in read_rows(source):
-        out.append(to_example(row, source.format, where))
+    for ex in source_examples(source):
+        out.append(ex)
         if len(out) >= n:
             break
     if not out:
@@ -49,14 +60,44 @@ def preview_rows(source: DataSource, n: int = 5) -> list[dict[str, Any]]:
 def _examples(spec: RunSpec, per_source: list[dict[str, Any]]):
     for source in spec.data.sources:
         n = 0
-        for where, row in read_rows(source):
+        for ex in source_examples(source):
             n += 1
-            yield to_example(row, source.format, where)
+            yield ex
         if n == 0:
             raise EmptyDatasetError(
                 f"dataset {source.path!r} has no rows; give a non-empty file or remove the source"
             )
         per_source.append({"path": source.path, "rows": n})
+
+
+# Joins an example's turns into one text for the cleaning steps and splits them back after; a
+# visible symbol (not whitespace or a control character) so normalisation leaves it alone.
+_TURN_SEP = "\n\u241e\n"
+
+
+def _clean(examples: Iterator[dict[str, Any]], spec: RunSpec):
+    from workbench.data.clean import CleanPipeline
+
+    pipeline = CleanPipeline.from_spec(spec.data.clean)
+
+    def flat():
+        for ex in examples:
+            turns = [ex["text"]] if "text" in ex else [m["content"] for m in ex["messages"]]
+            yield {"text": _TURN_SEP.join(turns), "_example": ex}
+
+    kept, report = pipeline.run(flat(), text_fields=["text"], source="data.sources")
+
+    def rebuilt():
+        for row in kept:
+            ex, turns = row["_example"], [t.strip() for t in row["text"].split("\u241e")]
+            if "text" in ex:
+                yield {"text": turns[0]}
+            elif len(turns) == len(ex["messages"]):
+                yield {"messages": [{**m, "content": t} for m, t in zip(ex["messages"], turns)]}
+            else:  # a step merged turns: keep the example as it was rather than misalign it
+                yield ex
+
+    return rebuilt(), report
 
 
 def prepare_data(spec: RunSpec, out_dir: str | Path) -> DataSummary:
@@ -66,10 +107,7 @@ def prepare_data(spec: RunSpec, out_dir: str | Path) -> DataSummary:
     examples = _examples(spec, per_source)
     report = None
     if spec.data.clean.enabled:
-        from workbench.data.clean import CleanPipeline
-
-        pipeline = CleanPipeline.from_spec(spec.data.clean)
-        examples, report = pipeline.run_examples(examples)
+        examples, report = _clean(examples, spec)
     counts = {"train": 0, "validation": 0}
     preview: list[dict[str, Any]] = []
     files = {s: (out / f"{s}.jsonl").open("w", encoding="utf-8") for s in counts}

@@ -1,0 +1,95 @@
+"""The thin views: widgets, magics and the CLI all drive the same library calls."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from IPython.core.interactiveshell import InteractiveShell
+
+import workbench
+from workbench.cli import main, status_table
+from workbench.spec import RunSpec
+from workbench.widgets import JobView, RunForm
+
+from .test_launch import finished_job  # noqa: F401  (shared finished run)
+
+
+def test_public_api_is_exactly_the_intended_names():
+    assert sorted(workbench.__all__) == sorted([
+        "DatasetError", "DatasetFormatError", "EmptyDatasetError", "Job", "JobFailedError",
+        "LaunchError", "ModelNotFoundError", "ResourceError", "RunNotFoundError", "RunSpec",
+        "SpecError", "WorkbenchError", "__version__", "get_job", "jobs", "launch",
+        "load_ipython_extension", "plan",
+    ])
+    for name in workbench.__all__:
+        assert hasattr(workbench, name), name
+
+
+def test_run_form_round_trips_a_spec_and_previews_the_data(wb_home):
+    spec = RunSpec(name="form-run", method={"kind": "full"}, train={"lr": 1e-3, "epochs": 3})
+    form = RunForm(spec)
+    got = form.spec
+    assert (got.name, got.method.kind, got.train.epochs) == ("form-run", "full", 3)
+    assert got.train.lr == pytest.approx(1e-3, rel=0.05)  # the log slider's resolution
+    assert "What" in form.preview.value and "<table" in form.preview.value
+    form.lora_r.value = 32
+    form.procs.value = 3
+    assert form.spec.method.lora_r == 32 and form.spec.resources.procs_per_node == 3
+
+
+def test_run_form_shows_errors_instead_of_launching(tmp_path):
+    form = RunForm()
+    form.name.value = "has spaces"
+    assert form.launch_button.disabled and "name" in form.message.value
+    assert form.launch() is None
+    form.name.value = "ok"
+    assert not form.launch_button.disabled
+    form.dataset.value = str(tmp_path / "missing.jsonl")
+    assert "not found" in form.preview.value
+
+
+def test_job_view_renders_a_finished_run(finished_job):  # noqa: F811
+    view = JobView(finished_job)
+    assert "succeeded" in view.header.value
+    assert view.plot.value[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "step <b>40</b>" in view.stats.value
+    assert view.cancel_button.disabled
+    assert view.progress.value == view.progress.max == 40
+
+
+def test_magics_run_cli_commands_in_the_kernel(finished_job, capsys):  # noqa: F811
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "workbench")
+    shell.run_line_magic("workbench", "status")
+    assert finished_job.id in capsys.readouterr().out
+    shell.run_cell_magic("runspec", "myspec", "name: from-magic\ntrain: {max_steps: 3}\n")
+    assert shell.user_ns["myspec"].train.max_steps == 3
+    shell.run_cell_magic("runspec", "bad", "train: {max_step: 3}\n")
+    assert "did you mean 'max_steps'" in capsys.readouterr().out
+    assert "bad" not in shell.user_ns
+    shell.run_line_magic("workbench", "logs no-such-run")
+    assert "no run with id or name" in capsys.readouterr().out
+
+
+def test_cli_status_logs_cancel_and_errors(finished_job, capsys, tmp_path):  # noqa: F811
+    assert main(["status"]) == 0
+    assert finished_job.id in capsys.readouterr().out
+    assert main(["status", finished_job.id]) == 0
+    assert "succeeded" in capsys.readouterr().out
+    assert main(["logs", finished_job.id, "--tail", "3", "--name", "rank-0.log"]) == 0
+    assert "saved" in capsys.readouterr().out
+    assert main(["cancel", finished_job.id]) == 0  # already ended: stays succeeded
+    assert "succeeded" in capsys.readouterr().out
+    assert main(["launch", str(tmp_path / "nope.yaml")]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    table = status_table([finished_job])
+    assert table.splitlines()[0].split() == ["RUN", "TARGET", "STATE", "STEP", "LOSS", "ETA"]
+
+
+def test_cli_entry_point_prints_a_default_spec_that_loads(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "workbench.cli", "spec", "-o",
+                          str(tmp_path / "s.yaml")], capture_output=True, text=True, check=True)
+    assert "wrote" in out.stdout
+    assert RunSpec.from_yaml(tmp_path / "s.yaml") == RunSpec()

@@ -1,0 +1,147 @@
+"""Real training through the one launch path: 2 processes (gloo) on the built-in tiny model.
+
+Each test here starts real torchrun jobs, so they are the slow part of the suite (~30 s each on
+two CPU cores); the finished run is shared by the tests that only read it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+import workbench
+from workbench.errors import (
+    DatasetFormatError,
+    EmptyDatasetError,
+    ModelNotFoundError,
+    ResourceError,
+    SpecError,
+)
+from workbench.home import runs_dir
+from workbench.registry import Registry
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="session")
+def finished_job(wb_home):
+    job = workbench.launch({"name": "itest", "train": {"max_steps": 40, "lr": 3e-3}})
+    state = job.wait(timeout=600, progress=False)
+    assert state == "succeeded", job.logs(tail=30)
+    return job
+
+
+def _processes_of(run_dir) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and str(run_dir) in " ".join(
+                    p.info["cmdline"] or []):
+                found.append(p)
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def test_two_process_run_completes_with_falling_loss(finished_job):
+    job = finished_job
+    status = job.status()
+    assert status["state"] == "succeeded" and status["world_size"] == 2
+    assert status["step"] == status["total_steps"] == 40
+    rows = job.metrics()
+    train = [m for m in rows if "loss" in m]
+    assert [m["step"] for m in train] == list(range(1, 41))
+    first = sum(m["loss"] for m in train[:5]) / 5
+    last = sum(m["loss"] for m in train[-5:]) / 5
+    assert last < first - 1.0, (first, last)
+    assert all(m["tokens_per_s"] > 0 for m in train[1:])
+    assert any("eval_loss" in m for m in rows)
+    art = job.artefact()
+    assert art.name == "adapter" and (art / "adapter_config.json").is_file()
+    assert (art / "adapter_model.safetensors").is_file() and (art / "tokenizer.json").is_file()
+    logs = {p.name for p in job.run_dir.log_files()}
+    assert {"rank-0.log", "rank-1.log", "launcher.log", "supervisor.log"} <= logs
+    assert list((job.run_dir.tb_dir).rglob("events.out.tfevents.*"))
+    assert Registry().get_run(job.id).state == "succeeded"
+    df = job.metrics_df()
+    assert {"step", "loss", "lr", "grad_norm"} <= set(df.columns)
+
+
+def test_cancel_mid_run_leaves_cancelled_and_no_processes():
+    job = workbench.launch({"name": "cancelme", "train": {"max_steps": 100000}})
+    deadline = time.time() + 180
+    while time.time() < deadline and not job.metrics():
+        time.sleep(0.5)
+    assert job.metrics(), job.logs(tail=20)
+    assert job.state == "running"
+    assert len(_processes_of(job.run_dir.path)) >= 3  # supervisor, torchrun, 2 ranks
+    assert job.cancel() == "cancelled"
+    assert Registry().get_run(job.id).state == "cancelled"
+    deadline = time.time() + 15
+    while time.time() < deadline and _processes_of(job.run_dir.path):
+        time.sleep(0.5)
+    assert _processes_of(job.run_dir.path) == []
+    assert job.cancel() == "cancelled"  # cancelling an ended run is harmless
+
+
+def test_cli_launch_then_reattach_after_the_launcher_is_gone(tmp_path):
+    spec = workbench.RunSpec(name="detached", method={"kind": "full"},
+                             train={"max_steps": 12, "lr": 1e-3})
+    path = spec.save(tmp_path / "spec.yaml")
+    out = subprocess.run([sys.executable, "-m", "workbench.cli", "launch", str(path)],
+                         capture_output=True, text=True, timeout=300, env=os.environ.copy())
+    assert out.returncode == 0, out.stderr
+    run_id = out.stdout.split()[1]
+    # The process that launched the run has exited; a new handle finds the run and follows it.
+    job = workbench.get_job(run_id)
+    assert job.id in [j.id for j in workbench.jobs()]
+    assert job.wait(timeout=300, progress=False) == "succeeded", job.logs(tail=20)
+    model = job.artefact()
+    assert model.name == "model" and (model / "config.json").is_file()
+    assert json.loads((model / "workbench.json").read_text())["method"] == "full"
+
+
+def test_a_failing_run_surfaces_the_error_text():
+    job = workbench.launch({"name": "broken", "method": {"target_modules": ["no_such_proj"]},
+                            "train": {"max_steps": 5}})
+    assert job.wait(timeout=300, progress=False) == "failed"
+    error = job.status()["error"]
+    assert "no_such_proj" in error and "rank-" in error
+    with pytest.raises(workbench.JobFailedError, match="no_such_proj"):
+        job.wait(raise_on_failure=True, progress=False)
+
+
+def _nothing_written(before_runs: set, before_registry: int) -> None:
+    assert set(runs_dir().iterdir()) == before_runs
+    assert len(Registry().list_runs()) == before_registry
+
+
+@pytest.mark.parametrize("kind", ["model", "field", "empty", "gpus", "typo", "qlora"])
+def test_bad_inputs_fail_before_anything_starts(kind, tmp_path):
+    before_runs, before_reg = set(runs_dir().iterdir()), len(Registry().list_runs())
+    bad_field = tmp_path / "train.jsonl"
+    bad_field.write_text('{"instruction": "q", "output": "a"}\n{"instruction": "q2"}\n')
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    cases = {
+        "model": ({"model": {"id": str(tmp_path / "no-model")}}, ModelNotFoundError,
+                  "not a folder on this machine"),
+        "field": ({"data": {"sources": [{"path": str(bad_field)}]}}, DatasetFormatError,
+                  'line 2 of train.jsonl has no "output" field'),
+        "empty": ({"data": {"sources": [{"path": str(empty)}]}}, EmptyDatasetError, "no rows"),
+        "gpus": ({"resources": {"gpus_per_node": 2}}, ResourceError,
+                 "resources.gpus_per_node is 2 but this machine has none"),
+        "typo": ({"train": {"epoch": 2}}, SpecError, "did you mean 'epochs'"),
+        "qlora": ({"method": {"kind": "qlora"}}, ResourceError, "needs a CUDA GPU"),
+    }
+    spec, exc, fragment = cases[kind]
+    with pytest.raises(exc) as info:
+        workbench.launch(spec)
+    assert fragment in str(info.value)
+    _nothing_written(before_runs, before_reg)

@@ -1,0 +1,68 @@
+"""RunSpec: defaults, YAML round-trip, and an error that names the field for every bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from workbench.errors import SpecError
+from workbench.spec import RunSpec
+
+
+def test_defaults_are_the_builtin_quickstart():
+    spec = RunSpec()
+    assert spec.model.id == "builtin:tiny-llama"
+    assert spec.data.sources[0].path == "builtin:teaching"
+    assert spec.target == "local"
+    assert spec.resources.procs_per_node == 2  # CPU default: two processes
+    assert spec.resources.world_size == 2
+
+
+def test_yaml_round_trip_text_and_file(tmp_path):
+    spec = RunSpec(name="r1", method={"kind": "full"}, train={"max_steps": 7, "lr": 1e-3},
+                   resources={"gpus_per_node": 4}, data={"sources": [{"path": "a.jsonl"},
+                                                                     {"path": "b.csv"}]})
+    assert RunSpec.from_yaml(spec.to_yaml()) == spec
+    path = spec.save(tmp_path / "spec.yaml")
+    again = RunSpec.from_yaml(path)
+    assert again == spec
+    assert again.resources.procs_per_node == 4  # one process per GPU
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "path", "fragment"),
+    [
+        ("train: {learning_rate: 0.1}", "train.learning_rate", "did you mean 'lr'"),
+        ("trian: {lr: 0.1}", "trian", "did you mean 'train'"),
+        ("data: {sources: [{pth: x.jsonl}]}", "data.sources.0.pth", "did you mean 'path'"),
+        ("train: {lr: -1}", "train.lr", "greater than 0"),
+        ("method: {kind: lorra}", "method.kind", "'lora', 'qlora' or 'full'"),
+        ("target: ftp://x", "target", "'ssh:NAME'"),
+        ("name: 'has space'", "name", "letters, digits"),
+        ("data: {sources: []}", "data.sources", "at least 1"),
+        ("model: {quantization: 4bit}", "", "method.kind: qlora"),
+    ],
+)
+def test_bad_specs_name_the_field_and_the_fix(yaml_text, path, fragment):
+    with pytest.raises(SpecError) as info:
+        RunSpec.from_yaml(yaml_text)
+    problems = dict(info.value.problems)
+    assert path in problems, info.value.problems
+    assert fragment in str(info.value)
+
+
+def test_not_a_mapping_and_not_yaml_and_missing_file(tmp_path):
+    with pytest.raises(SpecError, match="expected a mapping"):
+        RunSpec.from_yaml("- 1\n- 2\n")
+    with pytest.raises(SpecError, match="not valid YAML"):
+        RunSpec.from_yaml("train: {lr: [\n")
+    with pytest.raises(SpecError, match="does not exist"):
+        RunSpec.from_yaml(tmp_path / "nope.yaml")
+
+
+def test_qlora_implies_4bit_and_updated_applies_dotted_paths():
+    spec = RunSpec(method={"kind": "qlora"})
+    assert spec.model.quantization == "4bit"
+    changed = RunSpec().updated(**{"train.lr": 0.01, "resources.gpus_per_node": 2})
+    assert changed.train.lr == 0.01 and changed.resources.gpus_per_node == 2
+    with pytest.raises(SpecError, match="train.lr"):
+        RunSpec().updated(**{"train.lr": 0})
