@@ -93,3 +93,18 @@ def test_cli_entry_point_prints_a_default_spec_that_loads(tmp_path):
                           str(tmp_path / "s.yaml")], capture_output=True, text=True, check=True)
     assert "wrote" in out.stdout
     assert RunSpec.from_yaml(tmp_path / "s.yaml") == RunSpec()
+
+
+def test_run_form_shows_the_plan_live_and_launch_refuses_what_cannot_fit(wb_home):
+    form = RunForm(RunSpec(parallel={"strategy": "ddp"}))
+    assert "Strategy" in form.plan_text.value
+    assert form.plan_plot.value[:4] == b"\x89PNG"
+    before = form.plan_text.value
+    form.model.value = "meta-llama/Llama-2-7b-hf"  # offline config table: no download
+    form.method.value = "full"
+    form.gpus.value = 1
+    form.gpu_type.value = "A100-80G"  # full 7B under plain DDP needs ~130 GB per GPU
+    assert form.plan_text.value != before
+    assert "DOES NOT FIT" in form.plan_text.value
+    assert form.launch() is None  # refused, with the reason and a concrete fix
+    assert "does not fit" in form.message.value.lower()

@@ -32,6 +32,12 @@ def _preview_html(rows: list[dict[str, Any]]) -> str:
     return "".join(out) + "</table>"
 
 
+def _gpu_names() -> list[tuple[str, str | None]]:
+    from workbench.gpus import gpu_table
+
+    return [("this machine", None)] + [(name, name) for name in gpu_table() if name != "CPU"]
+
+
 class RunForm(W.VBox):
     """``RunForm(spec)`` shows ``spec``'s choices; ``form.spec`` reads them back as a RunSpec."""
 
@@ -66,6 +72,12 @@ class RunForm(W.VBox):
                                  description="Processes", style=_STYLE)
         self.target = W.Dropdown(options=targets or [spec.target], value=spec.target,
                                  description="Target", style=_STYLE)
+        self.gpu_type = W.Dropdown(options=_gpu_names(), value=spec.resources.gpu_type,
+                                   description="GPU type", style=_STYLE)
+        self.plan_text = W.HTML()
+        self.plan_plot = W.Image(format="png", layout=W.Layout(width="520px"))
+        self.force = W.Checkbox(False, description="launch even if the plan does not fit",
+                                indent=False)
         self.message = W.HTML()
         self.launch_button = W.Button(description="Launch", icon="play", button_style="primary")
         self.launch_button.on_click(lambda _b: self.launch())
@@ -73,13 +85,14 @@ class RunForm(W.VBox):
         self.dataset.observe(lambda _c: self.update_preview(), names="value")
         self.format.observe(lambda _c: self.update_preview(), names="value")
         for w in (self.model, self.method, self.lora_r, self.lr, self.epochs, self.batch,
-                  self.gpus, self.procs, self.target, self.name):
+                  self.gpus, self.procs, self.target, self.name, self.gpu_type):
             w.observe(lambda _c: self.validate(), names="value")
         self.gpus.observe(self._gpus_changed, names="value")
         super().__init__([
             W.HTML("<b>Fine-tuning run</b>"), self.name, self.model, self.dataset, self.format,
             self.preview, self.method, self.lora_r, self.lr, self.epochs, self.batch, self.gpus,
-            self.procs, self.target, self.message, self.launch_button, self.output,
+            self.procs, self.gpu_type, self.target, W.HTML("<b>Plan</b>"), self.plan_text,
+            self.plan_plot, self.force, self.message, self.launch_button, self.output,
         ])
         self.update_preview()
         self.validate()
@@ -100,6 +113,7 @@ class RunForm(W.VBox):
                              batch_size=self.batch.value)
         data["resources"].update(gpus_per_node=self.gpus.value,
                                  processes_per_node=self.procs.value)
+        data["resources"]["gpu_type"] = self.gpu_type.value
         data["target"] = self.target.value
         if self.method.value != "qlora":
             data["model"]["quantization"] = "none"
@@ -114,7 +128,23 @@ class RunForm(W.VBox):
             return None
         self.message.value = ""
         self.launch_button.disabled = False
+        self.update_plan(spec)
         return spec
+
+    def update_plan(self, spec: RunSpec) -> Any:
+        """Show the planner's verdict for the current choices (memory bars, time, cost)."""
+        from workbench.plan import plan
+        from workbench.widgets.plots import figure_png
+
+        try:
+            result = plan(spec)
+        except WorkbenchError as exc:
+            self.plan_text.value = f"<span style='color:#d62728'>{html.escape(str(exc))}</span>"
+            self.plan_plot.value = b""
+            return None
+        self.plan_text.value = f"<pre style='font-size:11px'>{html.escape(result.summary())}</pre>"
+        self.plan_plot.value = figure_png(result.plot())
+        return result
 
     def update_preview(self) -> None:
         from workbench.data.prepare import preview_rows
@@ -134,7 +164,7 @@ class RunForm(W.VBox):
         self.launch_button.disabled = True
         self.message.value = "<i>preparing data and starting…</i>"
         try:
-            self.job = launch(spec, force=force)
+            self.job = launch(spec, force=force or self.force.value)
         except WorkbenchError as exc:
             self.message.value = f"<pre style='color:#d62728'>{html.escape(str(exc))}</pre>"
             return None

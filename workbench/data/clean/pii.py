@@ -80,6 +80,23 @@ PII_KINDS: list[tuple[str, re.Pattern[str], Callable[[str], bool] | None]] = [
 ]
 KNOWN_KINDS = ("email", "phone", "ip_address", "id_number", "card_number")
 
+_DIGIT = re.compile(r"\d")
+# Necessary conditions for a pattern to match anywhere in a text, given the text and its number
+# of ``\d`` digits: the fewest digits any match contains (an IPv4 address has 4, a Chinese ID
+# 17, a card number 13, ...) and a character every match needs. Most documents have no '@' and
+# few digits, so most of the expensive scans are skipped; a skipped scan could not have matched,
+# so the output is the same as running every pattern.
+_GATES: dict[re.Pattern[str], Callable[[str, int], bool]] = {
+    _EMAIL: lambda text, digits: "@" in text,
+    _IPV4: lambda text, digits: digits >= 4 and "." in text,
+    _IPV6: lambda text, digits: "::" in text or text.count(":") >= 7,
+    _CN_ID: lambda text, digits: digits >= 17,
+    _CN_MOBILE: lambda text, digits: digits >= 11,
+    _CARD: lambda text, digits: digits >= 13,
+    _SSN: lambda text, digits: digits >= 9 and "-" in text,
+    _PHONE: lambda text, digits: digits >= 4,
+}
+
 
 def _default_replacements() -> dict[str, str]:
     return {k: f"<{k.upper()}>" for k in KNOWN_KINDS}
@@ -113,8 +130,10 @@ class PIIScrubber(Step):
     def scrub(self, text: str) -> tuple[str, dict[str, int]]:
         """``text`` with PII replaced, and how many spans of each kind were replaced."""
         counts: dict[str, int] = {}
+        digits = len(_DIGIT.findall(text))
+        replaced = 0
         for kind, pattern, valid in PII_KINDS:
-            if kind not in self.kinds:
+            if kind not in self.kinds or not _GATES[pattern](text, digits):
                 continue
             repl = self.replacements[kind]
 
@@ -126,6 +145,9 @@ class PIIScrubber(Step):
                 return repl
 
             text = pattern.sub(sub, text)
+            if sum(counts.values()) != replaced:  # the text changed: count its digits again
+                replaced = sum(counts.values())
+                digits = len(_DIGIT.findall(text))
         return text, counts
 
     def apply(self, doc: Doc) -> str | None:

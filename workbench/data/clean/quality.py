@@ -12,6 +12,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+import numpy as np
+
 from workbench.data.clean.step import Doc, Step, check
 from workbench.data.clean.tokens import words
 
@@ -40,7 +42,11 @@ def _dup_fraction(items: list[str]) -> tuple[float, float]:
 
 
 def _top_ngram_char_fraction(ws: list[str], n: int, total_chars: int) -> float:
-    """Characters covered by the most frequent word n-gram over all word characters (Gopher)."""
+    """Characters covered by the most frequent word n-gram over all word characters (Gopher).
+
+    The reference definition (a Counter of n-gram tuples); :class:`_NGrams` computes the same
+    value with numpy and is what :class:`QualityFilter` uses.
+    """
     if len(ws) < n:
         return 0.0
     counts = Counter(zip(*(ws[i:] for i in range(n)), strict=False))
@@ -51,7 +57,10 @@ def _top_ngram_char_fraction(ws: list[str], n: int, total_chars: int) -> float:
 
 
 def _dup_ngram_char_fraction(ws: list[str], n: int, total_chars: int) -> float:
-    """Characters of words inside any n-gram that occurs more than once (Gopher)."""
+    """Characters of words inside any n-gram that occurs more than once (Gopher).
+
+    The reference definition; :class:`_NGrams` computes the same value with numpy.
+    """
     if len(ws) < n:
         return 0.0
     grams = list(zip(*(ws[i:] for i in range(n)), strict=False))
@@ -64,6 +73,82 @@ def _dup_ngram_char_fraction(ws: list[str], n: int, total_chars: int) -> float:
             for j in range(i, i + n):
                 covered[j] = True
     return sum(len(w) for w, c in zip(ws, covered, strict=True) if c) / max(total_chars, 1)
+
+
+class _NGrams:
+    """Word n-gram statistics of one document, computed once and shared by the n-gram rules.
+
+    Every n-gram gets an exact dense id (no hashing, so no collisions): words are numbered in
+    order of first occurrence, and the k-gram at position i is the pair (id of the (k-1)-gram at
+    i, id of word i+k-1), renumbered densely with ``np.unique``. Counting and coverage are then
+    array operations instead of Counters of tuples, with results equal to
+    :func:`_top_ngram_char_fraction` / :func:`_dup_ngram_char_fraction` (ties between equally
+    frequent n-grams go to the first to occur, as ``Counter.most_common`` does).
+    """
+
+    def __init__(self, ws: list[str], total_chars: int) -> None:
+        self.n = len(ws)
+        vocab = {w: i for i, w in enumerate(dict.fromkeys(ws))}  # first-occurrence order
+        self.vocab_size = len(vocab)
+        self.ids = np.fromiter(map(vocab.__getitem__, ws), dtype=np.int64, count=self.n)
+        self.lens = np.fromiter(map(len, ws), dtype=np.int64, count=self.n)
+        self.prefix = np.zeros(self.n + 1, dtype=np.int64)
+        np.cumsum(self.lens, out=self.prefix[1:])
+        self.total = max(total_chars, 1)
+        # k -> (dense id of the k-gram at each position, first position of each id, counts)
+        self._grams: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def _gram(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        got = self._grams.get(k)
+        if got is not None:
+            return got
+        if k == 1:
+            keys = self.ids
+        else:
+            prev = self._gram(k - 1)[0]
+            # prev < n and ids < vocab_size <= n, so the pair code fits in int64 for any text.
+            keys = prev[:-1] * self.vocab_size + self.ids[k - 1:]
+        # np.unique(keys, return_index, return_inverse, return_counts) without its overhead.
+        order = np.argsort(keys, kind="stable")
+        ordered = keys[order]
+        starts = np.empty(ordered.size, dtype=bool)
+        starts[:1] = True
+        np.not_equal(ordered[1:], ordered[:-1], out=starts[1:])
+        begin = np.flatnonzero(starts)
+        counts = np.diff(begin, append=ordered.size)
+        first = order[begin]  # a stable sort keeps the first occurrence first in its group
+        dense = np.empty(ordered.size, dtype=np.int64)
+        dense[order] = np.cumsum(starts) - 1
+        got = (dense, first, counts)
+        self._grams[k] = got
+        return got
+
+    def top_fraction(self, k: int) -> float:
+        if self.n < k:
+            return 0.0
+        _, first, counts = self._gram(k)
+        top = int(counts.max())
+        if top < 2:
+            return 0.0
+        tied = np.flatnonzero(counts == top)
+        pos = int(first[tied].min())  # the first to occur of the most frequent n-grams
+        return top * int(self.prefix[pos + k] - self.prefix[pos]) / self.total
+
+    def dup_fraction(self, k: int) -> float:
+        if self.n < k:
+            return 0.0
+        dense, _, counts = self._gram(k)
+        repeated = counts[dense] > 1
+        if not repeated.any():
+            return 0.0
+        # Word j is covered when an n-gram starting in [j-k+1, j] repeats.
+        cs = np.zeros(repeated.size + 1, dtype=np.int64)
+        np.cumsum(repeated, out=cs[1:])
+        j = np.arange(self.n)
+        hi = np.minimum(j, repeated.size - 1) + 1
+        lo = np.maximum(j - k + 1, 0)
+        covered = cs[hi] > cs[lo]
+        return int(self.lens[covered].sum()) / self.total
 
 
 def _default_top_ngrams() -> dict[int, float]:
@@ -132,7 +217,8 @@ class QualityFilter(Step):
     def apply(self, doc: Doc) -> str | None:  # a flat list of rules, in Gopher's order
         text = doc.text
         zh = doc.language() == "zh"
-        ws = words(text.lower())  # lowercased once: stop words and n-grams compare lowercase
+        lower = text.lower()
+        ws = words(lower)  # lowercased once: stop words and n-grams compare lowercase
         n = len(ws)
         if self.min_words is not None and n < self.min_words:
             doc.detail = f"{n} words < {self.min_words}"
@@ -184,7 +270,7 @@ class QualityFilter(Step):
             if found < self.min_stop_words:
                 doc.detail = f"{found} stop words < {self.min_stop_words}"
                 return "gopher_stop_words"
-        if self.lorem_ipsum and "lorem ipsum" in text.lower():
+        if self.lorem_ipsum and "lorem ipsum" in lower:
             doc.detail = "contains 'lorem ipsum'"
             return "c4_lorem_ipsum"
         frac, chars = _dup_fraction(lines)
@@ -202,14 +288,14 @@ class QualityFilter(Step):
         if self.max_dup_paragraph_chars is not None and chars > self.max_dup_paragraph_chars:
             doc.detail = f"{chars:.0%} of characters are in repeated paragraphs"
             return "gopher_dup_paragraph_chars"
-        lw = ws
+        grams = _NGrams(ws, word_chars)
         for k, limit in self.max_top_ngram_chars.items():
-            f = _top_ngram_char_fraction(lw, k, word_chars)
+            f = grams.top_fraction(k)
             if f > limit:
                 doc.detail = f"most frequent {k}-gram covers {f:.0%} of characters"
                 return "gopher_top_ngram"
         for k, limit in self._dup_ngrams:
-            f = _dup_ngram_char_fraction(lw, k, word_chars)
+            f = grams.dup_fraction(k)
             if f > limit:
                 doc.detail = f"repeated {k}-grams cover {f:.0%} of characters"
                 return "gopher_dup_ngram"

@@ -66,7 +66,10 @@ class ToxicityFilter(Step):
 
     def hits(self, text: str) -> list[str]:
         """Word-list terms found in ``text`` (with repeats), e.g. ``['shit', '傻逼']``."""
-        found = [w for w in (x.lower() for x in words(text)) if w in self._words]
+        ws = words(text)
+        # Look each distinct word up once: most documents have no hit, and then that is all.
+        hit = {w for w in set(ws) if w.lower() in self._words}
+        found = [w.lower() for w in ws if w in hit] if hit else []
         if self._substrings is not None:
             found += self._substrings.findall(text.lower())
         return found
