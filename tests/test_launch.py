@@ -122,6 +122,21 @@ def _nothing_written(before_runs: set, before_registry: int) -> None:
     assert len(Registry().list_runs()) == before_registry
 
 
+def test_launch_refuses_a_plan_that_cannot_fit_unless_forced():
+    from workbench.plan import PlanError
+
+    before_runs, before_reg = set(runs_dir().iterdir()), len(Registry().list_runs())
+    spec = {"name": "too-big", "model": {"id": "meta-llama/Llama-2-7b-hf"},
+            "method": {"kind": "full"}, "parallel": {"strategy": "ddp"}}
+    with pytest.raises(PlanError) as info:
+        workbench.launch(spec)  # 7B full fine-tuning in two CPU processes: ~100 GB each
+    assert "does not fit" in str(info.value).lower() and "force" in str(info.value)
+    # Forced past the plan, it still stops before starting: the weights are out of reach here.
+    with pytest.raises(ModelNotFoundError, match="hub is reachable"):
+        workbench.launch(spec, force=True)
+    _nothing_written(before_runs, before_reg)
+
+
 @pytest.mark.parametrize("kind", ["model", "field", "empty", "gpus", "typo", "qlora"])
 def test_bad_inputs_fail_before_anything_starts(kind, tmp_path):
     before_runs, before_reg = set(runs_dir().iterdir()), len(Registry().list_runs())

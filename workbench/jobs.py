@@ -62,13 +62,13 @@ def launch(spec: RunSpec | dict | str | Path | None = None, *, force: bool = Fal
         spec = RunSpec.from_yaml(spec)
     registry = registry or Registry()
     backend = get_backend(spec.target)
-    # The plan first: a run that cannot fit anywhere says so before we ask whether this target
-    # has the GPUs or the model's weights are reachable (the planner knows common configs offline).
-    plan = _plan(spec, force)
+    # Cheapest first: the target's resources, then the plan (which knows common configs offline,
+    # so a run that cannot fit says so even where the weights are out of reach), then the model.
     if spec.target == "local":
         from workbench.backends.local import check_local_resources
 
         check_local_resources(spec)
+    plan = _plan(spec, force)
     _validate_model(spec)
     run_id = _new_run_id(spec.name)
     rd = RunDir(runs_dir() / run_id)
