@@ -145,3 +145,25 @@ def test_max_length_truncates_and_packing_fills_blocks(tokenizer):
     batch = Collator(pad_token_id=0)([rows[0], {"input_ids": [5], "labels": [5]}])
     assert batch["labels"][1].tolist() == [5] + [IGNORE] * 9
     assert batch["attention_mask"][1].sum().item() == 1
+
+
+def test_model_sources_builtin_folder_hub_and_missing(tiny_model, tmp_path):
+    from workbench.errors import ModelNotFoundError
+    from workbench.models import load_config, resolve_model
+
+    assert resolve_model("builtin:tiny-llama") == str(tiny_model)
+    assert resolve_model(str(tiny_model)) == str(tiny_model)  # a local folder
+    assert load_config(str(tiny_model)).num_attention_heads == 4
+    assert resolve_model("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"  # a hub id passes through
+    with pytest.raises(ModelNotFoundError, match="hub is reachable"):
+        load_config("no-such-org/no-such-model")  # offline here: the hub path fails clearly
+    (tmp_path / "half").mkdir()
+    with pytest.raises(ModelNotFoundError, match="no config.json"):
+        resolve_model(str(tmp_path / "half"))
+    with pytest.raises(ModelNotFoundError, match="unknown built-in"):
+        resolve_model("builtin:huge")
+
+
+def test_hub_dataset_path_is_real_and_fails_clearly_offline():
+    with pytest.raises(DatasetError, match="could not load dataset 'no-such-org/no-such-data'"):
+        list(read_rows(DataSource(path="no-such-org/no-such-data")))

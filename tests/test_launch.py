@@ -137,7 +137,7 @@ def test_launch_refuses_a_plan_that_cannot_fit_unless_forced():
     _nothing_written(before_runs, before_reg)
 
 
-@pytest.mark.parametrize("kind", ["model", "field", "empty", "gpus", "typo", "qlora"])
+@pytest.mark.parametrize("kind", ["model", "field", "empty", "gpus", "typo", "qlora", "wandb"])
 def test_bad_inputs_fail_before_anything_starts(kind, tmp_path):
     before_runs, before_reg = set(runs_dir().iterdir()), len(Registry().list_runs())
     bad_field = tmp_path / "train.jsonl"
@@ -154,6 +154,8 @@ def test_bad_inputs_fail_before_anything_starts(kind, tmp_path):
                  "resources.gpus_per_node is 2 but this machine has none"),
         "typo": ({"train": {"epoch": 2}}, SpecError, "did you mean 'epochs'"),
         "qlora": ({"method": {"kind": "qlora"}}, ResourceError, "needs a CUDA GPU"),
+        "wandb": ({"tracking": {"wandb": "offline"}}, workbench.LaunchError,
+                  "wandb is not installed"),
     }
     spec, exc, fragment = cases[kind]
     with pytest.raises(exc) as info:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.backends import Backend, get_backend
-from workbench.errors import JobFailedError, WorkbenchError
+from workbench.errors import JobFailedError, LaunchError, WorkbenchError
 from workbench.home import runs_dir
 from workbench.registry import Registry, RunRecord
 from workbench.rundir import PENDING, QUEUED, TERMINAL, MetricsReader, RunDir, write_json_atomic
@@ -35,6 +35,16 @@ def _validate_model(spec: RunSpec) -> None:
     from workbench.models import load_config
 
     load_config(spec.model.id, spec.model.revision, spec.model.trust_remote_code)
+
+
+def _validate_tracking(spec: RunSpec) -> None:
+    import importlib.util
+
+    if spec.tracking.wandb != "disabled" and importlib.util.find_spec("wandb") is None:
+        raise LaunchError(
+            f"tracking.wandb is {spec.tracking.wandb!r} but wandb is not installed here; "
+            "pip install 'workbench[wandb]' or set tracking.wandb: disabled"
+        )
 
 
 def _plan(spec: RunSpec, force: bool) -> dict[str, Any]:
@@ -68,6 +78,7 @@ def launch(spec: RunSpec | dict | str | Path | None = None, *, force: bool = Fal
         from workbench.backends.local import check_local_resources
 
         check_local_resources(spec)
+    _validate_tracking(spec)
     plan = _plan(spec, force)
     _validate_model(spec)
     run_id = _new_run_id(spec.name)

@@ -25,9 +25,9 @@ def run_notebook(path: str | Path, timeout: int = 900) -> None:
                 text = out.get("text") or out.get("data", {}).get("text/plain")
                 if out.get("output_type") == "stream" and text:
                     sys.stdout.write(text if text.endswith("\n") else text + "\n")
-                elif text and out.get("output_type") in ("execute_result", "display_data"):
-                    if "application/vnd.jupyter.widget-view+json" not in out.get("data", {}):
-                        print(text)
+                elif (text and out.get("output_type") in ("execute_result", "display_data")
+                      and "application/vnd.jupyter.widget-view+json" not in out.get("data", {})):
+                    print(text)
             sys.stdout.flush()
             return result
 

@@ -73,44 +73,40 @@ def to_example(row: dict[str, Any], fmt: str, where: str) -> dict[str, Any]:
         msgs = [{"role": "system", "content": system}] if system else []
         msgs += [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
         return {"messages": msgs}
-    if fmt == "sharegpt":
-        turns = row.get("conversations")
-        if turns is None:
-            raise _missing(where, fmt, "conversations")
-        msgs = []
-        for i, turn in enumerate(turns if isinstance(turns, list) else [None]):
-            if not isinstance(turn, dict) or "from" not in turn or "value" not in turn:
-                raise DatasetFormatError(
-                    f"{where}: conversations[{i}] must be an object with \"from\" and \"value\""
-                )
-            role = _SHAREGPT_ROLES.get(str(turn["from"]).lower())
-            if role is None:
-                raise DatasetFormatError(
-                    f"{where}: conversations[{i}] has unknown speaker {turn['from']!r}; use "
-                    "human, gpt or system"
-                )
-            msgs.append({"role": role, "content": str(turn["value"])})
-        return {"messages": _checked(msgs, where, "sharegpt")}
-    if fmt == "messages":
-        turns = row.get("messages")
-        if turns is None:
-            raise _missing(where, fmt, "messages")
-        msgs = []
-        for i, turn in enumerate(turns if isinstance(turns, list) else [None]):
-            if not isinstance(turn, dict) or "role" not in turn or "content" not in turn:
-                raise DatasetFormatError(
-                    f"{where}: messages[{i}] must be an object with \"role\" and \"content\""
-                )
-            if turn["role"] not in ("system", "user", "assistant"):
-                raise DatasetFormatError(
-                    f"{where}: messages[{i}] has role {turn['role']!r}; use system, user or "
-                    "assistant"
-                )
-            msgs.append({"role": turn["role"], "content": str(turn["content"])})
-        return {"messages": _checked(msgs, where, "messages")}
+    if fmt in _TURN_KEYS:
+        return {"messages": _turns(row, fmt, where)}
     if fmt == "text":
         return {"text": _str(row, "text", where, fmt)}
     raise DatasetFormatError(f"{where}: unknown format {fmt!r}; use one of {', '.join(FIELDS)}")
+
+
+# format -> (list field, speaker key, text key, speaker name -> role)
+_TURN_KEYS = {
+    "sharegpt": ("conversations", "from", "value", _SHAREGPT_ROLES),
+    "messages": ("messages", "role", "content",
+                 {"system": "system", "user": "user", "assistant": "assistant"}),
+}
+
+
+def _turns(row: dict[str, Any], fmt: str, where: str) -> list[dict[str, str]]:
+    field, who, text, roles = _TURN_KEYS[fmt]
+    turns = row.get(field)
+    if turns is None:
+        raise _missing(where, fmt, field)
+    msgs = []
+    for i, turn in enumerate(turns if isinstance(turns, list) else [None]):
+        if not isinstance(turn, dict) or who not in turn or text not in turn:
+            raise DatasetFormatError(
+                f'{where}: {field}[{i}] must be an object with "{who}" and "{text}"'
+            )
+        role = roles.get(str(turn[who]).lower())
+        if role is None:
+            raise DatasetFormatError(
+                f"{where}: {field}[{i}] has unknown speaker {turn[who]!r}; use "
+                f"{', '.join(sorted(set(roles)))}"
+            )
+        msgs.append({"role": role, "content": str(turn[text])})
+    return _checked(msgs, where, fmt)
 
 
 def _checked(msgs: list[dict[str, str]], where: str, fmt: str) -> list[dict[str, str]]:

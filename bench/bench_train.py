@@ -1,0 +1,117 @@
+"""Benchmark the local launch path against the same Trainer script run bare (issue 2 targets).
+
+Measured side by side in one run, alternating workbench and bare runs of the same spec:
+  train overhead     tokens/s under workbench / tokens/s bare            target >= 0.97
+  time to first loss launch() -> first metrics line / bare torchrun -> first log   target <= 1.2
+  metric latency     step logged -> visible through Job.metrics()        target < 1 s
+
+    python bench/bench_train.py [--steps 300] [--repeats 2]   (writes bench/results/train.json)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def workbench_run(spec) -> dict:
+    import workbench
+
+    seen: list[tuple[float, float]] = []  # (logged time, seen time)
+    t0 = time.time()
+    job = workbench.launch(spec)
+    stop = threading.Event()
+
+    def poll() -> None:  # a reader polling like the job view does, but fast, to measure latency
+        while not stop.is_set():
+            now = time.time()
+            new = job._reader.read_new()
+            seen.extend((m["time"], now) for m in new if "loss" in m)
+            time.sleep(0.02)
+
+    th = threading.Thread(target=poll, daemon=True)
+    th.start()
+    state = job.wait(progress=False, poll=0.5)
+    stop.set()
+    th.join()
+    assert state == "succeeded", job.logs(tail=20)
+    summary = job.status()["summary"]
+    first_seen = seen[0][1] if seen else float("nan")
+    return {"tokens_per_s": summary["num_input_tokens_seen"] / summary["train_runtime"],
+            "time_to_first_loss_s": first_seen - t0,
+            "latencies_s": [b - a for a, b in seen]}
+
+
+def bare_run(spec, tmp: Path) -> dict:
+    from workbench.data.prepare import prepare_data
+    from workbench.rundir import RunDir
+
+    rd = RunDir(tmp / f"bare-{time.time_ns()}").create(spec)
+    prepare_data(spec, rd.data_dir)
+    out = rd.path / "bare.json"
+    t0 = time.time()
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    f"--nproc_per_node={spec.resources.procs_per_node}",
+                    str(HERE / "bare_train.py"), str(rd.path), str(out)],
+                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    r = json.loads(out.read_text())
+    return {"tokens_per_s": r["tokens"] / r["train_runtime"],
+            "time_to_first_loss_s": r["first_log_time"] - t0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--out", default=str(HERE / "results" / "train.json"))
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="wb-bench-"))
+    os.environ.setdefault("WORKBENCH_HOME", str(tmp / "home"))
+    from workbench.spec import RunSpec
+
+    spec = RunSpec(name="bench", train={"max_steps": args.steps, "lr": 3e-3},
+                   tracking={"tensorboard": False}, data={"validation_fraction": 0.0})
+    wb, bare = [], []
+    for i in range(args.repeats):  # alternate, so drift on a shared machine hits both sides
+        for side in ("wb", "bare") if i % 2 == 0 else ("bare", "wb"):
+            if side == "wb":
+                wb.append(workbench_run(spec))
+            else:
+                bare.append(bare_run(spec, tmp))
+            print(f"repeat {i} {side} done", flush=True)
+    med = statistics.median
+    lat = [x for r in wb for x in r["latencies_s"]]
+    result = {
+        "steps": args.steps, "repeats": args.repeats, "world_size": spec.resources.world_size,
+        "tokens_per_s": {"workbench": med(r["tokens_per_s"] for r in wb),
+                         "bare": med(r["tokens_per_s"] for r in bare)},
+        "time_to_first_loss_s": {"workbench": med(r["time_to_first_loss_s"] for r in wb),
+                                 "bare": med(r["time_to_first_loss_s"] for r in bare)},
+        "metric_latency_s": {"p50": med(lat), "p95": sorted(lat)[int(0.95 * (len(lat) - 1))],
+                             "max": max(lat), "n": len(lat)},
+    }
+    result["ratios"] = {
+        "train_tokens_per_s_workbench_over_bare": result["tokens_per_s"]["workbench"]
+        / result["tokens_per_s"]["bare"],
+        "time_to_first_loss_workbench_over_bare": result["time_to_first_loss_s"]["workbench"]
+        / result["time_to_first_loss_s"]["bare"],
+    }
+    result["targets"] = {"train_tokens_per_s_ratio": ">= 0.97", "time_to_first_loss_ratio":
+                         "<= 1.2", "metric_latency_max_s": "< 1"}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
