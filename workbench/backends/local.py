@@ -33,6 +33,8 @@ def check_local_resources(spec: RunSpec) -> None:
             f"resources.nodes is {spec.resources.nodes}, but the local target is one machine; "
             "set resources.nodes: 1 or use an ssh:/slurm: target"
         )
+    if want == 0 and spec.method.kind != "qlora":
+        return  # a CPU run needs nothing we would have to import torch to check
     import torch
 
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
