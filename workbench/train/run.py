@@ -100,7 +100,20 @@ def training_arguments(spec: RunSpec, rd: RunDir, has_eval: bool) -> Any:
     import torch
     from transformers import TrainingArguments
 
+    from workbench.train.strategy import (
+        deepspeed_config,
+        install_cpu_deepspeed_shim,
+        resolved_parallel,
+    )
+
     cuda = torch.cuda.is_available()
+    parallel = resolved_parallel(spec, rd)
+    ds_config = deepspeed_config(parallel, cuda)
+    if ds_config is not None:
+        install_cpu_deepspeed_shim()
+    print(f"strategy: {spec.method.kind} + {parallel.strategy}"
+          f"{' (offload optimizer)' if parallel.offload_optimizer else ''}"
+          f"{' (offload params)' if parallel.offload_params else ''}", flush=True)
     t = spec.train
     report_to = []
     if spec.tracking.tensorboard:
@@ -140,6 +153,7 @@ def training_arguments(spec: RunSpec, rd: RunDir, has_eval: bool) -> Any:
         disable_tqdm=True,
         dataloader_num_workers=0,
         remove_unused_columns=False,
+        deepspeed=ds_config,
     )
 
 

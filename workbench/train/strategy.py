@@ -1,0 +1,88 @@
+"""Data-parallel strategy of a run: plain DDP, or DeepSpeed ZeRO 1/2/3 with optional CPU offload.
+
+The strategy is resolved once, at launch, by the planner (``parallel.strategy: auto``) and written
+to plan.json; every rank reads the same decision from there. DeepSpeed is driven through the
+Trainer's ``deepspeed=`` config, so the training code is identical for every strategy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from workbench.rundir import RunDir
+from workbench.spec import ParallelSpec, RunSpec
+
+
+def resolved_parallel(spec: RunSpec, rd: RunDir) -> ParallelSpec:
+    """The spec's strategy, or for "auto" the planner's choice recorded in plan.json."""
+    if spec.parallel.strategy != "auto":
+        return spec.parallel
+    try:
+        chosen = json.loads(rd.plan_file.read_text())["strategy"]
+    except (FileNotFoundError, KeyError, json.JSONDecodeError):
+        from workbench.plan import choose_strategy
+
+        return choose_strategy(spec)
+    return ParallelSpec(strategy=chosen["parallel"], offload_optimizer=chosen["offload_optimizer"],
+                        offload_params=chosen["offload_params"])
+
+
+def deepspeed_config(parallel: ParallelSpec, cuda: bool) -> dict[str, Any] | None:
+    """The Trainer's DeepSpeed config for a ZeRO strategy, or None for plain DDP."""
+    if parallel.strategy in ("ddp", "auto"):
+        return None
+    stage = int(parallel.strategy[-1])
+    zero: dict[str, Any] = {"stage": stage, "overlap_comm": cuda, "contiguous_gradients": True}
+    if parallel.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
+    if parallel.offload_params and stage == 3:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": cuda}
+    if stage == 3:
+        # Save full 16-bit weights at the end so adapter/ and model/ load without DeepSpeed.
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    config: dict[str, Any] = {
+        "zero_optimization": zero,
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+        "bf16": {"enabled": "auto"},
+        "zero_allow_untested_optimizer": True,
+    }
+    if parallel.offload_optimizer and not cuda:
+        # DeepSpeedCPUAdam would need a 3-minute JIT build; on a CPU-only machine the Trainer's
+        # torch AdamW already runs on the CPU, so offloading it changes nothing but the build.
+        config["zero_force_ds_cpu_optimizer"] = False
+    return config
+
+
+def install_cpu_deepspeed_shim() -> None:
+    """Make accelerate count every rank when DeepSpeed runs on CPU (gloo), and nothing else.
+
+    Without CUDA, accelerate's ``PartialState._prepare_backend`` finds no backend, so it counts
+    one process while DeepSpeed sees all of them, and the Trainer fails its batch-size check
+    (``train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step * world_size``).
+    Only applied when no CUDA device exists and torchrun set LOCAL_RANK.
+    """
+    import torch
+
+    if torch.cuda.is_available() or "LOCAL_RANK" not in os.environ:
+        return
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    original = PartialState._prepare_backend
+    if getattr(original, "_workbench_cpu_shim", False):
+        return
+
+    def _prepare_backend(self: Any, cpu: bool = False, sagemaker_dp: bool = False,
+                         backend: str | None = None) -> tuple[str, Any]:
+        backend_name, dist_type = original(self, cpu, sagemaker_dp, backend)
+        if backend_name is None:
+            return "gloo", DistributedType.MULTI_CPU
+        return backend_name, dist_type
+
+    _prepare_backend._workbench_cpu_shim = True  # type: ignore[attr-defined]
+    PartialState._prepare_backend = _prepare_backend  # type: ignore[method-assign]
