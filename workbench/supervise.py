@@ -8,12 +8,15 @@ state to status.json: succeeded, failed (with the error text from the rank logs)
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from workbench.rundir import CANCELLED, FAILED, RUNNING, SUCCEEDED, RunDir
@@ -21,9 +24,29 @@ from workbench.rundir import CANCELLED, FAILED, RUNNING, SUCCEEDED, RunDir
 CANCEL_GRACE_S = 20.0  # SIGTERM first, SIGKILL after this long
 
 
-def torchrun_command(run_dir: Path, nproc: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={nproc}", "-m", "workbench.train", str(run_dir)]
+@dataclass(frozen=True)
+class NodeRole:
+    """Where this node sits in a multi-node run (all defaults: a single node, standalone)."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None  # HOST:PORT of node 0's c10d rendezvous
+    rdzv_id: str | None = None
+
+    @property
+    def writes_status(self) -> bool:
+        return self.node_rank == 0  # one writer of status.json per run
+
+
+def torchrun_command(run_dir: Path, nproc: int, role: NodeRole = NodeRole()) -> list[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
+    if role.nnodes == 1:
+        cmd.append("--standalone")
+    else:
+        cmd += [f"--nnodes={role.nnodes}", f"--node_rank={role.node_rank}",
+                "--rdzv_backend=c10d", f"--rdzv_endpoint={role.rdzv_endpoint}",
+                f"--rdzv_id={role.rdzv_id or run_dir.name}"]
+    return cmd + ["-m", "workbench.train", str(run_dir)]
 
 
 def error_text(rd: RunDir, max_lines: int = 25) -> str:
@@ -49,12 +72,12 @@ def error_text(rd: RunDir, max_lines: int = 25) -> str:
     return "no log output; the processes died before writing anything"
 
 
-def supervise(run_dir: str) -> int:
+def supervise(run_dir: str, role: NodeRole = NodeRole()) -> int:
     rd = RunDir(run_dir)
     spec = rd.spec()
-    cmd = torchrun_command(rd.path, spec.resources.procs_per_node)
-    rd.write_status(state=RUNNING, supervisor_pid=os.getpid(), host=socket.gethostname(),
-                    command=cmd)
+    cmd = torchrun_command(rd.path, spec.resources.procs_per_node, role)
+    write = rd.write_status if role.writes_status else _node_log
+    write(state=RUNNING, supervisor_pid=os.getpid(), host=socket.gethostname(), command=cmd)
     cancel_at: list[float] = []
 
     def on_signal(signum: int, frame: object) -> None:
@@ -67,7 +90,7 @@ def supervise(run_dir: str) -> int:
     with (rd.logs_dir / "launcher.log").open("ab") as log:
         child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                  env=env, cwd=rd.path, start_new_session=True)
-    rd.write_status(launcher_pid=child.pid)
+    write(launcher_pid=child.pid)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_signal)
     while True:
@@ -80,12 +103,17 @@ def supervise(run_dir: str) -> int:
     _signal_group(child.pid, signal.SIGKILL)  # ranks that outlived torchrun
     ended = time.time()
     if cancel_at:
-        rd.write_status(state=CANCELLED, ended=ended, exit_code=rc)
-    elif rc == 0 and rd.artefact_dir() is not None:
-        rd.write_status(state=SUCCEEDED, ended=ended, exit_code=rc)
+        write(state=CANCELLED, ended=ended, exit_code=rc)
+    elif rc == 0 and (rd.artefact_dir() is not None or not role.writes_status):
+        write(state=SUCCEEDED, ended=ended, exit_code=rc)
     else:
-        rd.write_status(state=FAILED, ended=ended, exit_code=rc, error=error_text(rd))
+        write(state=FAILED, ended=ended, exit_code=rc, error=error_text(rd))
     return 0
+
+
+def _node_log(**fields: object) -> None:
+    # Nodes other than 0 report to their own log (the supervisor's stdout), not status.json.
+    print("supervisor:", json.dumps(fields, default=str), flush=True)
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -95,8 +123,18 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m workbench.supervise")
+    ap.add_argument("run_dir")
+    ap.add_argument("--nnodes", type=int, default=1)
+    ap.add_argument("--node-rank", type=int, default=0)
+    ap.add_argument("--rdzv-endpoint", help="HOST:PORT of node 0 (multi-node runs)")
+    ap.add_argument("--rdzv-id")
+    a = ap.parse_args(argv)
+    if a.nnodes > 1 and not a.rdzv_endpoint:
+        ap.error("--rdzv-endpoint is required with --nnodes > 1")
+    return supervise(a.run_dir, NodeRole(a.nnodes, a.node_rank, a.rdzv_endpoint, a.rdzv_id))
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.stderr.write("usage: python -m workbench.supervise RUN_DIR\n")
-        sys.exit(2)
-    sys.exit(supervise(sys.argv[1]))
+    sys.exit(main())
