@@ -19,6 +19,9 @@ from workbench.data.clean.step import Doc, Step, check
 _INVISIBLE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u200b-\u200d\u2060\ufeff]")
 # Horizontal whitespace, including the ideographic space U+3000 common in Chinese text.
 _SPACES = re.compile("[ \t\u00a0\u3000\u2000-\u200a\u202f\u205f]+")
+# The same class without the plain space: a text with none of these and no two spaces in a row
+# has nothing for _SPACES to change (a lone " " becomes " "), so the slow substitution is skipped.
+_ODD_SPACE = re.compile("[\t\u00a0\u3000\u2000-\u200a\u202f\u205f]")
 _TRAILING = re.compile(" +\n")
 
 
@@ -49,16 +52,21 @@ class Normalize(Step):
         check(self.max_blank_lines >= 0, "max_blank_lines must be >= 0")
         self._blank = "\n" * (self.max_blank_lines + 1)
         self._too_many = re.compile(f"\n{{{self.max_blank_lines + 2},}}")
+        self._too_many_str = "\n" * (self.max_blank_lines + 2)
 
     def normalize(self, text: str) -> str:
         if self.form != "none" and not (text.isascii() and self.form in ("NFC", "NFD")):
             text = unicodedata.normalize(self.form, text)
         text = text.replace("\r\n", "\n").replace("\r", "\n")
         text = _INVISIBLE.sub("", text)
+        # Each substitution runs only when its pattern can match (same result, much faster).
         if self.collapse_spaces:
-            text = _SPACES.sub(" ", text)
-            text = _TRAILING.sub("\n", text)
-        text = self._too_many.sub(self._blank, text)
+            if "  " in text or _ODD_SPACE.search(text):
+                text = _SPACES.sub(" ", text)
+            if " \n" in text:
+                text = _TRAILING.sub("\n", text)
+        if self._too_many_str in text:
+            text = self._too_many.sub(self._blank, text)
         return text.strip()
 
     def apply(self, doc: Doc) -> str | None:

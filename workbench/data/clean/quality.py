@@ -8,6 +8,7 @@ English stop-word list) use their Chinese counterparts or are skipped for ``zh``
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -15,7 +16,6 @@ from typing import ClassVar
 import numpy as np
 
 from workbench.data.clean.step import Doc, Step, check
-from workbench.data.clean.tokens import words
 
 # Gopher's stop words (Rae et al. 2021, App. A); the Chinese list is this project's analogue:
 # the most frequent function characters of modern written Chinese.
@@ -78,69 +78,91 @@ def _dup_ngram_char_fraction(ws: list[str], n: int, total_chars: int) -> float:
 class _NGrams:
     """Word n-gram statistics of one document, computed once and shared by the n-gram rules.
 
-    Every n-gram gets an exact dense id (no hashing, so no collisions): words are numbered in
-    order of first occurrence, and the k-gram at position i is the pair (id of the (k-1)-gram at
-    i, id of word i+k-1), renumbered densely with ``np.unique``. Counting and coverage are then
-    array operations instead of Counters of tuples, with results equal to
-    :func:`_top_ngram_char_fraction` / :func:`_dup_ngram_char_fraction` (ties between equally
-    frequent n-grams go to the first to occur, as ``Counter.most_common`` does).
+    Exact, with numpy instead of Counters of tuples: words are numbered in order of first
+    occurrence and a k-gram's key is its k word numbers as one base-V integer (V distinct words;
+    re-numbered densely first when V**k would not fit in 63 bits), so equal keys mean equal
+    n-grams. :meth:`top_fraction` and :meth:`dup_fraction` return exactly what
+    :func:`_top_ngram_char_fraction` and :func:`_dup_ngram_char_fraction` return (ties between
+    equally frequent n-grams go to the first to occur, as ``Counter.most_common`` does).
+
+    :meth:`top_bound` is a cheap upper bound of :meth:`top_fraction` from word counts alone (an
+    n-gram cannot occur more often than its rarest word): when the bound is within the limit the
+    rule cannot fire and the exact value is not needed.
     """
 
     def __init__(self, ws: list[str], total_chars: int) -> None:
         self.n = len(ws)
         vocab = {w: i for i, w in enumerate(dict.fromkeys(ws))}  # first-occurrence order
-        self.vocab_size = len(vocab)
+        self.vocab_size = max(len(vocab), 1)
         self.ids = np.fromiter(map(vocab.__getitem__, ws), dtype=np.int64, count=self.n)
         self.lens = np.fromiter(map(len, ws), dtype=np.int64, count=self.n)
         self.prefix = np.zeros(self.n + 1, dtype=np.int64)
         np.cumsum(self.lens, out=self.prefix[1:])
         self.total = max(total_chars, 1)
-        # k -> (dense id of the k-gram at each position, first position of each id, counts)
-        self._grams: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._keys: dict[int, tuple[np.ndarray, int]] = {1: (self.ids, self.vocab_size)}
+        self._min_count: dict[int, np.ndarray] = {}
 
-    def _gram(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        got = self._grams.get(k)
-        if got is not None:
-            return got
-        if k == 1:
-            keys = self.ids
-        else:
-            prev = self._gram(k - 1)[0]
-            # prev < n and ids < vocab_size <= n, so the pair code fits in int64 for any text.
-            keys = prev[:-1] * self.vocab_size + self.ids[k - 1:]
-        # np.unique(keys, return_index, return_inverse, return_counts) without its overhead.
-        order = np.argsort(keys, kind="stable")
-        ordered = keys[order]
-        starts = np.empty(ordered.size, dtype=bool)
-        starts[:1] = True
-        np.not_equal(ordered[1:], ordered[:-1], out=starts[1:])
-        begin = np.flatnonzero(starts)
-        counts = np.diff(begin, append=ordered.size)
-        first = order[begin]  # a stable sort keeps the first occurrence first in its group
-        dense = np.empty(ordered.size, dtype=np.int64)
-        dense[order] = np.cumsum(starts) - 1
-        got = (dense, first, counts)
-        self._grams[k] = got
-        return got
+    def keys(self, k: int) -> np.ndarray:
+        """Key of the k-gram starting at each position (``n - k + 1`` of them; needs n >= k)."""
+        for j in range(len(self._keys) + 1, k + 1):
+            prev, bound = self._keys[j - 1]  # every key of the (j-1)-grams is < bound
+            if bound * self.vocab_size >= 1 << 63:  # re-number the (j-1)-grams densely
+                uniq, prev = np.unique(prev, return_inverse=True)
+                prev, bound = prev.reshape(-1), uniq.size
+            self._keys[j] = (prev[:-1] * self.vocab_size + self.ids[j - 1:],
+                             bound * self.vocab_size)
+        return self._keys[k][0]
 
-    def top_fraction(self, k: int) -> float:
+    def top_bound(self, k: int) -> float:
+        """Upper bound of :meth:`top_fraction`: max over positions of (count of the rarest word
+        of the k-gram there) x (its characters), over all word characters."""
+        if k < 1:
+            return math.inf
         if self.n < k:
             return 0.0
-        _, first, counts = self._gram(k)
-        top = int(counts.max())
-        if top < 2:
+        if not self._min_count:
+            self._min_count[1] = np.bincount(self.ids)[self.ids]
+        for j in range(len(self._min_count) + 1, k + 1):
+            self._min_count[j] = np.minimum(self._min_count[j - 1][:-1],
+                                            self._min_count[1][j - 1:])
+        chars = self.prefix[k:] - self.prefix[:-k]
+        return int((self._min_count[k] * chars).max()) / self.total
+
+    def _repeats(self, k: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Positions in k-gram key order (stable: equal n-grams stay in order of occurrence)
+        and whether each entry in that order holds the same n-gram as the next one; None when
+        no k-gram occurs twice."""
+        if k < 1:  # as the reference functions (an empty Counter has no most common item)
+            raise IndexError(f"n-gram size must be at least 1, got {k}")
+        if self.n < k:
+            return None
+        keys = self.keys(k)
+        order = np.argsort(keys, kind="stable")
+        ordered = keys[order]
+        same = ordered[1:] == ordered[:-1]
+        return (order, same) if same.any() else None
+
+    def top_fraction(self, k: int) -> float:
+        got = self._repeats(k)
+        if got is None:
             return 0.0
-        tied = np.flatnonzero(counts == top)
-        pos = int(first[tied].min())  # the first to occur of the most frequent n-grams
+        order, same = got
+        begin = np.flatnonzero(np.concatenate(([True], ~same)))  # first entry of each n-gram
+        counts = np.diff(begin, append=order.size)
+        top = int(counts.max())
+        pos = int(order[begin[counts == top]].min())  # first to occur of the most frequent
         return top * int(self.prefix[pos + k] - self.prefix[pos]) / self.total
 
     def dup_fraction(self, k: int) -> float:
-        if self.n < k:
+        got = self._repeats(k)
+        if got is None:
             return 0.0
-        dense, _, counts = self._gram(k)
-        repeated = counts[dense] > 1
-        if not repeated.any():
-            return 0.0
+        order, same = got
+        in_group = np.zeros(order.size, dtype=bool)
+        in_group[1:] = same
+        in_group[:-1] |= same
+        repeated = np.empty(order.size, dtype=bool)
+        repeated[order] = in_group
         # Word j is covered when an n-gram starting in [j-k+1, j] repeats.
         cs = np.zeros(repeated.size + 1, dtype=np.int64)
         np.cumsum(repeated, out=cs[1:])
@@ -213,12 +235,15 @@ class QualityFilter(Step):
             # YAML/JSON keys arrive as strings.
             setattr(self, key, {int(n): float(v) for n, v in value.items()})
         self._dup_ngrams = sorted(self.max_dup_ngram_chars.items())
+        # The smallest limit from each entry on: once a fraction is within it, the rest are too.
+        limits = [limit for _, limit in self._dup_ngrams]
+        self._dup_rest_min = [min(limits[i:]) for i in range(len(limits))]
 
     def apply(self, doc: Doc) -> str | None:  # a flat list of rules, in Gopher's order
         text = doc.text
         zh = doc.language() == "zh"
         lower = text.lower()
-        ws = words(lower)  # lowercased once: stop words and n-grams compare lowercase
+        ws = doc.lower_words()  # lowercased once: stop words and n-grams compare lowercase
         n = len(ws)
         if self.min_words is not None and n < self.min_words:
             doc.detail = f"{n} words < {self.min_words}"
@@ -226,7 +251,7 @@ class QualityFilter(Step):
         if self.max_words is not None and n > self.max_words:
             doc.detail = f"{n} words > {self.max_words}"
             return "gopher_max_words"
-        word_chars = sum(map(len, ws))
+        word_chars = len("".join(ws))
         if not zh and n:
             mean = word_chars / n
             if self.min_mean_word_length is not None and mean < self.min_mean_word_length:
@@ -290,12 +315,17 @@ class QualityFilter(Step):
             return "gopher_dup_paragraph_chars"
         grams = _NGrams(ws, word_chars)
         for k, limit in self.max_top_ngram_chars.items():
+            if grams.top_bound(k) <= limit:
+                continue  # the exact fraction is at most the bound: the rule cannot fire
             f = grams.top_fraction(k)
             if f > limit:
                 doc.detail = f"most frequent {k}-gram covers {f:.0%} of characters"
                 return "gopher_top_ngram"
-        for k, limit in self._dup_ngrams:
-            f = grams.dup_fraction(k)
+        bound = math.inf  # words covered by repeated k-grams are covered by repeated (k-1)-grams
+        for (k, limit), rest in zip(self._dup_ngrams, self._dup_rest_min, strict=True):
+            if bound <= rest:
+                break  # no later fraction can exceed its limit (each is at most ``bound``)
+            f = bound = grams.dup_fraction(k)
             if f > limit:
                 doc.detail = f"repeated {k}-grams cover {f:.0%} of characters"
                 return "gopher_dup_ngram"

@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from workbench.data.clean.tokens import guess_script_language
+from workbench.data.clean.tokens import guess_script_language, words
 
 
 @dataclass
@@ -32,6 +32,7 @@ class Doc:
     detail: str = ""
     counters: dict[str, int] = field(default_factory=dict)
     _text: str | None = None
+    _lower_words: list[str] | None = None
 
     @property
     def text(self) -> str:
@@ -42,6 +43,14 @@ class Doc:
     def set_texts(self, texts: dict[str, str]) -> None:
         self.texts = texts
         self._text = None
+        self._lower_words = None
+
+    def lower_words(self) -> list[str]:
+        """``words(text.lower())``, computed once per text and shared by the steps that need it
+        (quality, and toxicity on ASCII text). Callers must not modify the list."""
+        if self._lower_words is None:
+            self._lower_words = words(self.text.lower())
+        return self._lower_words
 
     def language(self) -> str:
         """Detected language, or a script-based guess ('zh' / 'en') when no langid step ran."""

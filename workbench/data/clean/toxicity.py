@@ -64,18 +64,26 @@ class ToxicityFilter(Step):
         others = sorted({t for t in terms if t not in spaced}, key=len, reverse=True)
         self._substrings = re.compile("|".join(map(re.escape, others))) if others else None
 
-    def hits(self, text: str) -> list[str]:
-        """Word-list terms found in ``text`` (with repeats), e.g. ``['shit', '傻逼']``."""
-        ws = words(text)
-        # Look each distinct word up once: most documents have no hit, and then that is all.
-        hit = {w for w in set(ws) if w.lower() in self._words}
-        found = [w.lower() for w in ws if w in hit] if hit else []
+    def hits(self, text: str, lower_words: list[str] | None = None) -> list[str]:
+        """Word-list terms found in ``text`` (with repeats), e.g. ``['shit', '傻逼']``.
+
+        ``lower_words``: ``words(text.lower())`` when the caller has it; used only for ASCII
+        text, where lowercasing moves no word boundary, so it equals the words lowercased.
+        """
+        if lower_words is not None and text.isascii():
+            found = [w for w in lower_words if w in self._words]
+        else:
+            ws = words(text)
+            # Look each distinct word up once: most documents have no hit, and then that is all.
+            hit = {w for w in set(ws) if w.lower() in self._words}
+            found = [w.lower() for w in ws if w in hit] if hit else []
         if self._substrings is not None:
             found += self._substrings.findall(text.lower())
         return found
 
     def apply(self, doc: Doc) -> str | None:
-        found = self.hits(doc.text)
+        text = doc.text
+        found = self.hits(text, doc.lower_words() if text.isascii() else None)
         if len(found) >= self.min_hits:
             doc.detail = f"{len(found)} word-list hit(s): {', '.join(sorted(set(found))[:5])}"
             return "wordlist"
