@@ -120,3 +120,18 @@ def test_toxicity_with_shared_words_equals_its_own_words(text: str) -> None:
     tox = ToxicityFilter()
     doc = Doc({"text": text})
     assert tox.hits(text, doc.lower_words()) == tox.hits(text)
+
+
+def test_minhash_signature_in_blocks_equals_the_whole_matrix() -> None:
+    import numpy as np
+
+    from workbench.data.clean.dedup import MinHasher
+
+    mh = MinHasher()
+    rng = random.Random(3)
+    for n_words in (0, 1, 4, 255, 256, 257, 600, 2000):
+        text = " ".join(f"w{rng.randrange(500)}" for _ in range(n_words))
+        x = mh.shingles(text)
+        whole = np.multiply.outer(x, mh._a)
+        whole += mh._b
+        assert (mh.signature(text) == whole.min(axis=0) >> np.uint64(32)).all()

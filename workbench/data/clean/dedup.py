@@ -29,6 +29,7 @@ _SEP, _CJK, _WORD = 0, 1, 2
 _P = 0x9E3779B97F4A7C15  # odd, so it has an inverse mod 2^64
 _CLASSES: np.ndarray | None = None
 _POW: tuple[np.ndarray, np.ndarray] | None = None
+_BLOCK = 256  # shingles hashed at a time by MinHasher.signature
 
 
 def _char_classes() -> np.ndarray:
@@ -231,11 +232,21 @@ class MinHasher:
     def signature(self, text: str) -> np.ndarray:
         """``num_perm`` minimum hash values (uint64 holding 32-bit values)."""
         x = self.shingles(text)
-        h = np.multiply.outer(x, self._a)
-        h += self._b
+        # The (shingles x num_perm) hash matrix is made _BLOCK rows at a time so that it stays
+        # in cache (about 1.5x faster on 2 KB documents); the minimum of the blocks' minima is
+        # the minimum of the whole matrix.
+        buf = np.empty((min(x.size, _BLOCK), self.num_perm), dtype=np.uint64)
+        sig: np.ndarray | None = None
+        for start in range(0, x.size, _BLOCK):
+            h = buf[: min(_BLOCK, x.size - start)]
+            np.multiply(x[start:start + _BLOCK, None], self._a, out=h)
+            h += self._b
+            low = h.min(axis=0)
+            sig = low if sig is None else np.minimum(sig, low, out=sig)
+        assert sig is not None  # shingles() returns at least one value
         # floor(v / 2^32) is monotone, so shifting the column minima equals minimising the
         # shifted values: one pass over the matrix saved.
-        return h.min(axis=0) >> np.uint64(32)
+        return sig >> np.uint64(32)
 
     def band_keys(self, signature: np.ndarray) -> list[int]:
         """One 64-bit key per LSH band (salted with the band number, never 0)."""
