@@ -1,0 +1,182 @@
+/**
+ * RunDetails: a main-area view of one run — full loss plot (train and eval), the log tail with a
+ * choice of log file, and the snapshots when the library reports them. It refreshes while the
+ * run is live and stops once the run has ended.
+ */
+import { Widget } from '@lumino/widgets';
+
+import { duration, money, number } from './format';
+import { drawLossPlot } from './sparkline';
+import { IRunDetails, TERMINAL_STATES, WorkbenchService } from './service';
+
+export class RunDetails extends Widget {
+  private readonly summaryNode = document.createElement('dl');
+  private readonly plot = document.createElementNS('http://www.w3.org/2000/svg', 'svg');
+  private readonly logSelect = document.createElement('select');
+  private readonly logNode = document.createElement('pre');
+  private readonly snapshotsSection = document.createElement('section');
+  private timer: number | null = null;
+  private logName: string | null = null;
+
+  constructor(
+    private readonly service: WorkbenchService,
+    readonly runId: string,
+    private intervalMs: number
+  ) {
+    super();
+    this.addClass('jp-WorkbenchDetails');
+    this.id = `workbench-run-${runId}`;
+    this.title.label = runId;
+    this.title.closable = true;
+    this.node.tabIndex = -1;
+    const plotTitle = document.createElement('h3');
+    plotTitle.textContent = 'Loss';
+    this.plot.classList.add('jp-WorkbenchPlot');
+    this.plot.setAttribute('role', 'img');
+    this.plot.setAttribute('aria-label', `loss of run ${runId}`);
+    const legend = document.createElement('div');
+    legend.className = 'jp-WorkbenchPlot-legend';
+    legend.innerHTML =
+      '<span class="jp-WorkbenchPlot-key jp-mod-train"></span>train loss ' +
+      '<span class="jp-WorkbenchPlot-key jp-mod-eval"></span>eval loss';
+    const logTitle = document.createElement('h3');
+    logTitle.textContent = 'Logs';
+    const label = document.createElement('label');
+    label.textContent = 'Log file ';
+    this.logSelect.setAttribute('aria-label', 'log file');
+    this.logSelect.addEventListener('change', () => {
+      this.logName = this.logSelect.value || null;
+      void this.refresh();
+    });
+    label.append(this.logSelect);
+    this.logNode.className = 'jp-WorkbenchDetails-log';
+    this.logNode.tabIndex = 0;
+    this.logNode.setAttribute('aria-label', 'log tail');
+    this.snapshotsSection.hidden = true;
+    this.node.append(
+      this.summaryNode,
+      plotTitle,
+      this.plot,
+      legend,
+      logTitle,
+      label,
+      this.logNode,
+      this.snapshotsSection
+    );
+  }
+
+  set refreshInterval(seconds: number) {
+    this.intervalMs = Math.max(500, seconds * 1000);
+  }
+
+  async refresh(): Promise<void> {
+    let d: IRunDetails;
+    try {
+      d = await this.service.details(this.runId);
+    } catch (error) {
+      this.logNode.textContent = `Cannot read run ${this.runId}: ${(error as Error).message}`;
+      return;
+    }
+    this.render(d);
+    if (this.logName) {
+      const reply = await this.service.logs(this.runId, this.logName, 200);
+      this.logNode.textContent = reply.text;
+    }
+    this.schedule(TERMINAL_STATES.has(d.state || 'pending'));
+  }
+
+  protected onAfterAttach(): void {
+    void this.refresh();
+  }
+
+  protected onBeforeDetach(): void {
+    this.schedule(true);
+  }
+
+  private schedule(stop: boolean): void {
+    if (this.timer !== null) {
+      window.clearTimeout(this.timer);
+      this.timer = null;
+    }
+    if (!stop && this.isAttached) {
+      this.timer = window.setTimeout(() => void this.refresh(), this.intervalMs);
+    }
+  }
+
+  private render(d: IRunDetails): void {
+    this.title.label = d.name;
+    this.title.caption = d.id;
+    const rows: [string, string][] = [
+      ['Run', d.id],
+      ['State', d.state || 'pending'],
+      ['Target', d.target],
+      ['Step', `${d.step ?? 0} / ${d.total_steps ?? '?'}`],
+      ['Loss', `${number(d.first_loss)} → ${number(d.last_loss)}`],
+      ['Eval loss', number(d.eval_loss)],
+      ['Tokens/s', d.tokens_per_s ? d.tokens_per_s.toFixed(0) : '–'],
+      ['Elapsed', duration(d.elapsed_s)],
+      ['ETA', TERMINAL_STATES.has(d.state || '') ? '–' : duration(d.eta_s)],
+      ['Folder', d.run_dir]
+    ];
+    const cost = money(d.cost, d.currency);
+    if (cost) {
+      rows.push(['Cost', cost]);
+    }
+    if (d.error) {
+      rows.push(['Error', d.error]);
+    }
+    this.summaryNode.replaceChildren(
+      ...rows.flatMap(([k, v]) => {
+        const dt = document.createElement('dt');
+        dt.textContent = k;
+        const dd = document.createElement('dd');
+        dd.textContent = v;
+        return [dt, dd];
+      })
+    );
+    const train = d.metrics.filter(m => m.loss !== undefined).map(m => [m.step, m.loss!] as [number, number]);
+    const evals = d.metrics
+      .filter(m => m.eval_loss !== undefined)
+      .map(m => [m.step, m.eval_loss!] as [number, number]);
+    drawLossPlot(this.plot, train, evals);
+    const options = ['', ...d.log_names];
+    if (options.join('|') !== Array.from(this.logSelect.options, o => o.value).join('|')) {
+      this.logSelect.replaceChildren(
+        ...options.map(name => {
+          const o = document.createElement('option');
+          o.value = name;
+          o.textContent = name || 'all logs (tail)';
+          return o;
+        })
+      );
+      this.logSelect.value = this.logName ?? '';
+    }
+    if (!this.logName) {
+      this.logNode.textContent = d.logs || '(no log lines yet)';
+    }
+    this.renderSnapshots(d.snapshots);
+  }
+
+  private renderSnapshots(snapshots: unknown[] | null): void {
+    this.snapshotsSection.hidden = snapshots === null;
+    if (snapshots === null) {
+      return;
+    }
+    const h = document.createElement('h3');
+    h.textContent = 'Snapshots';
+    const list = document.createElement('ul');
+    list.append(
+      ...snapshots.map(s => {
+        const li = document.createElement('li');
+        li.textContent = typeof s === 'object' ? JSON.stringify(s) : String(s);
+        return li;
+      })
+    );
+    if (!snapshots.length) {
+      const li = document.createElement('li');
+      li.textContent = 'No snapshots yet.';
+      list.append(li);
+    }
+    this.snapshotsSection.replaceChildren(h, list);
+  }
+}

@@ -1,0 +1,339 @@
+/**
+ * RunsPanel: the left side panel. It polls the server every `refreshInterval` seconds while
+ * visible and updates each run's card in place (so focus and scroll survive a refresh):
+ * name, state, target, step / total, latest loss, cost, ETA, a mini loss curve and the actions
+ * the server says the library supports.
+ */
+import { showErrorMessage } from '@jupyterlab/apputils';
+import { Widget } from '@lumino/widgets';
+
+import { duration, money, number } from './format';
+import { drawSparkline } from './sparkline';
+import {
+  ICapabilities,
+  IEndpoint,
+  IRun,
+  IRunsReply,
+  RunAction,
+  TERMINAL_STATES,
+  WorkbenchService
+} from './service';
+
+/** What the panel asks its host (the plugin) to do: open things in the rest of JupyterLab. */
+export interface IRunsPanelHost {
+  openDetails(run: IRun): void;
+  openFolder(path: string): void;
+  newRun(): void;
+}
+
+function button(label: string, aria: string, onClick: () => void): HTMLButtonElement {
+  const b = document.createElement('button');
+  b.type = 'button';
+  b.className = 'jp-WorkbenchRuns-button';
+  b.textContent = label;
+  b.setAttribute('aria-label', aria);
+  b.title = aria;
+  b.addEventListener('click', onClick);
+  return b;
+}
+
+class RunCard {
+  readonly node = document.createElement('li');
+  private readonly nameNode = document.createElement('span');
+  private readonly stateNode = document.createElement('span');
+  private readonly metaNode = document.createElement('div');
+  private readonly errorNode = document.createElement('div');
+  private readonly spark = document.createElementNS('http://www.w3.org/2000/svg', 'svg');
+  private readonly actions = document.createElement('div');
+  private actionsKey = '';
+  run: IRun;
+
+  constructor(
+    run: IRun,
+    private readonly panel: RunsPanel
+  ) {
+    this.run = run;
+    this.node.className = 'jp-WorkbenchRuns-run';
+    this.node.dataset.runId = run.id;
+    this.node.setAttribute('aria-label', `run ${run.name}`);
+    const head = document.createElement('div');
+    head.className = 'jp-WorkbenchRuns-head';
+    this.nameNode.className = 'jp-WorkbenchRuns-name';
+    this.stateNode.className = 'jp-WorkbenchRuns-state';
+    head.append(this.nameNode, this.stateNode);
+    this.metaNode.className = 'jp-WorkbenchRuns-meta';
+    this.errorNode.className = 'jp-WorkbenchRuns-error';
+    this.spark.classList.add('jp-WorkbenchSpark');
+    this.spark.setAttribute('role', 'img');
+    this.actions.className = 'jp-WorkbenchRuns-actions';
+    this.node.append(head, this.metaNode, this.spark, this.errorNode, this.actions);
+    this.update(run, panel.capabilities);
+  }
+
+  update(run: IRun, caps: ICapabilities): void {
+    this.run = run;
+    const state = run.state || 'pending';
+    this.nameNode.textContent = run.name;
+    this.nameNode.title = run.id;
+    this.stateNode.textContent = state;
+    this.stateNode.className = `jp-WorkbenchRuns-state jp-mod-${state}`;
+    this.node.dataset.state = state;
+    const parts = [
+      run.target,
+      `step ${run.step ?? 0} / ${run.total_steps ?? '?'}`,
+      `loss ${number(run.last_loss)}`
+    ];
+    const cost = money(run.cost, run.currency);
+    if (cost) {
+      parts.push(cost);
+    }
+    if (!TERMINAL_STATES.has(state)) {
+      parts.push(`ETA ${duration(run.eta_s)}`);
+    } else {
+      parts.push(`took ${duration(run.elapsed_s)}`);
+    }
+    this.metaNode.textContent = parts.join(' · ');
+    this.errorNode.textContent = run.error ? String(run.error).split('\n')[0] : '';
+    this.errorNode.hidden = !run.error;
+    drawSparkline(this.spark, run.curve);
+    this.spark.setAttribute('aria-label', `loss curve of ${run.name}, ${run.curve.length} points`);
+    this.renderActions(run, caps);
+  }
+
+  private renderActions(run: IRun, caps: ICapabilities): void {
+    const state = run.state || 'pending';
+    const done = TERMINAL_STATES.has(state);
+    const wanted: [string, string, () => void][] = [
+      ['Details', `details of ${run.name}`, () => this.panel.host.openDetails(this.run)]
+    ];
+    if (caps.cancel && !done) {
+      wanted.push(['Cancel', `cancel ${run.name}`, () => void this.panel.act(this.run, 'cancel')]);
+    }
+    if (caps.resume && done && state !== 'succeeded') {
+      wanted.push(['Resume', `resume ${run.name}`, () => void this.panel.act(this.run, 'resume')]);
+    }
+    if (caps.deploy && state === 'succeeded') {
+      wanted.push(['Deploy', `deploy ${run.name}`, () => void this.panel.act(this.run, 'deploy')]);
+    }
+    if (run.browse_path !== null) {
+      wanted.push(['Folder', `open the run folder of ${run.name} in the file browser`, () =>
+        this.panel.host.openFolder(this.run.browse_path!)]);
+    }
+    if (caps.tensorboard && run.has_tensorboard) {
+      wanted.push(['TensorBoard', `open TensorBoard for ${run.name}`, () =>
+        void this.panel.act(this.run, 'tensorboard')]);
+    }
+    const key = wanted.map(w => w[0]).join('|');
+    if (key === this.actionsKey) {
+      return; // same buttons: keep them (and the keyboard focus on them)
+    }
+    this.actionsKey = key;
+    this.actions.replaceChildren(...wanted.map(([label, aria, fn]) => button(label, aria, fn)));
+  }
+}
+
+export class RunsPanel extends Widget {
+  capabilities: ICapabilities = {
+    cancel: true,
+    resume: false,
+    snapshots: false,
+    deploy: false,
+    endpoints: false,
+    stop_endpoint: false,
+    tensorboard: false
+  };
+  private readonly cards = new Map<string, RunCard>();
+  private readonly list = document.createElement('ul');
+  private readonly endpointsList = document.createElement('ul');
+  private readonly endpointsSection = document.createElement('section');
+  private readonly statusNode = document.createElement('div');
+  private timer: number | null = null;
+  private intervalMs = 2000;
+  private inFlight = false;
+  private endpointsKey = '';
+
+  constructor(
+    private readonly service: WorkbenchService,
+    readonly host: IRunsPanelHost
+  ) {
+    super();
+    this.id = 'workbench-runs';
+    this.addClass('jp-WorkbenchRuns');
+    this.title.caption = 'Workbench runs';
+    const header = document.createElement('header');
+    header.className = 'jp-WorkbenchRuns-header';
+    const h = document.createElement('h2');
+    h.textContent = 'Workbench runs';
+    header.append(
+      h,
+      button('New run', 'new fine-tuning run notebook', () => this.host.newRun()),
+      button('Refresh', 'refresh the runs now', () => void this.refresh())
+    );
+    this.list.className = 'jp-WorkbenchRuns-list';
+    this.list.setAttribute('aria-label', 'runs');
+    this.statusNode.className = 'jp-WorkbenchRuns-status';
+    this.statusNode.setAttribute('role', 'status');
+    const eh = document.createElement('h3');
+    eh.textContent = 'Endpoints';
+    this.endpointsList.className = 'jp-WorkbenchRuns-list';
+    this.endpointsSection.append(eh, this.endpointsList);
+    this.endpointsSection.hidden = true;
+    this.node.append(header, this.statusNode, this.list, this.endpointsSection);
+  }
+
+  /** Seconds between refreshes (from the Settings Editor). */
+  set refreshInterval(seconds: number) {
+    this.intervalMs = Math.max(500, seconds * 1000);
+    if (this.timer !== null) {
+      this.startPolling();
+    }
+  }
+
+  async refresh(): Promise<void> {
+    if (this.inFlight) {
+      return;
+    }
+    this.inFlight = true;
+    try {
+      this.render(await this.service.listRuns());
+      this.statusNode.textContent = '';
+    } catch (error) {
+      this.statusNode.textContent = `Cannot read the runs: ${(error as Error).message}`;
+    } finally {
+      this.inFlight = false;
+    }
+  }
+
+  async act(run: IRun, action: RunAction): Promise<void> {
+    this.statusNode.textContent = `${action} ${run.name}…`;
+    try {
+      const reply = await this.service.act(run.id, action);
+      if (action === 'tensorboard' && typeof reply.url === 'string') {
+        window.open(reply.url, '_blank', 'noopener');
+      }
+      this.statusNode.textContent = '';
+    } catch (error) {
+      this.statusNode.textContent = '';
+      void showErrorMessage(`Could not ${action} ${run.name}`, (error as Error).message);
+    }
+    await this.refresh();
+  }
+
+  async stopEndpoint(name: string): Promise<void> {
+    try {
+      await this.service.stopEndpoint(name);
+    } catch (error) {
+      void showErrorMessage(`Could not stop ${name}`, (error as Error).message);
+    }
+    await this.refresh();
+  }
+
+  protected onAfterShow(): void {
+    void this.refresh();
+    this.startPolling();
+  }
+
+  protected onBeforeHide(): void {
+    this.stopPolling();
+  }
+
+  protected onAfterAttach(): void {
+    if (this.isVisible) {
+      this.onAfterShow();
+    }
+  }
+
+  protected onBeforeDetach(): void {
+    this.stopPolling();
+  }
+
+  dispose(): void {
+    this.stopPolling();
+    super.dispose();
+  }
+
+  private startPolling(): void {
+    this.stopPolling();
+    this.timer = window.setInterval(() => void this.refresh(), this.intervalMs);
+  }
+
+  private stopPolling(): void {
+    if (this.timer !== null) {
+      window.clearInterval(this.timer);
+      this.timer = null;
+    }
+  }
+
+  private render(reply: IRunsReply): void {
+    this.capabilities = reply.capabilities;
+    const seen = new Set<string>();
+    reply.runs.forEach((run, index) => {
+      seen.add(run.id);
+      let card = this.cards.get(run.id);
+      if (card) {
+        card.update(run, reply.capabilities);
+      } else {
+        card = new RunCard(run, this);
+        this.cards.set(run.id, card);
+      }
+      // Newest first, as the registry lists them; move a node only when it is out of place.
+      if (this.list.children[index] !== card.node) {
+        this.list.insertBefore(card.node, this.list.children[index] ?? null);
+      }
+    });
+    for (const [id, card] of this.cards) {
+      if (!seen.has(id)) {
+        card.node.remove();
+        this.cards.delete(id);
+      }
+    }
+    if (!reply.runs.length) {
+      this.statusNode.textContent = 'No runs yet: launch one from a notebook or with “New run”.';
+    }
+    this.renderEndpoints(reply.capabilities.endpoints ? reply.endpoints : null);
+  }
+
+  private renderEndpoints(endpoints: IEndpoint[] | null): void {
+    this.endpointsSection.hidden = endpoints === null;
+    const key = JSON.stringify([endpoints, this.capabilities.stop_endpoint]);
+    if (endpoints === null || key === this.endpointsKey) {
+      return; // unchanged: keep the nodes (and the keyboard focus on them)
+    }
+    this.endpointsKey = key;
+    this.endpointsList.replaceChildren(
+      ...endpoints.map(e => {
+        const li = document.createElement('li');
+        li.className = 'jp-WorkbenchRuns-endpoint';
+        li.dataset.endpoint = e.name;
+        const head = document.createElement('div');
+        head.className = 'jp-WorkbenchRuns-head';
+        const name = document.createElement('span');
+        name.className = 'jp-WorkbenchRuns-name';
+        name.textContent = e.name;
+        const state = document.createElement('span');
+        state.className = `jp-WorkbenchRuns-state jp-mod-${e.state === 'healthy' ? 'running' : e.state}`;
+        state.textContent = e.state || '?';
+        head.append(name, state);
+        const meta = document.createElement('div');
+        meta.className = 'jp-WorkbenchRuns-meta';
+        meta.textContent = [e.target, e.url, e.models.join(', ')].filter(Boolean).join(' · ');
+        li.append(head, meta);
+        if (this.capabilities.stop_endpoint && (e.state === 'starting' || e.state === 'healthy')) {
+          const actions = document.createElement('div');
+          actions.className = 'jp-WorkbenchRuns-actions';
+          actions.append(
+            button('Stop', `stop endpoint ${e.name}`, () => void this.stopEndpoint(e.name))
+          );
+          li.append(actions);
+        }
+        return li;
+      })
+    );
+    if (!endpoints.length) {
+      const li = document.createElement('li');
+      li.className = 'jp-WorkbenchRuns-empty';
+      li.textContent = 'No endpoints: deploy a finished run.';
+      this.endpointsList.append(li);
+    }
+  }
+}

@@ -1,0 +1,152 @@
+/**
+ * WorkbenchService: the one place that talks to the server extension's REST API
+ * (/workbench/api). Requests go through ServerConnection, so Jupyter's token and XSRF
+ * headers are added exactly as for JupyterLab's own calls.
+ */
+import { URLExt } from '@jupyterlab/coreutils';
+import { ServerConnection } from '@jupyterlab/services';
+
+/** Which actions the installed workbench library supports (detected on the server). */
+export interface ICapabilities {
+  cancel: boolean;
+  resume: boolean;
+  snapshots: boolean;
+  deploy: boolean;
+  endpoints: boolean;
+  stop_endpoint: boolean;
+  tensorboard: boolean;
+}
+
+/** One run as the panel lists it: Job.summary() plus what the panel needs to draw it. */
+export interface IRun {
+  id: string;
+  name: string;
+  state: string | null;
+  target: string;
+  step: number | null;
+  total_steps: number | null;
+  first_loss: number | null;
+  last_loss: number | null;
+  eval_loss: number | null;
+  tokens_per_s: number | null;
+  elapsed_s: number | null;
+  eta_s: number | null;
+  error: string | null;
+  created: number;
+  cost: number | null;
+  currency: string | null;
+  /** [step, loss] pairs, downsampled on the server. */
+  curve: [number, number][];
+  /** The run folder relative to the file browser's root; null when outside it. */
+  browse_path: string | null;
+  has_tensorboard: boolean;
+}
+
+export interface IMetricPoint {
+  step: number;
+  loss?: number;
+  eval_loss?: number;
+}
+
+export interface IRunDetails extends IRun {
+  run_dir: string;
+  metrics: IMetricPoint[];
+  log_names: string[];
+  logs: string;
+  snapshots: unknown[] | null;
+}
+
+/** A deployed endpoint (workbench.serve): name, state, target, OpenAI base URL, models. */
+export interface IEndpoint {
+  name: string;
+  state: string | null;
+  target: string | null;
+  url: string | null;
+  models: string[];
+}
+
+export interface IRunsReply {
+  capabilities: ICapabilities;
+  runs: IRun[];
+  endpoints: IEndpoint[];
+}
+
+export type RunAction = 'cancel' | 'resume' | 'deploy' | 'tensorboard';
+
+export const TERMINAL_STATES = new Set([
+  'succeeded',
+  'failed',
+  'cancelled',
+  'budget_stopped'
+]);
+
+/** A request the server refused, with the message the workbench library gave. */
+export class WorkbenchRequestError extends Error {
+  constructor(
+    readonly status: number,
+    message: string
+  ) {
+    super(message);
+  }
+}
+
+export class WorkbenchService {
+  constructor(
+    private readonly settings: ServerConnection.ISettings = ServerConnection.makeSettings()
+  ) {}
+
+  listRuns(): Promise<IRunsReply> {
+    return this.request<IRunsReply>('runs');
+  }
+
+  details(runId: string, tail = 200): Promise<IRunDetails> {
+    return this.request<IRunDetails>(
+      `runs/${encodeURIComponent(runId)}?tail=${tail}`
+    );
+  }
+
+  logs(runId: string, name: string | null, tail = 200): Promise<{ text: string }> {
+    const query = name ? `&name=${encodeURIComponent(name)}` : '';
+    return this.request(`runs/${encodeURIComponent(runId)}/logs?tail=${tail}${query}`);
+  }
+
+  act(runId: string, action: RunAction): Promise<Record<string, unknown>> {
+    return this.request(`runs/${encodeURIComponent(runId)}/${action}`, {
+      method: 'POST'
+    });
+  }
+
+  stopEndpoint(name: string): Promise<Record<string, unknown>> {
+    return this.request(`endpoints/${encodeURIComponent(name)}/stop`, { method: 'POST' });
+  }
+
+  newNotebook(directory: string, target: string): Promise<{ path: string }> {
+    return this.request('notebooks', {
+      method: 'POST',
+      body: JSON.stringify({ directory, target })
+    });
+  }
+
+  private async request<T>(path: string, init: RequestInit = {}): Promise<T> {
+    const url = URLExt.join(this.settings.baseUrl, 'workbench', 'api', path);
+    let response: Response;
+    try {
+      response = await ServerConnection.makeRequest(url, init, this.settings);
+    } catch (error) {
+      throw new ServerConnection.NetworkError(error as TypeError);
+    }
+    const text = await response.text();
+    let data: any = null;
+    try {
+      data = text ? JSON.parse(text) : null;
+    } catch {
+      data = null;
+    }
+    if (!response.ok) {
+      const message =
+        (data && (data.message || data.reason)) || response.statusText || text;
+      throw new WorkbenchRequestError(response.status, String(message));
+    }
+    return data as T;
+  }
+}

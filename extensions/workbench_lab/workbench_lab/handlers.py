@@ -1,0 +1,157 @@
+"""REST routes of the Workbench panel: a declarative list of (regex, handler) under /workbench/api.
+
+Handlers only adapt HTTP to :class:`workbench_lab.view.RunsView` (which calls the workbench
+library). They derive from jupyter_server's ``APIHandler`` and are ``@tornado.web.authenticated``,
+so Jupyter's own token/cookie authentication and XSRF checks apply; typed workbench errors map
+to status codes with the error's message as the reason the panel shows.
+
+    GET  /workbench/api/runs                    every run (+ endpoints) and the capabilities
+    GET  /workbench/api/runs/RUN_ID             details: summary, loss points, log tail, snapshots
+    GET  /workbench/api/runs/RUN_ID/logs        ?name=rank-0.log&tail=200
+    POST /workbench/api/runs/RUN_ID/cancel|resume|deploy|tensorboard
+    POST /workbench/api/endpoints/NAME/stop     stop a deployed endpoint
+    POST /workbench/api/notebooks               {"directory": "", "target": "local"} -> {"path"}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import math
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import tornado.web
+from jupyter_server.base.handlers import APIHandler
+from jupyter_server.utils import ensure_async, url_path_join
+
+from workbench.errors import WorkbenchError
+from workbench_lab.template import new_run_notebook
+from workbench_lab.tensorboard import TensorBoardError, TensorBoards
+from workbench_lab.view import RUN_ID_PATTERN, InvalidRequestError, RunsView, UnsupportedError
+
+T = TypeVar("T")
+_STATUS = ((LookupError, 404), (InvalidRequestError, 400), (UnsupportedError, 501),
+           (TensorBoardError, 409), (WorkbenchError, 409))
+_MAX_TAIL = 5000
+
+
+class WorkbenchHandler(APIHandler):
+    @property
+    def view(self) -> RunsView:
+        return self.settings["workbench_view"]
+
+    @property
+    def tensorboards(self) -> TensorBoards:
+        return self.settings["workbench_tensorboards"]
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a (blocking, file-reading) library call off the event loop; typed errors -> HTTP."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
+        except WorkbenchError as exc:
+            code = next(c for cls, c in _STATUS if isinstance(exc, cls))
+            raise tornado.web.HTTPError(code, reason=str(exc).splitlines()[0][:300]) from exc
+
+    def reply(self, data: Any) -> None:
+        self.set_header("Cache-Control", "no-store")
+        self.finish(json.dumps(_finite(data), default=str, allow_nan=False))
+
+    def tail(self) -> int:
+        try:
+            return max(1, min(int(self.get_query_argument("tail", "100")), _MAX_TAIL))
+        except ValueError:
+            raise tornado.web.HTTPError(400, reason="tail must be an integer") from None
+
+
+class RunsHandler(WorkbenchHandler):
+    @tornado.web.authenticated
+    async def get(self) -> None:
+        self.reply(await self.call(self.view.runs))
+
+
+class RunHandler(WorkbenchHandler):
+    @tornado.web.authenticated
+    async def get(self, run_id: str) -> None:
+        self.reply(await self.call(self.view.details, run_id, self.tail()))
+
+
+class LogsHandler(WorkbenchHandler):
+    @tornado.web.authenticated
+    async def get(self, run_id: str) -> None:
+        name = self.get_query_argument("name", None)
+        text = await self.call(self.view.logs, run_id, name, self.tail())
+        self.reply({"id": run_id, "name": name, "text": text})
+
+
+class ActionHandler(WorkbenchHandler):
+    @tornado.web.authenticated
+    async def post(self, run_id: str, action: str) -> None:
+        if action == "tensorboard":
+            job = await self.call(self.view.job, run_id)
+            url = await self.call(self.tensorboards.url, run_id, job.run_dir.tb_dir)
+            self.reply({"id": run_id, "url": url})
+            return
+        method = {"cancel": self.view.cancel, "resume": self.view.resume,
+                  "deploy": self.view.deploy}[action]
+        self.reply(await self.call(method, run_id))
+
+
+class EndpointStopHandler(WorkbenchHandler):
+    @tornado.web.authenticated
+    async def post(self, name: str) -> None:
+        self.reply(await self.call(self.view.stop_endpoint, name))
+
+
+class NotebooksHandler(WorkbenchHandler):
+    @tornado.web.authenticated
+    async def post(self) -> None:
+        body = self.get_json_body() or {}
+        directory = str(body.get("directory", "")).strip("/")
+        target = str(body.get("target") or "local")
+        cm = self.contents_manager
+        if ".." in directory.split("/") or not await ensure_async(cm.dir_exists(directory)):
+            raise tornado.web.HTTPError(400, reason=f"no folder {directory!r} in the file browser")
+        name = await ensure_async(cm.increment_filename("fine-tune.ipynb", directory, insert="-"))
+        path = f"{directory}/{name}" if directory else name
+        model = {"type": "notebook", "format": "json", "content": new_run_notebook(target)}
+        await ensure_async(cm.save(model, path))
+        self.set_status(201)
+        self.reply({"path": path})
+
+
+def _finite(value: Any) -> Any:
+    """NaN and infinities (a diverged loss) become null: JSON has no spelling for them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def routes(base_url: str) -> list[tuple[str, type[WorkbenchHandler]]]:
+    api = url_path_join(base_url, "workbench", "api")
+    run = rf"(?P<run_id>{RUN_ID_PATTERN})"
+    return [
+        (url_path_join(api, "runs"), RunsHandler),
+        (url_path_join(api, "runs", run), RunHandler),
+        (url_path_join(api, "runs", run, "logs"), LogsHandler),
+        (url_path_join(api, "runs", run, r"(?P<action>cancel|resume|deploy|tensorboard)"),
+         ActionHandler),
+        (url_path_join(api, "endpoints", rf"(?P<name>{RUN_ID_PATTERN})", "stop"), EndpointStopHandler),
+        (url_path_join(api, "notebooks"), NotebooksHandler),
+    ]
+
+
+def setup_handlers(server_app: Any) -> None:
+    web_app = server_app.web_app
+    tensorboards = TensorBoards()
+    web_app.settings["workbench_view"] = RunsView(server_app.root_dir)
+    web_app.settings["workbench_tensorboards"] = tensorboards
+    web_app.add_handlers(".*$", routes(web_app.settings["base_url"]))
+    import atexit
+
+    atexit.register(tensorboards.stop_all)

@@ -1,0 +1,228 @@
+"""What the Runs panel shows, computed from the workbench library (never a second implementation).
+
+Every row, detail view and action goes through ``workbench.jobs()``, ``Job.summary()``,
+``Job.metrics()``, ``Job.logs()`` and ``Job.cancel()``. Features that other parts of the library
+provide only in some versions (resume, snapshots, deploy, endpoints) are detected here, and the
+answer travels to the panel as ``capabilities`` so it never shows a button that cannot work.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import inspect
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+import workbench
+from workbench.errors import RunNotFoundError, WorkbenchError
+from workbench.jobs import Job
+
+RUN_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}"
+_RUN_ID = re.compile(RUN_ID_PATTERN + r"\Z")
+_LOG_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}\Z")
+CURVE_POINTS = 60  # points of a row's mini loss curve: enough for a shape, small on the wire
+PLOT_POINTS = 600  # points of the full loss plot in the details view
+
+
+class InvalidRequestError(WorkbenchError, ValueError):
+    """A run id, log name or folder in a request is malformed (400)."""
+
+
+class UnsupportedError(WorkbenchError, NotImplementedError):
+    """The installed workbench library does not provide this action (501)."""
+
+
+def _serve_module() -> Any | None:
+    try:
+        return importlib.import_module("workbench.serve")
+    except ImportError:
+        return None
+
+
+def capabilities() -> dict[str, bool]:
+    """Which actions the installed library supports; the panel shows only these."""
+    serve = _serve_module()
+    return {
+        "cancel": True,
+        "resume": callable(getattr(Job, "resume", None)),
+        "snapshots": callable(getattr(Job, "snapshots", None)),
+        "deploy": callable(getattr(Job, "deploy", None)) or callable(getattr(serve, "deploy", None)),
+        "endpoints": callable(getattr(serve, "endpoints", None)),
+        "stop_endpoint": callable(getattr(serve, "undeploy", None)),
+        "tensorboard": importlib.util.find_spec("tensorboard") is not None,
+    }
+
+
+def downsample(values: list[Any], n: int) -> list[Any]:
+    """At most ``n`` evenly spaced items, always keeping the last one (the newest point)."""
+    if len(values) <= n:
+        return list(values)
+    stride = (len(values) - 1) / (n - 1)
+    return [values[round(i * stride)] for i in range(n)]
+
+
+def _check_run_id(run_id: str) -> None:
+    if not _RUN_ID.match(run_id):
+        raise InvalidRequestError(f"{run_id!r} is not a run id (letters, digits, '.', '_', '-')")
+
+
+class RunsView:
+    """Shapes runs for the panel. Keeps one Job per run so metrics are read incrementally."""
+
+    def __init__(self, root_dir: str | Path) -> None:
+        self.root_dir = Path(root_dir).resolve()
+        self._jobs: dict[str, Job] = {}
+        # Handlers call in from a thread pool; a Job's incremental metrics reader is not re-entrant.
+        self._lock = threading.RLock()
+
+    # -- lookup ---------------------------------------------------------------------------------
+    def job(self, run_id: str) -> Job:
+        """The run with exactly this id (names and prefixes are for people, not for URLs)."""
+        _check_run_id(run_id)
+        with self._lock:
+            if run_id not in self._jobs:
+                job = workbench.get_job(run_id)
+                if job.id != run_id:
+                    raise RunNotFoundError(f"no run with id {run_id!r}; the panel lists the runs")
+                self._jobs[run_id] = job
+            return self._jobs[run_id]
+
+    def browse_path(self, job: Job) -> str | None:
+        """The run folder relative to the file browser's root, or None when it lies outside."""
+        try:
+            return Path(job.run_dir.path).resolve().relative_to(self.root_dir).as_posix()
+        except ValueError:
+            return None
+
+    # -- views ----------------------------------------------------------------------------------
+    def row(self, job: Job) -> dict[str, Any]:
+        summary = job.summary()
+        status = job.run_dir.status()
+        losses = [[m["step"], m["loss"]] for m in job.metrics() if "loss" in m and "step" in m]
+        return {
+            **summary,
+            "name": job.name,
+            "created": job.record.created,
+            "cost": summary.get("cost", status.get("cost")),
+            "currency": status.get("currency"),
+            "curve": downsample(losses, CURVE_POINTS),
+            "browse_path": self.browse_path(job),
+            "has_tensorboard": job.run_dir.tb_dir.is_dir(),
+        }
+
+    def runs(self) -> dict[str, Any]:
+        rows = []
+        with self._lock:
+            for fresh in workbench.jobs():
+                job = self._jobs.setdefault(fresh.id, fresh)
+                rows.append(self.row(job))
+        return {"capabilities": capabilities(), "runs": rows, "endpoints": self.endpoints()}
+
+    def details(self, run_id: str, tail: int = 100) -> dict[str, Any]:
+        with self._lock:
+            job = self.job(run_id)
+            metrics = job.metrics()
+            row = self.row(job)
+        points = [{k: m[k] for k in ("step", "loss", "eval_loss") if k in m}
+                  for m in metrics if "step" in m and ("loss" in m or "eval_loss" in m)]
+        details = {
+            **row,
+            "run_dir": str(job.run_dir.path),
+            "metrics": downsample(points, PLOT_POINTS),
+            "log_names": [p.name for p in job.run_dir.log_files()],
+            "logs": job.logs(tail=tail),
+            "snapshots": None,
+        }
+        if capabilities()["snapshots"]:
+            details["snapshots"] = _plain(job.snapshots())  # type: ignore[attr-defined]
+        return details
+
+    def logs(self, run_id: str, name: str | None, tail: int) -> str:
+        if name is not None and not _LOG_NAME.match(name):
+            raise InvalidRequestError(f"{name!r} is not a log file name (e.g. rank-0.log)")
+        job = self.job(run_id)
+        if name is not None and name not in {p.name for p in job.run_dir.log_files()}:
+            raise InvalidRequestError(f"run {run_id} has no log {name!r}")
+        return job.logs(tail=tail, name=name)
+
+    # -- actions --------------------------------------------------------------------------------
+    def cancel(self, run_id: str) -> dict[str, Any]:
+        with self._lock:
+            job = self.job(run_id)
+        job.cancel()  # waits for the processes to stop: not under the lock
+        with self._lock:
+            return self.row(job)
+
+    def resume(self, run_id: str) -> dict[str, Any]:
+        if not capabilities()["resume"]:
+            raise UnsupportedError("this workbench version cannot resume runs")
+        job = self.job(run_id)
+        resumed = job.resume()  # type: ignore[attr-defined]
+        if isinstance(resumed, Job):
+            self._jobs[resumed.id] = resumed
+            job = resumed
+        return self.row(job)
+
+    def deploy(self, run_id: str) -> dict[str, Any]:
+        """Start serving the run and return at once: the endpoint shows up as 'starting'.
+
+        The server outlives this request (``keep=True``); the panel lists it under Endpoints.
+        """
+        if not capabilities()["deploy"]:
+            raise UnsupportedError("this workbench version cannot deploy runs (no workbench.serve)")
+        job = self.job(run_id)
+        deploy = getattr(job, "deploy", None)
+        if not callable(deploy):
+            deploy = functools.partial(_serve_module().deploy, job)  # type: ignore[union-attr]
+        wanted = {"keep": True, "wait": False, "progress": False}
+        accepted = inspect.signature(deploy).parameters
+        endpoint = deploy(**{k: v for k, v in wanted.items() if k in accepted})
+        return {"endpoint": _endpoint_row(endpoint)}
+
+    def endpoints(self) -> list[dict[str, Any]]:
+        serve = _serve_module()
+        if not callable(getattr(serve, "endpoints", None)):
+            return []
+        return [_endpoint_row(e) for e in serve.endpoints()]  # type: ignore[union-attr]
+
+    def stop_endpoint(self, name: str) -> dict[str, Any]:
+        serve = _serve_module()
+        if not callable(getattr(serve, "undeploy", None)):
+            raise UnsupportedError("this workbench version cannot stop endpoints")
+        _check_run_id(name)
+        return {"name": name, "state": serve.undeploy(name)}  # type: ignore[union-attr]
+
+
+def _endpoint_row(endpoint: Any) -> dict[str, Any]:
+    """An endpoint as the panel lists it; every field read through the library's Endpoint."""
+    record = getattr(endpoint, "record", None)
+    row: dict[str, Any] = {
+        "name": getattr(endpoint, "name", str(endpoint)),
+        "state": getattr(record, "state", None),
+        "target": getattr(endpoint, "target", None),
+        "url": getattr(endpoint, "api_base", getattr(endpoint, "url", None)),
+    }
+    try:
+        row["models"] = list(endpoint.models)
+    except (AttributeError, KeyError, TypeError):
+        row["models"] = []
+    return row
+
+
+def _plain(value: Any) -> Any:
+    """JSON-friendly form of what a library call returned (dataclasses, paths, lists)."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if hasattr(value, "to_dict"):
+        return _plain(value.to_dict())
+    if hasattr(value, "__dataclass_fields__"):
+        return _plain({k: getattr(value, k) for k in value.__dataclass_fields__})
+    return str(value)
