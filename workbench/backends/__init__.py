@@ -44,6 +44,14 @@ def get_backend(target: str) -> Backend:
         from workbench.backends.local import LocalBackend
 
         return LocalBackend()
+    if target.startswith("ssh:"):
+        from workbench.backends.ssh import SSHBackend
+
+        return SSHBackend(target)
+    if target.startswith("slurm:"):
+        from workbench.backends.slurm import SlurmBackend
+
+        return SlurmBackend(target)
     kind = target.split(":", 1)[0]
     raise LaunchError(
         f"target {target!r}: the {kind} backend is not available in this version; use "

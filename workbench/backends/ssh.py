@@ -1,0 +1,259 @@
+"""The SSH backend: torchrun on one or more hosts, node 0 hosting the c10d rendezvous.
+
+``submit`` checks every host's Python environment (the remote error text becomes the error),
+copies the prepared run directory into each host's working directory, and starts
+``python -m workbench.supervise RUN_DIR --nnodes N --node-rank R --rdzv-endpoint HOST0:PORT``
+detached on each host (``setsid nohup``), node 0 first. The run directory of record lives on the
+first host; the local run directory mirrors its status, metrics and logs (other nodes' logs come
+back as ``logs/node-R-NAME``). The job id is ``ssh:HOST0:PID0``; remote.json in the local run
+directory holds every node's host, folder and supervisor PID.
+"""
+
+from __future__ import annotations
+
+import shlex
+import time
+from pathlib import Path
+from typing import Any
+
+from workbench.backends.remote import (
+    MirroredRunDir,
+    SSHTransport,
+    is_mirrored,
+    put_dir,
+    read_remote,
+    save_placement,
+    shell_path,
+    sync_run_dir,
+)
+from workbench.rundir import CANCELLED, FAILED, QUEUED, SUCCEEDED, TERMINAL, RunDir
+from workbench.spec import RunSpec
+from workbench.targets import SSHTarget, TargetError, TargetReport, get_target, probe_environment
+
+# Imports the supervisor's dependencies and picks a free port for the rendezvous, in one call.
+PREFLIGHT = ("import socket, workbench.supervise, workbench.train, torch; s = socket.socket(); "
+             "s.bind(('', 0)); print('WORKBENCH-PORT', s.getsockname()[1])")
+
+
+class SSHBackend:
+    name = "ssh"
+
+    def __init__(self, ref: str, target: SSHTarget | None = None) -> None:
+        self.ref = ref
+        self._target = target
+
+    @property
+    def target(self) -> SSHTarget:
+        if self._target is None:
+            t = get_target(self.ref)
+            if not isinstance(t, SSHTarget):
+                raise TargetError(f"{self.ref} is not an ssh target")
+            self._target = t
+        return self._target
+
+    def _transport(self, host: Any) -> SSHTransport:
+        return SSHTransport(host, self.target)
+
+    def _workdir(self, host: Any) -> str:
+        return host.workdir or self.target.workdir
+
+    # -- submit ----------------------------------------------------------------------------------
+    def submit(self, run_dir: Path, spec: RunSpec) -> str:
+        t, rd, mirror = self.target, RunDir(run_dir), MirroredRunDir(run_dir)
+        nnodes = spec.resources.nodes
+        if nnodes > len(t.hosts):
+            raise self._refuse(mirror, f"resources.nodes is {nnodes} but {t.ref} lists "
+                                       f"{len(t.hosts)} host(s); add hosts to {t.ref} in "
+                                       "targets.yaml or lower resources.nodes")
+        hosts = t.hosts[:nnodes]
+        transports = [self._transport(h) for h in hosts]
+        port = None
+        for i, tr in enumerate(transports):
+            try:
+                res = tr.run(f"{t.shell_prefix()}{shlex.quote(t.python)} -c "
+                             f"{shlex.quote(PREFLIGHT)}", check=False, timeout=120)
+            except TargetError as exc:
+                raise self._refuse(mirror, str(exc)) from None
+            found = [ln for ln in res.stdout.decode(errors="replace").splitlines()
+                     if ln.startswith("WORKBENCH-PORT ")]
+            if res.returncode != 0 or not found:
+                raise self._refuse(mirror, (
+                    f"the Python environment of {t.ref} is broken on {tr.where}: {t.python} "
+                    f"could not import workbench and torch:\n{res.text[-1500:]}\n-> fix "
+                    f"'python:', 'setup:' or 'env:' of {t.ref}; `workbench targets check {t.ref}` "
+                    "lists what is missing"))
+            if i == 0:
+                port = t.rdzv_port or int(found[0].split()[1])
+        master = transports[0].resolved_hostname()
+        rd.write_status(state=QUEUED, submitted=time.time(), target=t.ref,
+                        nodes=[h.host for h in hosts])
+        dirs = [f"{self._workdir(h).rstrip('/')}/{rd.path.name}" for h in hosts]
+        try:
+            for tr, h in zip(transports, hosts):
+                put_dir(tr, rd.path, self._workdir(h))
+        except TargetError as exc:
+            raise self._refuse(mirror, f"could not copy the run directory: {exc}") from None
+        nodes: list[dict[str, Any]] = []
+        save_placement(rd.path, target=t.ref, kind="ssh", rdzv=f"{master}:{port}", nodes=nodes)
+        try:
+            for rank, (tr, h, d) in enumerate(zip(transports, hosts, dirs)):
+                pid = self._start_node(tr, d, rank, nnodes, f"{master}:{port}", rd.path.name)
+                nodes.append({"host": h.host, "dir": d, "pid": pid, "rank": rank})
+                save_placement(rd.path, nodes=nodes)
+        except TargetError as exc:
+            self._kill_nodes(nodes, hard=True)
+            raise self._refuse(mirror, f"could not start node {len(nodes)}: {exc}") from None
+        return f"ssh:{hosts[0].host}:{nodes[0]['pid']}"
+
+    def _start_node(self, tr: SSHTransport, d: str, rank: int, nnodes: int, rdzv: str,
+                    run_id: str) -> int:
+        t, q = self.target, shell_path(d)
+        # Only the supervisor goes to the background (not the whole command list), so $! is
+        # its PID and ssh returns at once: its output is the log, not this session.
+        cmd = (f"{t.shell_prefix()}cd {q}; PYTHONUNBUFFERED=1 setsid nohup "
+               f"{shlex.quote(t.python)} -m workbench.supervise {q} --nnodes {nnodes} "
+               f"--node-rank {rank} --rdzv-endpoint {shlex.quote(rdzv)} --rdzv-id "
+               f"{shlex.quote(run_id)} >> {q}/logs/supervisor.log 2>&1 < /dev/null & echo $!")
+        out = tr.run(cmd, timeout=60).stdout.decode().strip().splitlines()
+        if not out or not out[-1].isdigit():
+            raise TargetError(f"the supervisor did not start on {tr.where} (no PID)")
+        return int(out[-1])
+
+    def _refuse(self, mirror: MirroredRunDir, message: str) -> TargetError:
+        # The run was registered before submit: leave it failed with the reason, not pending.
+        mirror.finish(state=FAILED, ended=time.time(), error=message)
+        return TargetError(message)
+
+    # -- status ----------------------------------------------------------------------------------
+    def _sync(self, run_dir: Path) -> dict[str, bool]:
+        placement = MirroredRunDir(run_dir).placement
+        alive: dict[str, bool] = {}
+        for node in placement.get("nodes", []):
+            host = self.target.hosts[node["rank"]]
+            rank = node["rank"]
+            found = sync_run_dir(self._transport(host), node["dir"], Path(run_dir),
+                                 python=self.target.python,
+                                 prefix="" if rank == 0 else f"node-{rank}-", pids=[node["pid"]])
+            alive[str(rank)] = any(found.values())
+        return alive
+
+    def status(self, run_dir: Path, job_id: str | None) -> dict[str, Any]:
+        rd, mirror = RunDir(run_dir), MirroredRunDir(run_dir)
+        if mirror.final or not mirror.placement.get("nodes"):
+            return rd.status()
+        try:
+            alive = self._sync(run_dir)
+        except TargetError as exc:
+            # The host may come back; report what we last knew and why it is stale.
+            return {**rd.status(), "warning": str(exc)}
+        status = rd.status()
+        if status.get("state") in TERMINAL:
+            return self._finish(mirror, status)
+        if alive.get("0"):
+            return status
+        self._resync(run_dir)
+        status = rd.status()
+        if status.get("state") in TERMINAL:
+            return self._finish(mirror, status)
+        log = mirror.read_local("logs/supervisor.log", 0).decode(errors="replace").strip()
+        tail = "\n".join(log.splitlines()[-15:])
+        node0 = mirror.placement["nodes"][0]
+        return mirror.finish(
+            state=FAILED, ended=time.time(),
+            error=(f"the supervisor on {node0['host']} exited without recording an outcome "
+                   f"(killed, or the host restarted); logs/supervisor.log:\n{tail}"))
+
+    def _resync(self, run_dir: Path) -> bool:
+        # The supervisor writes its terminal state just before exiting: look once more.
+        try:
+            self._sync(run_dir)
+        except TargetError:
+            return False
+        return True
+
+    def _finish(self, mirror: MirroredRunDir, status: dict[str, Any]) -> dict[str, Any]:
+        if status.get("state") == SUCCEEDED:
+            node0 = mirror.placement["nodes"][0]
+            try:
+                mirror.fetch_artefact(self._transport(self.target.hosts[0]), node0["dir"])
+            except TargetError as exc:
+                return {**status, "warning": f"could not copy the artefact back yet: {exc}"}
+        # Other nodes' last log lines arrive after node 0 finished: one last sync, best effort.
+        self._resync(mirror.path)
+        return mirror.finish(**{k: v for k, v in RunDir(mirror.path).status().items()
+                                if k != "updated"})
+
+    # -- cancel ----------------------------------------------------------------------------------
+    def cancel(self, run_dir: Path, job_id: str | None, timeout: float = 30.0) -> None:
+        rd, mirror = RunDir(run_dir), MirroredRunDir(run_dir)
+        if mirror.final or rd.status().get("state") in TERMINAL:
+            return
+        nodes = mirror.placement.get("nodes", [])
+        self._kill_nodes(nodes, hard=False)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            alive = self._sync_quiet(run_dir)
+            if not any(alive.values()):
+                break
+            time.sleep(0.5)
+        else:
+            self._kill_nodes(nodes, hard=True)
+        self._sync_quiet(run_dir)
+        status = rd.status()
+        if status.get("state") in TERMINAL:
+            mirror.finish(**{k: v for k, v in status.items() if k != "updated"})
+        else:
+            mirror.finish(state=CANCELLED, ended=time.time())
+
+    def _sync_quiet(self, run_dir: Path) -> dict[str, bool]:
+        try:
+            return self._sync(run_dir)
+        except TargetError:
+            return {}
+
+    def _kill_nodes(self, nodes: list[dict[str, Any]], hard: bool) -> None:
+        # SIGTERM lets each supervisor stop its ranks and record "cancelled"; SIGKILL also takes
+        # the launcher's process group (the ranks), which the supervisor started in its own session.
+        for node in reversed(nodes):
+            pid = int(node["pid"])
+            if hard:
+                cmd = (f"pg=$(ps -o pgid= -p $(pgrep -P {pid} | head -1) 2>/dev/null | tr -d ' '); "
+                       f"kill -KILL {pid} 2>/dev/null; [ -n \"$pg\" ] && kill -KILL -- -$pg "
+                       "2>/dev/null; true")
+            else:
+                cmd = f"kill -TERM {pid} 2>/dev/null; true"
+            try:
+                self._transport(self.target.hosts[node["rank"]]).run(cmd, check=False)
+            except TargetError:
+                pass
+
+    # -- reading ---------------------------------------------------------------------------------
+    def read(self, run_dir: Path, path: str, offset: int = 0) -> bytes:
+        mirror = MirroredRunDir(run_dir)
+        if is_mirrored(path) or mirror.final:
+            if not mirror.final:
+                self._sync_quiet(run_dir)
+            return mirror.read_local(path, offset)
+        node0 = mirror.placement["nodes"][0]
+        return read_remote(self._transport(self.target.hosts[0]), node0["dir"], path, offset,
+                           self.target.python)
+
+    def logs(self, run_dir: Path) -> dict[str, str]:
+        mirror = MirroredRunDir(run_dir)
+        if not mirror.final and mirror.placement.get("nodes"):
+            self._sync_quiet(run_dir)
+        return mirror.log_texts()
+
+
+def check_ssh_target(target: SSHTarget, report: TargetReport) -> None:
+    gpus = target.defaults.get("resources.gpus_per_node")
+    for host in target.hosts:
+        tr = SSHTransport(host, target)
+        try:
+            tr.run("true", timeout=target.connect_timeout + 20)
+        except TargetError as exc:
+            report.add(f"reachable ({host.host})", False, str(exc).split("\n-> ")[0],
+                       str(exc).split("\n-> ")[-1])
+            continue
+        report.add(f"reachable ({host.host})", True, f"ssh {host.destination} works")
+        probe_environment(tr, target, host.workdir or target.workdir, report, host.host, gpus)

@@ -1,0 +1,360 @@
+"""Named launch targets (``local``, ``ssh:NAME``, ``slurm:NAME``) saved in WORKBENCH_HOME/targets.yaml.
+
+A target says where a run executes and how to get there: the hosts (or the Slurm login node), the
+Python environment on them, the working directory that holds run directories, environment
+variables, shell set-up lines (``module load ...``), and defaults for the run spec. The file has
+one mapping per kind::
+
+    ssh:
+      pair:                              # used as  target: ssh:pair
+        hosts: [gpu1, gpu2]              # ~/.ssh/config aliases, HOST, USER@HOST or mappings
+        python: /opt/envs/ft/bin/python
+        workdir: /scratch/me/workbench
+        env: {HF_HOME: /scratch/hf}
+        defaults: {resources.gpus_per_node: 8, resources.nodes: 2}
+    slurm:
+      cluster:                           # used as  target: slurm:cluster
+        partition: gpu
+        account: proj42
+        time: "04:00:00"
+        python: /opt/envs/ft/bin/python
+        login: login.cluster.org         # omit when the notebook runs on the login node
+
+``check_target(name)`` probes a target and returns a :class:`TargetReport` that says precisely
+what is missing (``workbench targets check NAME`` prints it).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from workbench.errors import LaunchError
+from workbench.home import home
+
+
+class TargetError(LaunchError):
+    """A target is unknown, misconfigured, unreachable, or refused the run (says what to do)."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class HostSpec(_Model):
+    """One SSH host: an alias from ~/.ssh/config, a hostname, or USER@HOST."""
+
+    host: str
+    port: int | None = None
+    user: str | None = None
+    workdir: str | None = None  # overrides the target's, e.g. when hosts share no filesystem
+    address: str | None = None  # how the other nodes reach this one (default: its HostName)
+
+    @property
+    def destination(self) -> str:
+        return f"{self.user}@{self.host}" if self.user and "@" not in self.host else self.host
+
+
+class SSHOptions(_Model):
+    """How to run ssh. Host keys are checked strictly unless the target turns that off."""
+
+    ssh_config: str | None = None  # passed as ssh -F (default: ~/.ssh/config)
+    identity_file: str | None = None
+    known_hosts: str | None = None
+    strict_host_key_checking: bool = True
+    connect_timeout: int = Field(10, ge=1)
+    ssh_options: dict[str, str] = Field(default_factory=dict)  # more ssh -o KEY=VALUE
+
+
+class _TargetBase(SSHOptions):
+    python: str = "python3"  # interpreter that has workbench, torch and friends installed
+    workdir: str | None = None  # folder that holds run directories on the target
+    env: dict[str, str] = Field(default_factory=dict)
+    setup: list[str] = Field(default_factory=list)  # shell lines run first, e.g. module load
+    defaults: dict[str, Any] = Field(default_factory=dict)  # dotted RunSpec fields -> values
+
+    @field_validator("setup", mode="before")
+    @classmethod
+    def _one_line_is_a_list(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+    def shell_prefix(self) -> str:
+        """``set -e; set-up lines; export K=V ...; `` to put before a remote shell command.
+
+        ``set -e`` makes a failing set-up line stop the command (with its error text) instead
+        of starting the run in a half-prepared environment.
+        """
+        parts = ["set -e", *self.setup]
+        if self.env:
+            parts.append("export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items()))
+        return "".join(f"{p}; " for p in parts)
+
+
+class SSHTarget(_TargetBase):
+    kind: Literal["ssh"] = "ssh"
+    name: str = ""
+    hosts: list[HostSpec] = Field(min_length=1)
+    workdir: str = "~/workbench-runs"
+    rdzv_port: int | None = None  # None: a free port on the first host, chosen at submit
+
+    @field_validator("hosts", mode="before")
+    @classmethod
+    def _hosts(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = [v]
+        return [{"host": h} if isinstance(h, str) else h for h in v]
+
+    @property
+    def ref(self) -> str:
+        return f"ssh:{self.name}"
+
+
+class SlurmTarget(_TargetBase):
+    kind: Literal["slurm"] = "slurm"
+    name: str = ""
+    login: HostSpec | None = None  # sbatch over SSH on this host; None: sbatch runs here
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time: str = "01:00:00"  # --time; a job past it ends "failed" saying the limit expired
+    cpus_per_task: int | None = Field(None, ge=1)  # None: 4 per process (2 on CPU runs)
+    mem: str | None = None  # --mem per node, e.g. 64G; None: the partition's default
+    requeue: bool = True
+    sbatch_options: list[str] = Field(default_factory=list)  # extra lines, e.g. --constraint=a100
+
+    @field_validator("login", mode="before")
+    @classmethod
+    def _login(cls, v: Any) -> Any:
+        return {"host": v} if isinstance(v, str) else v
+
+    @property
+    def ref(self) -> str:
+        return f"slurm:{self.name}"
+
+
+Target = SSHTarget | SlurmTarget
+
+
+def targets_file() -> Path:
+    return home() / "targets.yaml"
+
+
+def load_targets(path: Path | None = None) -> dict[str, Target]:
+    """Every configured target by reference (``ssh:NAME``, ``slurm:NAME``)."""
+    path = path or targets_file()
+    if not path.is_file():
+        return {}
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as exc:
+        raise TargetError(f"{path} is not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise TargetError(f"{path}: expected a mapping with 'ssh:' and/or 'slurm:' sections")
+    out: dict[str, Target] = {}
+    for kind, model in (("ssh", SSHTarget), ("slurm", SlurmTarget)):
+        section = raw.get(kind) or {}
+        for name, body in section.items():
+            try:
+                out[f"{kind}:{name}"] = model.model_validate({**(body or {}), "name": name})
+            except ValidationError as exc:
+                problems = "; ".join(
+                    f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}"
+                    for e in exc.errors())
+                raise TargetError(f"{path}: {kind}.{name}: {problems}") from None
+    unknown = set(raw) - {"ssh", "slurm"}
+    if unknown:
+        raise TargetError(f"{path}: unknown section(s) {sorted(unknown)}; use 'ssh:' and 'slurm:'")
+    return out
+
+
+def target_names(current: str | None = None) -> list[str]:
+    """What a run form offers: ``local`` first, then every configured target."""
+    try:
+        names = ["local", *load_targets()]
+    except TargetError:
+        names = ["local"]  # a broken file must not break the form; `targets check` says why
+    if current and current not in names:
+        names.append(current)
+    return names
+
+
+def get_target(ref: str) -> Target:
+    targets = load_targets()
+    if ref in targets:
+        return targets[ref]
+    known = ", ".join(targets) or "none"
+    raise TargetError(
+        f"target {ref!r} is not configured (known: {known}); add it to {targets_file()} "
+        "(see docs/targets.md)"
+    )
+
+
+def save_target(target: Target, path: Path | None = None) -> None:
+    """Add or replace one target in targets.yaml (keeps the others)."""
+    path = path or targets_file()
+    raw = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}) if path.is_file() else {}
+    body = target.model_dump(mode="json", exclude_defaults=True, exclude={"name", "kind"})
+    raw.setdefault(target.kind, {})[target.name] = body
+    path.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
+
+
+def apply_defaults(spec: Any, target: Target) -> Any:
+    """``spec`` with the target's defaults (dotted field paths) applied."""
+    return spec.updated(**target.defaults) if target.defaults else spec
+
+
+# -- check ------------------------------------------------------------------------------------
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+
+
+@dataclass
+class TargetReport:
+    """The outcome of ``check_target``: one line per check, and what to do about each failure."""
+
+    target: str
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    @property
+    def missing(self) -> list[Check]:
+        return [c for c in self.checks if not c.ok]
+
+    def add(self, name: str, ok: bool, detail: str, fix: str = "") -> bool:
+        self.checks.append(Check(name, ok, detail, "" if ok else fix))
+        return ok
+
+    def __str__(self) -> str:
+        lines = [f"target {self.target}: {'ready' if self.ok else 'NOT READY'}"]
+        for c in self.checks:
+            lines.append(f"  [{'ok' if c.ok else 'MISSING'}] {c.name}: {c.detail}")
+            if c.fix:
+                lines.append(f"        -> {c.fix}")
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        import html
+
+        rows = "".join(
+            f"<tr><td>{'✅' if c.ok else '❌'}</td><td>{html.escape(c.name)}</td>"
+            f"<td style='text-align:left'>{html.escape(c.detail)}"
+            f"{'<br><i>' + html.escape(c.fix) + '</i>' if c.fix else ''}</td></tr>"
+            for c in self.checks)
+        return f"<b>{html.escape(self.target)}</b><table>{rows}</table>"
+
+
+# Runs on the target with the target's Python; prints one JSON object. Kept free of workbench
+# imports at top level so a missing package is reported, not a crash.
+PROBE = r"""
+import importlib, json, os, shutil, subprocess, sys
+out = {"python": sys.version.split()[0], "executable": sys.executable}
+for mod in ("workbench", "torch", "transformers", "peft"):
+    try:
+        m = importlib.import_module(mod)
+        out[mod] = getattr(m, "__version__", "installed")
+    except Exception as exc:
+        out[mod] = None
+        out[mod + "_error"] = f"{type(exc).__name__}: {exc}"
+if out["torch"]:
+    import torch
+    out["cuda_devices"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
+smi = shutil.which("nvidia-smi")
+out["nvidia_smi"] = None
+if smi:
+    r = subprocess.run([smi, "-L"], capture_output=True, text=True)
+    out["nvidia_smi"] = (r.stdout or r.stderr).strip()
+wd = os.path.expanduser(sys.argv[1])
+try:
+    os.makedirs(wd, exist_ok=True)
+    probe = os.path.join(wd, ".workbench-write-test")
+    open(probe, "w").close(); os.remove(probe)
+    out["workdir_writable"] = True
+except OSError as exc:
+    out["workdir_writable"] = False
+    out["workdir_error"] = str(exc)
+d = wd
+while not os.path.isdir(d):
+    d = os.path.dirname(d) or "/"
+out["workdir"] = wd
+out["disk_free_gb"] = round(shutil.disk_usage(d).free / 2**30, 1)
+print("WORKBENCH-PROBE " + json.dumps(out))
+"""
+
+MIN_FREE_DISK_GB = 5.0
+
+
+def probe_environment(transport: Any, target: Target, workdir: str, report: TargetReport,
+                      where: str, gpus_expected: int | None = None) -> dict[str, Any] | None:
+    """Run PROBE on ``transport`` with the target's Python; add findings to ``report``."""
+    cmd = (f"{target.shell_prefix()}{shlex.quote(target.python)} - {shlex.quote(workdir)}")
+    res = transport.run(cmd, input=PROBE.encode(), check=False, timeout=120)
+    line = next((ln for ln in res.stdout.decode(errors="replace").splitlines()
+                 if ln.startswith("WORKBENCH-PROBE ")), None)
+    if res.returncode != 0 or line is None:
+        err = (res.stderr.decode(errors="replace").strip() or "no output")[-800:]
+        report.add(f"python ({where})", False, f"{target.python} failed: {err}",
+                   f"set 'python:' of {target.ref} to an interpreter that exists on {where}, "
+                   "and check its 'setup:' lines")
+        return None
+    info: dict[str, Any] = json.loads(line.split(" ", 1)[1])
+    report.add(f"python ({where})", True, f"{info['executable']} (Python {info['python']})")
+    for mod in ("workbench", "torch", "transformers", "peft"):
+        report.add(f"{mod} ({where})", bool(info.get(mod)),
+                   info.get(mod) or info.get(mod + "_error", "not importable"),
+                   f"install it into {target.python}: {target.python} -m pip install "
+                   f"{'-e /path/to/workbench' if mod == 'workbench' else mod}")
+    if info.get("torch"):
+        gpus = info.get("cuda_devices", 0)
+        smi = info.get("nvidia_smi")
+        detail = f"torch sees {gpus} CUDA device(s)" + (f"; nvidia-smi: {smi}" if smi else
+                                                        "; no nvidia-smi")
+        need = gpus_expected or 0
+        report.add(f"GPUs ({where})", gpus >= need, detail,
+                   f"the target's defaults ask for {need} GPU(s) per node; install a CUDA torch "
+                   "build or lower resources.gpus_per_node")
+    free = info.get("disk_free_gb", 0.0)
+    report.add(f"workdir ({where})", bool(info.get("workdir_writable")),
+               f"{info.get('workdir')} " + ("writable" if info.get("workdir_writable")
+                                            else f"not writable: {info.get('workdir_error')}"),
+               f"set 'workdir:' of {target.ref} to a folder you can write on {where}")
+    report.add(f"free disk ({where})", free >= MIN_FREE_DISK_GB, f"{free} GiB free in the workdir",
+               f"free space or move 'workdir:' (runs need at least {MIN_FREE_DISK_GB:g} GiB for "
+               "data and checkpoints)")
+    return info
+
+
+def check_target(name: str) -> TargetReport:
+    """Probe a target: reachability, Python env, torch, GPUs, free disk (and Slurm, partition)."""
+    if name == "local":
+        from workbench.backends.remote import LocalTransport
+
+        report = TargetReport("local")
+        local = SSHTarget(name="local", hosts=[HostSpec(host="localhost")],
+                          python=__import__("sys").executable, workdir=str(home() / "runs"))
+        probe_environment(LocalTransport(), local, local.workdir, report, "this machine")
+        return report
+    target = get_target(name)
+    report = TargetReport(name)
+    if isinstance(target, SSHTarget):
+        from workbench.backends.ssh import check_ssh_target
+
+        check_ssh_target(target, report)
+    else:
+        from workbench.backends.slurm import check_slurm_target
+
+        check_slurm_target(target, report)
+    return report
