@@ -2,12 +2,18 @@
 
 Measures, on generated ~2 KB documents: MinHash signature + LSH insert alone (one process),
 the default pipeline (one process, so per core), and dedup precision/recall on a corpus with
-planted duplicates; with ``--big`` also a ~1 GB corpus through ``clean_file`` on every core with
-peak memory (parent + workers). A plain datasketch loop is timed side by side when datasketch
-is installed. Writes bench/results/data.json.
+planted duplicates; with ``--big`` also a ~1 GB corpus through the streaming pipeline (what
+``clean_file`` does) on every core with peak memory (parent + workers). A plain datasketch loop
+is timed side by side when datasketch is installed. Writes bench/results/data.json, and the big
+run to bench/results/data-big.json (rewritten every 10 s while it runs, with ``"finished":
+false`` and the documents done so far, so an interrupted run still says how far it got).
+
+Per-core rates are given twice: per wall-clock second (``docs_per_s_per_core``) and per second
+of CPU time of the process (``docs_per_cpu_s``); on a machine shared with other jobs the second
+is the steadier one.
 
     python bench/bench_data.py --quick
-    python bench/bench_data.py --big 1000000000
+    python bench/bench_data.py --big 1000000000 [--corpus /tmp/big.jsonl]
 """
 
 from __future__ import annotations
@@ -23,7 +29,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workbench.data.clean import clean_file, clean_records  # noqa: E402
+from workbench.data.clean import (  # noqa: E402
+    CleanPipeline,
+    clean_records,
+    read_records,
+    write_records,
+)
 from workbench.data.clean.corpus import generate_records, write_corpus  # noqa: E402
 from workbench.data.clean.dedup import MinHasher, U64Set  # noqa: E402
 
@@ -38,11 +49,12 @@ def docs_2kb(n: int, seed: int = 0) -> list[str]:
 def bench_minhash(texts: list[str]) -> dict:
     mh, index = MinHasher(), U64Set()
     mh.keys(texts[0])
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     for text in texts:
         index.seen(mh.keys(text))
     ours = len(texts) / (time.perf_counter() - t)
-    out = {"docs": len(texts), "docs_per_s_per_core": round(ours)}
+    out = {"docs": len(texts), "docs_per_s_per_core": round(ours),
+           "docs_per_cpu_s": round(len(texts) / (time.process_time() - c))}
     try:
         from datasketch import MinHash, MinHashLSH
     except ImportError:
@@ -64,32 +76,57 @@ def bench_minhash(texts: list[str]) -> dict:
 
 def bench_pipeline(n: int) -> dict:
     rows = list(generate_records(n, seed=11, doc_chars=(1800, 2200)))
-    t = time.perf_counter()
+    clean_records(rows[:20], workers=1, progress=False)  # load the language model etc. first
+    t, c = time.perf_counter(), time.process_time()
     kept, report = clean_records(rows, workers=1, progress=False)
-    dt = time.perf_counter() - t
+    dt, cpu = time.perf_counter() - t, time.process_time() - c
     planted = {r["id"] for r in rows if r["kind"] in ("exact_dup", "near_dup")}
     kept_ids = {r["id"] for r in kept}
     removed_dup = report.step("exact_dedup").removed + report.step("near_dedup").removed
     caught = len(planted - kept_ids)
-    return {"docs": n, "docs_per_s_per_core": round(n / dt),
+    return {"docs": n, "docs_per_s_per_core": round(n / dt), "docs_per_cpu_s": round(n / cpu),
             "dedup_precision": round(caught / max(removed_dup, 1), 4),
             "dedup_recall": round(caught / max(len(planted), 1), 4),
             "planted_duplicates": len(planted)}
 
 
-def bench_big(size: int, workers: int) -> dict:
+def bench_big(size: int, workers: int, corpus: Path | None, out_json: Path) -> dict:
+    """Clean a ~``size``-byte generated corpus on ``workers`` processes, sampling the peak RSS
+    of the parent and its workers; ``out_json`` is rewritten every 10 s while it runs."""
     import psutil
 
+
     with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "big.jsonl"
-        t = time.perf_counter()
-        info = write_corpus(src, target_bytes=size, seed=3, doc_chars=(1800, 2200))
-        gen_s = time.perf_counter() - t
+        src = corpus or Path(tmp) / "big.jsonl"
+        info_path = src.with_name(src.name + ".info.json")
+        if corpus is not None and info_path.is_file():  # made earlier by this function
+            info = json.loads(info_path.read_text())
+        else:
+            t = time.perf_counter()
+            info = write_corpus(src, target_bytes=size, seed=3, doc_chars=(1800, 2200))
+            info["generate_s"] = round(time.perf_counter() - t, 1)
+            if corpus is not None:
+                info_path.write_text(json.dumps(info))
         me = psutil.Process()
         peak = [0]
         done = threading.Event()
+        result: dict = {"bytes": info["bytes"], "docs": info["documents"],
+                        "generate_s": info.get("generate_s"), "workers": workers,
+                        "finished": False}
+        pipeline = CleanPipeline.from_names(None, workers=workers, progress=True)
+        rows, report = pipeline.run(read_records(src, ["text"]), ["text"], source=str(src))
+        t = time.perf_counter()
+
+        def snapshot() -> None:
+            dt = time.perf_counter() - t
+            result.update(elapsed_s=round(dt, 1), docs_done=report.documents_in,
+                          docs_per_s=round(report.documents_in / max(dt, 1e-9)),
+                          docs_per_s_per_core=round(report.documents_in / max(dt, 1e-9) / workers),
+                          peak_rss_mb_parent_plus_workers=round(peak[0] / 2**20))
+            out_json.write_text(json.dumps(result, indent=2) + "\n")
 
         def sample() -> None:
+            last = time.perf_counter()
             while not done.is_set():
                 try:
                     rss = me.memory_info().rss + sum(
@@ -97,19 +134,18 @@ def bench_big(size: int, workers: int) -> dict:
                 except psutil.Error:
                     continue
                 peak[0] = max(peak[0], rss)
+                if time.perf_counter() - last >= 10:
+                    snapshot()
+                    last = time.perf_counter()
                 time.sleep(0.2)
 
         threading.Thread(target=sample, daemon=True).start()
-        t = time.perf_counter()
-        report = clean_file(src, Path(tmp) / "out.jsonl", workers=workers, progress=True)
-        dt = time.perf_counter() - t
+        write_records(Path(tmp) / "out.jsonl", rows)  # what clean_file does, minus the rename
         done.set()
-    return {"bytes": info["bytes"], "docs": info["documents"], "generate_s": round(gen_s, 1),
-            "clean_s": round(dt, 1), "workers": workers,
-            "docs_per_s": round(info["documents"] / dt),
-            "docs_per_s_per_core": round(info["documents"] / dt / workers),
-            "peak_rss_mb_parent_plus_workers": round(peak[0] / 2**20),
-            "kept": report.documents_out}
+        snapshot()
+    result.update(finished=True, kept=report.documents_out, clean_s=result["elapsed_s"])
+    out_json.write_text(json.dumps(result, indent=2) + "\n")
+    return result
 
 
 def main() -> None:
@@ -117,20 +153,25 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small run (seconds)")
     ap.add_argument("--big", type=int, default=0, metavar="BYTES",
                     help="also clean a generated corpus of this size (e.g. 1000000000)")
+    ap.add_argument("--corpus", type=Path, default=None, metavar="PATH",
+                    help="with --big: generate the corpus here once and reuse it on later runs "
+                         "(default: a temporary file)")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args()
     n = 500 if args.quick else 4000
+    results = Path(__file__).parent / "results"
+    results.mkdir(exist_ok=True)
     result = {"minhash": bench_minhash(docs_2kb(n)),
               "pipeline": bench_pipeline(n // 2 if args.quick else 2000)}
     if args.big:
-        result["big"] = bench_big(args.big, args.workers)
-    out = Path(__file__).parent / "results" / "data.json"
-    out.parent.mkdir(exist_ok=True)
+        result["big"] = bench_big(args.big, args.workers, args.corpus, results / "data-big.json")
+    out = results / "data.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     m, p = result["minhash"], result["pipeline"]
     print(f"MinHash+LSH: {m['docs_per_s_per_core']} docs/s/core on 2 KB docs (target >= 2000)"
           + (f", {m['ratio_vs_datasketch']}x datasketch" if "ratio_vs_datasketch" in m else ""))
-    print(f"default pipeline: {p['docs_per_s_per_core']} docs/s/core; dedup precision "
+    print(f"default pipeline: {p['docs_per_s_per_core']} docs/s/core "
+          f"({p['docs_per_cpu_s']} per CPU second); dedup precision "
           f"{p['dedup_precision']}, recall {p['dedup_recall']}")
     if "big" in result:
         b = result["big"]
