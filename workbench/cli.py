@@ -109,6 +109,27 @@ def _demo(args: argparse.Namespace) -> Any:
     return ""
 
 
+def _targets_list(args: argparse.Namespace) -> Any:
+    from workbench.targets import load_targets, targets_file
+
+    rows = [("TARGET", "WHERE", "PYTHON")]
+    rows.append(("local", "this machine", sys.executable))
+    for ref, t in load_targets().items():
+        where = (", ".join(h.host for h in t.hosts) if t.kind == "ssh"
+                 else f"partition {t.partition or '(default)'}"
+                      + (f" via {t.login.host}" if t.login else ""))
+        rows.append((ref, where, t.python))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    table = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    return f"{table}\n(configured in {targets_file()}; see docs/targets.md)"
+
+
+def _targets_check(args: argparse.Namespace) -> Any:
+    from workbench.targets import check_target
+
+    return check_target(args.name)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="workbench", description="Fine-tune language models.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -148,6 +169,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--notebook", default="notebooks/quickstart.ipynb")
     c.add_argument("--timeout", type=int, default=900, help="seconds per cell")
     c.set_defaults(func=_demo)
+
+    c = sub.add_parser("targets", help="list the configured targets, or check one")
+    tsub = c.add_subparsers(dest="targets_command", required=True, metavar="ACTION")
+    t = tsub.add_parser("list", help="local, ssh:NAME and slurm:NAME from targets.yaml")
+    t.set_defaults(func=_targets_list)
+    t = tsub.add_parser("check", help="reachability, Python env, torch, GPUs, disk (and Slurm)")
+    t.add_argument("name", help="local, ssh:NAME or slurm:NAME")
+    t.set_defaults(func=_targets_check)
 
     try:
         from workbench.data.commands import register as register_data
