@@ -22,6 +22,7 @@ from workbench.errors import (
 )
 from workbench.jobs import Job, get_job, jobs, launch
 from workbench.plan import plan
+from workbench.serve import deploy
 from workbench.spec import RunSpec
 
 __version__ = "0.1.0"
@@ -40,6 +41,7 @@ __all__ = [
     "SpecError",
     "WorkbenchError",
     "__version__",
+    "deploy",
     "get_job",
     "jobs",
     "launch",

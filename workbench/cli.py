@@ -84,6 +84,27 @@ def _cancel(args: argparse.Namespace) -> Any:
     return f"{job.id} {job.cancel()}"
 
 
+def _resume(args: argparse.Namespace) -> Any:
+    from workbench.jobs import get_job
+
+    changes: dict[str, Any] = {}
+    if args.budget is not None:
+        changes["budget.limit"] = args.budget
+    if args.max_steps is not None:
+        changes["train.max_steps"] = args.max_steps
+    job = get_job(args.run).resume(**changes)
+    return f"resumed {job.id} ({job.state})"
+
+
+def _reproduce(args: argparse.Namespace) -> Any:
+    from workbench.reproduce import compare_bundle
+
+    report = compare_bundle(args.bundle)
+    if args.spec_out:
+        report.spec.save(args.spec_out)
+    return report.summary() + (f"\nwrote {args.spec_out}" if args.spec_out else "")
+
+
 def _plan(args: argparse.Namespace) -> Any:
     from workbench.plan import plan
     from workbench.spec import RunSpec
@@ -130,6 +151,28 @@ def _targets_check(args: argparse.Namespace) -> Any:
     return check_target(args.name)
 
 
+def _deploy(args: argparse.Namespace) -> Any:
+    from workbench.serve import deploy
+
+    # The command exits at once, so the endpoint must outlive it: `workbench undeploy` stops it.
+    ep = deploy(*args.runs, name=args.name, merge=args.merge or None, host=args.host,
+                port=args.port, python=args.python, keep=True)
+    key = f"\napi key: {ep.api_key}" if ep.api_key else ""
+    return f"{ep.name} healthy at {ep.api_base} serving {', '.join(ep.models)}{key}"
+
+
+def _endpoints(args: argparse.Namespace) -> Any:
+    from workbench.serve import endpoints, endpoints_table
+
+    return endpoints_table(endpoints(all=args.all))
+
+
+def _undeploy(args: argparse.Namespace) -> Any:
+    from workbench.serve import undeploy
+
+    return undeploy(args.name)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="workbench", description="Fine-tune language models.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -156,10 +199,38 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("run")
     c.set_defaults(func=_cancel)
 
+    c = sub.add_parser("resume", help="restart an ended run from its newest verified snapshot")
+    c.add_argument("run")
+    c.add_argument("--budget", type=float, help="a new budget limit (e.g. after a budget stop)")
+    c.add_argument("--max-steps", type=int, help="train longer than first asked")
+    c.set_defaults(func=_resume)
+
+    c = sub.add_parser("reproduce", help="re-create a run's spec from reproduce.zip and diff envs")
+    c.add_argument("bundle", help="RUN_DIR/reproduce.zip")
+    c.add_argument("--spec-out", help="write the run's spec here")
+    c.set_defaults(func=_reproduce)
+
     c = sub.add_parser("plan", help="memory, strategy, time and cost of a spec, before launch")
     c.add_argument("spec")
     c.add_argument("--gpu-type", help="plan for this GPU type (see workbench/gpus.py)")
     c.set_defaults(func=_plan)
+
+    c = sub.add_parser("deploy", help="serve runs (LoRA adapters or merged) with vLLM")
+    c.add_argument("runs", nargs="+", help="run ids/names (several adapters share one base)")
+    c.add_argument("--name", help="endpoint name (default: from the first run)")
+    c.add_argument("--merge", action="store_true", help="serve merged weights, not base + LoRA")
+    c.add_argument("--host", default="127.0.0.1", help="bind address; beyond loopback a key is set")
+    c.add_argument("--port", type=int, help="port (default: a free one)")
+    c.add_argument("--python", help="the Python that has vLLM (default: WORKBENCH_SERVE_PYTHON)")
+    c.set_defaults(func=_deploy)
+
+    c = sub.add_parser("endpoints", help="list the endpoints")
+    c.add_argument("--all", action="store_true", help="include stopped ones")
+    c.set_defaults(func=_endpoints)
+
+    c = sub.add_parser("undeploy", help="stop an endpoint")
+    c.add_argument("name")
+    c.set_defaults(func=_undeploy)
 
     c = sub.add_parser("spec", help="print the default RunSpec as YAML (a starting point)")
     c.add_argument("-o", "--output", help="write it to this file")

@@ -160,8 +160,16 @@ class Job:
 
     # -- metrics and logs ------------------------------------------------------------------------
     def metrics(self) -> list[dict[str, Any]]:
-        """Every metrics line so far (read incrementally: each call reads only new bytes)."""
-        self._metrics += self._reader.read_new()
+        """Every metrics line so far (read incrementally: each call reads only new bytes).
+
+        After a resume from step N, what the earlier attempt logged past N is dropped, so the
+        curve is the one the run actually followed.
+        """
+        for record in self._reader.read_new():
+            if record.get("event") == "resume":
+                self._metrics = [m for m in self._metrics if m.get("step", 0) <= record["step"]]
+                continue
+            self._metrics.append(record)
         return list(self._metrics)
 
     def metrics_df(self) -> Any:
@@ -215,10 +223,47 @@ class Job:
             raise JobFailedError(f"run {self.id} ended {state}: {status.get('error', '')}")
         return state
 
+    def resume(self, **changes: Any) -> Job:
+        """Start the run again from its newest verified snapshot (local, else from storage).
+
+        ``changes`` may raise the budget or extend training, e.g.
+        ``job.resume(**{"budget.limit": 20})``; they are recorded in resume.yaml (spec.yaml is
+        written once). Resuming a running run is refused.
+        """
+        allowed = {"budget.limit", "train.max_steps", "train.epochs", "checkpoint.storage"}
+        bad = set(changes) - allowed
+        if bad:
+            raise WorkbenchError(f"cannot change {sorted(bad)} on resume; allowed: "
+                                 f"{sorted(allowed)}")
+        state = self.state
+        if state not in TERMINAL:
+            raise WorkbenchError(f"run {self.id} is {state}; cancel it first or wait for it")
+        if changes:
+            import yaml
+
+            previous = {}
+            if self.run_dir.resume_file.is_file():
+                previous = yaml.safe_load(self.run_dir.resume_file.read_text()) or {}
+            merged = {**previous, **changes}
+            RunSpec.from_yaml(self.run_dir.spec_file).updated(**merged)  # validate first
+            self.run_dir.resume_file.write_text(yaml.safe_dump(merged), encoding="utf-8")
+        spec = self.run_dir.spec()
+        self.run_dir.write_status(state=QUEUED, error=None, stop_reason=None, ended=None)
+        job_id = self.backend.submit(self.run_dir.path, spec)
+        self.registry.update_run(self.id, backend_job_id=job_id, state=QUEUED)
+        self.record = self.registry.get_run(self.id)
+        return self
+
     def cancel(self, timeout: float = 30.0) -> str:
         """Stop every process of the run; the run ends 'cancelled' (unless it already ended)."""
         self.backend.cancel(self.run_dir.path, self.record.backend_job_id, timeout=timeout)
         return self.state
+
+    def deploy(self, *more: Any, **kwargs: Any) -> Any:
+        """Serve this run on a vLLM endpoint (see :func:`workbench.serve.deploy`); an Endpoint."""
+        from workbench.serve import deploy
+
+        return deploy(self, *more, **kwargs)
 
     # -- views -----------------------------------------------------------------------------------
     def show(self) -> Any:
@@ -247,6 +292,10 @@ class Job:
             "eval_loss": evals[-1]["eval_loss"] if evals else None,
             "tokens_per_s": sum(speeds) / len(speeds) if speeds else None,
             "elapsed_s": status.get("elapsed_s"), "eta_s": status.get("eta_s"),
+            "cost": status.get("cost"), "currency": status.get("currency"),
+            "snapshot": (status.get("snapshot") or {}).get("path"),
+            "upload": (status.get("upload") or {}).get("state"),
+            "restarts": status.get("restarts"),
             "error": status.get("error"),
         }
 

@@ -34,6 +34,18 @@ CREATE TABLE IF NOT EXISTS runs (
     updated REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS runs_name ON runs(name);
+CREATE TABLE IF NOT EXISTS endpoints (
+    name TEXT PRIMARY KEY,
+    target TEXT NOT NULL,
+    url TEXT NOT NULL,
+    state TEXT NOT NULL,      -- starting | healthy | stopped | failed
+    pid INTEGER,              -- the guard process (process group leader) on the target
+    server_pid INTEGER,       -- the vLLM server process
+    endpoint_dir TEXT NOT NULL,
+    serves TEXT NOT NULL,     -- JSON: model, served names, adapters, runs, max_lora_rank, ...
+    created REAL NOT NULL,
+    updated REAL NOT NULL
+);
 """
 
 
@@ -45,6 +57,20 @@ class RunRecord:
     backend_job_id: str | None
     run_dir: str
     state: str
+    created: float
+    updated: float
+
+
+@dataclass(frozen=True)
+class EndpointRecord:
+    name: str
+    target: str
+    url: str
+    state: str
+    pid: int | None
+    server_pid: int | None
+    endpoint_dir: str
+    serves: str
     created: float
     updated: float
 
@@ -116,6 +142,45 @@ class Registry:
     def delete_run(self, run_id: str) -> None:
         with self._connect() as db:
             db.execute("DELETE FROM runs WHERE id = ?", (run_id,))
+
+    # -- endpoints (workbench.serve) ---------------------------------------------------------------
+    def add_endpoint(self, record: EndpointRecord) -> EndpointRecord:
+        with self._connect() as db:
+            db.execute(
+                "INSERT INTO endpoints VALUES (:name, :target, :url, :state, :pid, :server_pid, "
+                ":endpoint_dir, :serves, :created, :updated)", record.__dict__,
+            )
+        return record
+
+    def update_endpoint(self, name: str, **fields: object) -> None:
+        allowed = {"state", "url", "pid", "server_pid", "serves"}
+        bad = set(fields) - allowed
+        if bad:
+            raise ValueError(f"cannot update {sorted(bad)}; updatable: {sorted(allowed)}")
+        fields["updated"] = time.time()
+        cols = ", ".join(f"{k} = :{k}" for k in fields)
+        with self._connect() as db:
+            db.execute(f"UPDATE endpoints SET {cols} WHERE name = :name", {**fields, "name": name})
+
+    def get_endpoint(self, name: str) -> EndpointRecord:
+        from workbench.serve import EndpointNotFoundError
+
+        with self._connect() as db:
+            row = db.execute("SELECT * FROM endpoints WHERE name = ?", (name,)).fetchone()
+        if row is None:
+            raise EndpointNotFoundError(
+                f"no endpoint named {name!r}; `workbench endpoints --all` lists the endpoints"
+            )
+        return EndpointRecord(**dict(row))
+
+    def list_endpoints(self) -> list[EndpointRecord]:
+        with self._connect() as db:
+            rows = db.execute("SELECT * FROM endpoints ORDER BY created DESC").fetchall()
+        return [EndpointRecord(**dict(r)) for r in rows]
+
+    def delete_endpoint(self, name: str) -> None:
+        with self._connect() as db:
+            db.execute("DELETE FROM endpoints WHERE name = ?", (name,))
 
 
 def _like_prefix(text: str) -> str:

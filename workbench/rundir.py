@@ -66,8 +66,20 @@ class RunDir:
         self.write_status(state=PENDING, created=time.time())
         return self
 
+    resume_file = property(lambda self: self.path / "resume.yaml")
+
     def spec(self) -> RunSpec:
-        return RunSpec.from_yaml(self.spec_file)
+        """The run's spec, with the changes a resume asked for (resume.yaml) applied on top.
+
+        spec.yaml is written once; a resume with, say, a larger budget records only its changes.
+        """
+        spec = RunSpec.from_yaml(self.spec_file)
+        if self.resume_file.is_file():
+            import yaml
+
+            changes = yaml.safe_load(self.resume_file.read_text(encoding="utf-8")) or {}
+            spec = spec.updated(**changes)
+        return spec
 
     # -- status ---------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:

@@ -130,6 +130,7 @@ class TrackingSpec(_Section):
 class ServeSpec(_Section):
     merge: bool = False  # serve merged weights instead of base + LoRA adapter
     max_model_len: int = Field(256, ge=16)
+    python: str | None = None  # interpreter with vLLM; None: WORKBENCH_SERVE_PYTHON, .venv-serve, this one
 
 
 _TARGET_RE = re.compile(r"^(local|(ssh|slurm):[A-Za-z0-9_.-]+)$")

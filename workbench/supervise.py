@@ -16,10 +16,11 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from workbench.rundir import CANCELLED, FAILED, RUNNING, SUCCEEDED, RunDir
+from workbench.rundir import BUDGET_STOPPED, CANCELLED, FAILED, RUNNING, SUCCEEDED, RunDir
 
 CANCEL_GRACE_S = 20.0  # SIGTERM first, SIGKILL after this long
 
@@ -72,43 +73,104 @@ def error_text(rd: RunDir, max_lines: int = 25) -> str:
     return "no log output; the processes died before writing anything"
 
 
+MAX_RESTARTS = 3  # automatic resumes after a rank dies, each needing a newer snapshot
+
+
+def _newest_committed_step(rd: RunDir) -> int | None:
+    from workbench.snapshots import MANIFEST, snapshots
+
+    for folder in snapshots(rd):
+        if (folder / MANIFEST).is_file():
+            return int(folder.name.split("-", 1)[1])
+    return None
+
+
+def _fetch_from_storage(rd: RunDir, url: str | None) -> None:
+    """Resuming into a run directory without local snapshots: fetch the newest from storage."""
+    from workbench.snapshots import fetch_latest, newest_verified, storage_prefix
+
+    if url and newest_verified(rd) is None:
+        got = fetch_latest(storage_prefix(url, rd.path.name), rd)
+        print(f"supervisor: fetched {got.name if got else 'no snapshot'} from {url}", flush=True)
+
+
 def supervise(run_dir: str, role: NodeRole = NodeRole()) -> int:
     rd = RunDir(run_dir)
     spec = rd.spec()
     cmd = torchrun_command(rd.path, spec.resources.procs_per_node, role)
     write = rd.write_status if role.writes_status else _node_log
-    write(state=RUNNING, supervisor_pid=os.getpid(), host=socket.gethostname(), command=cmd)
+    write(state=RUNNING, supervisor_pid=os.getpid(), host=socket.gethostname(), command=cmd,
+          stop_reason=None)
+    if role.writes_status:
+        _fetch_from_storage(rd, spec.checkpoint.storage)
     cancel_at: list[float] = []
+    child: list[subprocess.Popen] = []
 
     def on_signal(signum: int, frame: object) -> None:
         if not cancel_at:
             cancel_at.append(time.time())
             print(f"supervisor: signal {signum}, stopping the ranks", flush=True)
-            _signal_group(child.pid, signal.SIGTERM)
+            if child:
+                _signal_group(child[-1].pid, signal.SIGTERM)
 
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with (rd.logs_dir / "launcher.log").open("ab") as log:
-        child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                 env=env, cwd=rd.path, start_new_session=True)
-    write(launcher_pid=child.pid)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_signal)
+    restarts, resumed_from = 0, _newest_committed_step(rd)
+    while True:
+        rc = _run_ranks(rd, cmd, child, cancel_at, write)
+        if cancel_at or rc == 0:
+            break
+        newest = _newest_committed_step(rd)
+        progressed = newest is not None and (resumed_from is None or newest > resumed_from)
+        if not progressed or restarts >= MAX_RESTARTS:
+            break  # a failure that repeats without progress is a bug, not a node dying
+        restarts, resumed_from = restarts + 1, newest
+        print(f"supervisor: ranks failed (exit {rc}); resuming from step-{newest} "
+              f"(restart {restarts} of {MAX_RESTARTS})", flush=True)
+        write(restarts=restarts, last_error=error_text(rd))
+    final: dict[str, object] = {"ended": time.time(), "exit_code": rc}
+    budget_stop = role.writes_status and rd.status().get("stop_reason") == "budget"
+    if cancel_at:
+        final["state"] = CANCELLED
+    elif rc == 0 and budget_stop:
+        final["state"] = BUDGET_STOPPED
+    elif rc == 0 and (rd.artefact_dir() is not None or not role.writes_status):
+        final["state"] = SUCCEEDED
+    else:
+        final.update(state=FAILED, error=error_text(rd))
+    if role.writes_status:
+        final.update(_bundle(rd, final))  # before the terminal state: readers then find it
+    write(**final)
+    return 0
+
+
+def _run_ranks(rd: RunDir, cmd: list[str], child: list[subprocess.Popen],
+               cancel_at: list[float], write: Callable[..., object]) -> int:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with (rd.logs_dir / "launcher.log").open("ab") as log:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, env=env, cwd=rd.path,
+                                start_new_session=True)
+    child.append(proc)
+    write(launcher_pid=proc.pid)
     while True:
         try:
-            rc = child.wait(timeout=1.0)
+            rc = proc.wait(timeout=1.0)
             break
         except subprocess.TimeoutExpired:
             if cancel_at and time.time() - cancel_at[0] > CANCEL_GRACE_S:
-                _signal_group(child.pid, signal.SIGKILL)
-    _signal_group(child.pid, signal.SIGKILL)  # ranks that outlived torchrun
-    ended = time.time()
-    if cancel_at:
-        write(state=CANCELLED, ended=ended, exit_code=rc)
-    elif rc == 0 and (rd.artefact_dir() is not None or not role.writes_status):
-        write(state=SUCCEEDED, ended=ended, exit_code=rc)
-    else:
-        write(state=FAILED, ended=ended, exit_code=rc, error=error_text(rd))
-    return 0
+                _signal_group(proc.pid, signal.SIGKILL)
+    _signal_group(proc.pid, signal.SIGKILL)  # ranks that outlived torchrun
+    return rc
+
+
+def _bundle(rd: RunDir, final: dict[str, object]) -> dict[str, object]:
+    try:
+        from workbench.reproduce import write_bundle
+
+        return {"bundle": write_bundle(rd, final).name}
+    except Exception as exc:  # the run's outcome stands even if the bundle cannot be written
+        return {"bundle_error": str(exc)}
 
 
 def _node_log(**fields: object) -> None:

@@ -20,18 +20,25 @@ _SPEED_KEYS = ("train_runtime", "train_tokens_per_second")  # per-step noise, no
 
 
 class RunDirCallback(TrainerCallback):
-    def __init__(self, run_dir: RunDir, world_size: int) -> None:
+    def __init__(self, run_dir: RunDir, world_size: int, billing: Any = None) -> None:
         self.rd = run_dir
         self.world_size = world_size
+        self.billing = billing
         self._last: tuple[float, int] | None = None  # (time, tokens seen) at the previous log
         self._t0 = time.time()
+        self._first_step = 0
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self._first_step = state.global_step
         if state.is_world_process_zero:
             self._t0 = time.time()
             self._last = (self._t0, state.num_input_tokens_seen or 0)
             self.rd.write_status(state=RUNNING, started=self._t0, total_steps=state.max_steps,
                                  step=state.global_step, world_size=self.world_size)
+            if state.global_step > 0:
+                # Readers drop what an earlier attempt logged after this step (Job.metrics).
+                self.rd.append_metrics({"event": "resume", "step": state.global_step,
+                                        "time": self._t0})
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None,
                **kw: Any) -> None:
@@ -56,6 +63,86 @@ class RunDirCallback(TrainerCallback):
         self.rd.append_metrics(record)
         elapsed = now - self._t0
         step, total = state.global_step, state.max_steps
-        eta = elapsed / step * (total - step) if step else None
+        done_here = step - self._first_step
+        eta = elapsed / done_here * (total - step) if done_here > 0 else None
+        billing = {}
+        if self.billing is not None:
+            billing = {"billed_s": self.billing.seconds(), "cost": self.billing.cost(),
+                       "currency": self.billing.currency,
+                       "price_per_hour": self.billing.price_per_hour}
         self.rd.write_status(step=step, total_steps=total, eta_s=eta, elapsed_s=elapsed,
-                             last_loss=logs.get("loss"), epoch=state.epoch)
+                             last_loss=logs.get("loss"), epoch=state.epoch, **billing)
+
+
+def _agree(flags: list[bool]) -> list[bool]:
+    """Every rank takes a flag if any rank raised it (time-based decisions differ per rank, and
+    ranks that disagree on stopping or saving would deadlock)."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return flags
+    device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in t.tolist()]
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+class SnapshotCallback(TrainerCallback):
+    """Snapshots every N steps and/or M minutes, and the budget stop.
+
+    The Trainer writes the full resumable state (adapter or model, optimizer, scheduler, RNG of
+    every rank, data position; DeepSpeed shards under ZeRO) to checkpoint-N; once every rank is
+    done, rank 0 commits it as a verified step-N (manifest last) and hands it to the uploader.
+    """
+
+    def __init__(self, rd: RunDir, spec: Any, billing: Any, uploader: Any = None) -> None:
+        self.rd, self.billing, self.uploader = rd, billing, uploader
+        self.every_steps = spec.checkpoint.every_steps
+        self.every_s = spec.checkpoint.every_minutes * 60 if spec.checkpoint.every_minutes else None
+        self.keep = spec.checkpoint.keep
+        self.last_snapshot = time.time()
+        self.budget_stopped = False
+        self._t0 = time.time()
+        self._steps = 0
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self._steps += 1
+        now = time.time()
+        step_s = (now - self._t0) / self._steps
+        save = bool(self.every_steps and state.global_step % self.every_steps == 0) or bool(
+            self.every_s and now - self.last_snapshot >= self.every_s)
+        # Stop while one more step (and the snapshot itself, about one step) still fits.
+        stop = self.billing.would_exceed(2 * step_s)
+        save, stop = _agree([save, stop])
+        if stop and state.global_step < state.max_steps:
+            self.budget_stopped = True
+            control.should_training_stop = True
+            save = True
+        if save:
+            control.should_save = True
+
+    def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        from pathlib import Path
+
+        from workbench.snapshots import commit
+
+        _barrier()  # every rank has written its part of checkpoint-N
+        if state.is_world_process_zero:
+            t = time.time()
+            folder = commit(self.rd, Path(args.output_dir) / f"checkpoint-{state.global_step}",
+                            state.global_step, self.keep)
+            self.rd.write_status(snapshot={"step": state.global_step, "path": folder.name,
+                                           "seconds": round(time.time() - t, 3),
+                                           "time": time.time()})
+            if self.uploader is not None:
+                self.uploader.submit(folder)
+        _barrier()  # nobody trains on while the snapshot is being committed
+        self.last_snapshot = time.time()

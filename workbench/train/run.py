@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -126,7 +127,7 @@ def training_arguments(spec: RunSpec, rd: RunDir, has_eval: bool) -> Any:
         os.environ.setdefault("WANDB_PROJECT", "workbench")
     bf16 = cuda and torch.cuda.is_bf16_supported() and spec.model.dtype in ("auto", "bfloat16")
     return TrainingArguments(
-        output_dir=str(rd.path / "trainer"),
+        output_dir=str(rd.path / "checkpoints"),  # the Trainer's checkpoint-N, see SnapshotCallback
         per_device_train_batch_size=t.batch_size,
         per_device_eval_batch_size=t.batch_size,
         gradient_accumulation_steps=t.grad_accum,
@@ -178,30 +179,51 @@ def main(run_dir: str) -> int:
 
     from transformers import Trainer
 
+    from workbench.budget import Billing
     from workbench.data.tokenize import Collator
     from workbench.models import resolve_model
-    from workbench.train.callbacks import RunDirCallback
+    from workbench.snapshots import Uploader, newest_verified, storage_prefix
+    from workbench.train.callbacks import RunDirCallback, SnapshotCallback
 
     spec = rd.spec()
+    resume_from = newest_verified(rd)  # every rank sees the same verified snapshot
+    if rank == 0:
+        for stale in (rd.path / "checkpoints").glob("checkpoint-*"):
+            shutil.rmtree(stale, ignore_errors=True)  # a snapshot a crash left half-written
     source = resolve_model(spec.model.id)
     tokenizer = load_tokenizer(spec, source)
+    from transformers import set_seed
+
+    set_seed(spec.train.seed)  # before the LoRA init, so the same spec trains the same way
     model = load_model(spec, source)
     train_rows = load_split(rd, "train", tokenizer, spec)
     eval_rows = load_split(rd, "validation", tokenizer, spec)
     args = training_arguments(spec, rd, has_eval=bool(eval_rows))
+    billing = Billing(spec, billed_before_s=float(rd.status().get("billed_s") or 0.0))
+    uploader = None
+    if rank == 0 and spec.checkpoint.storage:
+        uploader = Uploader(rd, storage_prefix(spec.checkpoint.storage, rd.path.name))
+    snapshots = SnapshotCallback(rd, spec, billing, uploader)
     trainer = Trainer(
         model=model,
         args=args,
         train_dataset=train_rows,
         eval_dataset=eval_rows or None,
         data_collator=Collator(tokenizer.pad_token_id),
-        callbacks=[RunDirCallback(rd, world)],
+        callbacks=[RunDirCallback(rd, world, billing), snapshots],
     )
-    trainer.train()
-    if eval_rows:
+    if resume_from is not None:
+        print(f"resuming from {resume_from.name}", flush=True)
+    trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    if snapshots.budget_stopped:
+        if rank == 0:
+            rd.write_status(stop_reason="budget", cost=billing.cost())
+    elif eval_rows:
         trainer.evaluate()
     out = save_artefacts(trainer, tokenizer, spec, rd, source)
     print(f"saved {out}", flush=True)
+    if uploader is not None:
+        uploader.close()
     _shutdown_distributed()
     return 0
 

@@ -75,6 +75,11 @@ class JobView(W.VBox):
             f"eval loss {evals[-1]['eval_loss']:.4f}" if evals else "",
             f"{speed:,.0f} tokens/s" if speed else "",
             f"elapsed {_duration(status.get('elapsed_s'))}",
+            (f"cost {status['cost']:.2f} {status.get('currency', '')}"
+             if status.get("cost") is not None else ""),
+            (f"snapshot {status['snapshot']['path']}" if status.get("snapshot") else ""),
+            (f"upload {status['upload']['state']}" if status.get("upload") else ""),
+            (f"restarts {status['restarts']}" if status.get("restarts") else ""),
             f"ETA {_duration(status.get('eta_s'))}" if state not in TERMINAL else "",
         ]
         self.stats.value = " &nbsp;·&nbsp; ".join(p for p in parts if p)

@@ -1,0 +1,281 @@
+"""Serving with real vLLM on CPU: a run trained here is deployed and compared with transformers.
+
+Two servers are shared by every test (started together, so their start-ups overlap): the run's
+adapter on its base model (bound beyond loopback, so it requires an API key) and the run's merged
+weights (loopback). Bad inputs must fail before anything starts, and leave no process behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+import workbench
+from workbench.assets.teaching import score, teaching_rows
+from workbench.serve import (
+    AdapterNotFoundError,
+    EndpointStartError,
+    LocalServeTarget,
+    LoraRankError,
+    PortInUseError,
+    ServingEnvironmentError,
+    UnsupportedModelError,
+    deploy,
+    endpoints,
+    get_endpoint,
+    probe_serving_python,
+    serving_python,
+)
+
+HELDOUT = [r["instruction"] for r in teaching_rows("heldout")]
+
+
+def _alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+@pytest.fixture(scope="session")
+def serve_python() -> str:
+    python = serving_python()
+    try:
+        probe_serving_python(python)
+    except ServingEnvironmentError as exc:
+        pytest.skip(f"no vLLM to serve with ({exc}); `make serve-env` installs it")
+    return python
+
+
+@pytest.fixture(scope="session")
+def trained(wb_home):
+    job = workbench.launch({"name": "serve-test", "train": {"epochs": 20, "lr": 3e-3}})
+    assert job.wait(progress=False) == "succeeded", job.logs()
+    return job
+
+
+@pytest.fixture(scope="session")
+def servers(trained, serve_python):
+    """(adapter endpoint on 0.0.0.0 with an API key, merged-weights endpoint on loopback)."""
+    started = []
+    try:
+        adapter = deploy(trained, host="0.0.0.0", wait=False, progress=False)
+        started.append(adapter)
+        merged = trained.deploy(name="serve-test-merged", merge=True, wait=False, progress=False)
+        started.append(merged)
+        adapter.wait_healthy(timeout=400, progress=False)
+        merged.wait_healthy(timeout=400, progress=False)
+        yield adapter, merged
+    finally:
+        for ep in started:
+            pids = (ep.record.pid, ep.record.server_pid)
+            ep.stop()
+            assert not any(_alive(p) for p in pids), f"{ep.name} left processes {pids}"
+            assert get_endpoint(ep.name).record.state == "stopped"
+
+
+@pytest.fixture(scope="session")
+def reference(trained):
+    """transformers + peft greedy replies of the adapter (ChatModel.generate, batched)."""
+    from workbench.infer import load_chat_model
+
+    return {"adapter": load_chat_model(trained).generate(HELDOUT)}
+
+
+def test_adapter_output_equals_transformers_peft_token_for_token(servers, reference):
+    adapter, _ = servers
+    got = adapter.generate(HELDOUT, model="serve-test")
+    assert got == reference["adapter"]
+
+
+def _transformers_ids(source, prompts: list[str]) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, greedy new ids up to and including EOS) from transformers (+ peft)."""
+    import torch
+
+    from workbench.infer import load_chat_model
+
+    chat = load_chat_model(source)
+    tok = chat.tokenizer
+    tok.padding_side = "left"  # as ChatModel.generate batches
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                     add_generation_prompt=True) for p in prompts]
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        gen = chat.model.generate(**enc, max_new_tokens=16, do_sample=False,
+                                  pad_token_id=tok.pad_token_id)
+    out = []
+    width = enc["input_ids"].shape[1]
+    for row, mask, new in zip(enc["input_ids"], enc["attention_mask"], gen[:, width:].tolist()):
+        if tok.eos_token_id in new:  # after EOS a batch holds only padding
+            new = new[: new.index(tok.eos_token_id) + 1]
+        out.append((row[mask.bool()].tolist(), new))
+    return out
+
+
+def test_token_ids_equal_transformers_for_adapter_and_base(servers, trained):
+    """Ids, not text: the base model's garbage ends mid-character, which text comparison hides."""
+    adapter, _ = servers
+    for model, source in (("serve-test", trained), ("tiny-llama", "builtin:tiny-llama")):
+        assert adapter.generate_token_ids(HELDOUT, model=model) == _transformers_ids(source, HELDOUT)
+
+
+def test_fine_tuned_adapter_answers_better_than_the_base(servers):
+    adapter, _ = servers
+    tuned = score(lambda qs: adapter.generate(qs, model="serve-test"))
+    base = score(lambda qs: adapter.generate(qs, model="tiny-llama"))
+    assert tuned["accuracy"] >= 0.5 and base["accuracy"] <= 0.1, (tuned["accuracy"], base["accuracy"])
+
+
+def test_merged_weights_give_the_adapter_output(servers, reference):
+    _, merged = servers
+    assert merged.models == ["serve-test-merged"] or merged.models == ["serve-test"]
+    assert merged.generate(HELDOUT) == reference["adapter"]
+    assert merged.api_key is None  # loopback: no key
+
+
+def test_endpoint_api_registry_and_cli(servers):
+    import httpx
+
+    from workbench.cli import run
+
+    adapter, merged = servers
+    assert adapter.models == ["tiny-llama", "serve-test"] and adapter.model == "serve-test"
+    assert sorted(adapter.list_models()) == sorted(adapter.models)
+    # Bound beyond loopback: a key was generated and requests without it are refused.
+    assert adapter.api_key and len(adapter.api_key) >= 24
+    no_key = httpx.post(adapter.api_base + "/chat/completions", json={
+        "model": "serve-test", "messages": [{"role": "user", "content": "hi"}]})
+    assert no_key.status_code == 401
+    reply = adapter.chat("What does a cow say?")
+    assert "".join(adapter.chat("What does a cow say?", stream=True)) == reply
+    assert isinstance(adapter.complete("<|bos|><|user|>\nOpposite of hot?<|end|>\n<|assistant|>\n",
+                                       max_tokens=4), str)
+    listed = {e.name: e for e in endpoints()}
+    assert {"serve-test", "serve-test-merged"} <= set(listed)
+    assert listed["serve-test"].record.state == "healthy"
+    assert json.loads(listed["serve-test"].record.serves)["runs"] == [adapter.serves["runs"][0]]
+    table = run(["endpoints"])
+    assert "serve-test-merged" in table and merged.api_base in table
+    assert "Started server process" in adapter.logs(tail=None) or adapter.logs()
+
+
+def test_chat_widget_streams_a_conversation(servers):
+    from workbench.widgets.chat import ChatWidget
+
+    adapter, _ = servers
+    widget = ChatWidget(adapter, max_tokens=8)
+    first = widget.send("What does a cow say?")
+    assert first and first in widget.conversation.value
+    widget.temperature.value = 0.7
+    widget.send("What is the capital of France?")
+    assert [m["role"] for m in widget.messages] == ["user", "assistant"] * 2
+    widget.clear()
+    assert widget.messages == [] and widget.conversation.value == ""
+
+
+def test_second_adapter_on_the_same_base_and_rank_above_max(servers, trained, tmp_path):
+    adapter, _ = servers
+    name = adapter.add_adapter(trained.run_dir.adapter_dir, name="serve-test-copy")
+    assert name in adapter.list_models()
+    assert adapter.generate(HELDOUT[:8], model=name) == adapter.generate(HELDOUT[:8],
+                                                                          model="serve-test")
+    wide = _untrained_adapter(tmp_path / "r32", rank=32)
+    with pytest.raises(LoraRankError, match="max_lora_rank 16.*max_lora_rank=32"):
+        adapter.add_adapter(wide)
+
+
+def _untrained_adapter(path: Path, rank: int) -> Path:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = workbench.assets.builtin_model_path()
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
+                           LoraConfig(r=rank, target_modules=["q_proj", "v_proj"]))
+    model.save_pretrained(path)
+    (path / "workbench.json").write_text(json.dumps({"base_model": str(base)}))
+    return path
+
+
+# -- bad inputs: a typed error that says what to do, and nothing left running ----------------------
+def _refused(error: type, match: str, *args, **kwargs) -> None:
+    before = _children()
+    with pytest.raises(error, match=match):
+        deploy(*args, progress=False, **kwargs)
+    time.sleep(0.2)
+    assert _children() <= before, "a refused deploy left a process running"
+    if "name" in kwargs:
+        assert kwargs["name"] not in [e.name for e in endpoints()]
+
+
+def test_missing_adapter_folder(tmp_path, serve_python):
+    _refused(AdapterNotFoundError, "does not exist.*pass a run", tmp_path / "no-such-adapter")
+
+
+def test_adapter_rank_above_the_servers_max(trained, serve_python):
+    _refused(LoraRankError, "rank 16, above the server's max_lora_rank 8; deploy with "
+             "max_lora_rank=16", trained, name="too-small", max_lora_rank=8)
+
+
+def test_port_already_in_use(trained, serve_python):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        _refused(PortInUseError, f"port {port} on 127.0.0.1 is already in use.*another port",
+                 trained, name="taken", port=port)
+
+
+def test_no_vllm_in_the_serving_environment(trained):
+    _refused(ServingEnvironmentError, "has no vLLM installed.*make serve-env", trained,
+             name="no-vllm", python=sys.executable)
+    _refused(ServingEnvironmentError, "cannot run", trained, name="no-python",
+             python="/nonexistent/bin/python")
+
+
+def test_head_size_the_cpu_backend_cannot_serve(tmp_path, serve_python):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path / "head16"
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128,
+                                 num_hidden_layers=1, num_attention_heads=4,
+                                 num_key_value_heads=4)).save_pretrained(folder)
+    _refused(UnsupportedModelError, "head size 16; vLLM's CPU backend serves only 32, 64",
+             folder, name="head16")
+
+
+def test_a_server_that_dies_while_starting_is_reported_and_cleaned_up(trained, serve_python):
+    # vLLM itself rejects the flag, after its imports: the failure comes from a started server.
+    with pytest.raises(EndpointStartError, match="(?s)exited during start-up.*--no-such-flag"):
+        deploy(trained, name="broken", extra_args=["--no-such-flag"], progress=False, timeout=300)
+    record = get_endpoint("broken").record
+    assert record.state == "failed"
+    assert not _alive(record.pid) and not _alive(record.server_pid)
+
+
+def test_guard_stops_the_server_when_the_deploying_process_ends(tmp_path):
+    """keep=False: a server does not outlive the kernel that started it (here: a stand-in)."""
+    kernel = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])
+    target = LocalServeTarget()
+    guard, server = target.start(["sleep", "120"], dict(os.environ), tmp_path, tmp_path / "log", kernel.pid)
+    assert _alive(server) and target.alive(guard, tmp_path)
+    kernel.wait()
+    deadline = time.time() + 15
+    while _alive(server) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not _alive(server)
+    ended = json.loads((tmp_path / "exit.json").read_text())
+    assert ended["reason"] == "watched process ended"

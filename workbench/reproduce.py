@@ -1,0 +1,208 @@
+"""reproduce.zip: everything needed to understand and re-run a run, with secrets scrubbed.
+
+The supervisor writes RUN_DIR/reproduce.zip when a run ends: spec, plan, status, code version
+(workbench version and git commit), pip freeze, command lines, logs, TensorBoard events, and the
+checksums of every snapshot and final artefact. :func:`compare_bundle` (``workbench reproduce
+BUNDLE``) re-creates the RunSpec and reports how the current environment differs.
+
+Secrets never enter a bundle: values of environment variables whose names look secret (TOKEN, KEY,
+SECRET, PASSWORD, CREDENTIAL), and token-shaped strings (hf_..., sk-..., AKIA...), are replaced by
+``***`` in every text file before it is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from workbench.errors import WorkbenchError
+from workbench.rundir import RunDir
+from workbench.spec import RunSpec
+
+BUNDLE = "reproduce.zip"
+_SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSW|CREDENTIAL|AUTH", re.IGNORECASE)
+_SECRET_SHAPES = [
+    re.compile(r"\bhf_[A-Za-z0-9]{16,}"),
+    re.compile(r"\bsk-[A-Za-z0-9_-]{16,}"),
+    re.compile(r"\bAKIA[0-9A-Z]{16}\b"),
+    re.compile(r"(?i)\b(password|passwd|token|secret|api[_-]?key)(\s*[=:]\s*)(\S+)"),
+]
+_TEXT_SUFFIXES = {".log", ".json", ".jsonl", ".yaml", ".yml", ".txt", ".out", ".md", ".sbatch",
+                  ".sh", ".py"}
+
+
+def secret_values(environ: dict[str, str] | None = None) -> list[str]:
+    env = os.environ if environ is None else environ
+    return sorted({v for k, v in env.items() if _SECRET_NAME.search(k) and len(v) >= 6},
+                  key=len, reverse=True)
+
+
+def scrub(text: str, secrets: list[str] | None = None) -> str:
+    for value in secret_values() if secrets is None else secrets:
+        text = text.replace(value, "***")
+    for pattern in _SECRET_SHAPES:
+        if pattern.groups == 3:
+            text = pattern.sub(lambda m: f"{m.group(1)}{m.group(2)}***", text)
+        else:
+            text = pattern.sub("***", text)
+    return text
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def code_version() -> dict[str, Any]:
+    import workbench
+
+    src = Path(workbench.__file__).resolve().parent
+    info: dict[str, Any] = {"workbench": workbench.__version__, "python": sys.version.split()[0],
+                            "platform": platform.platform()}
+    try:
+        commit = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True,
+                                text=True, timeout=10)
+        if commit.returncode == 0:
+            info["git_commit"] = commit.stdout.strip()
+            dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--", "."],
+                                   capture_output=True, text=True, timeout=10)
+            info["git_dirty"] = bool(dirty.stdout.strip())
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return info
+
+
+def pip_freeze() -> str:
+    out = subprocess.run([sys.executable, "-m", "pip", "freeze", "--all"], capture_output=True,
+                         text=True, timeout=120)
+    return out.stdout
+
+
+def write_bundle(rd: RunDir, final_status: dict[str, Any] | None = None) -> Path:
+    """Write RUN_DIR/reproduce.zip (atomically) and return its path.
+
+    ``final_status`` is merged into the bundled status.json: the supervisor bundles just before
+    it records the terminal state, so that a reader who sees the state also finds the bundle.
+    """
+    secrets = secret_values()
+    status = {**rd.status(), **(final_status or {})}
+    checksums: dict[str, Any] = {"artefacts": {}, "snapshots": {}}
+    art = rd.artefact_dir()
+    if art is not None:
+        checksums["artefacts"] = {str(p.relative_to(rd.path)): _sha256(p)
+                                  for p in sorted(art.rglob("*")) if p.is_file()}
+    for manifest in sorted((rd.path / "checkpoints").glob("step-*/manifest.json")):
+        checksums["snapshots"][manifest.parent.name] = json.loads(manifest.read_text())["files"]
+    generated = {
+        "version.json": json.dumps(code_version(), indent=1),
+        "requirements.txt": pip_freeze(),
+        "commands.json": json.dumps({"ranks": status.get("command"),
+                                     "supervisor": [sys.executable, "-m", "workbench.supervise",
+                                                    str(rd.path)]}, indent=1),
+        "checksums.json": json.dumps(checksums, indent=1),
+    }
+    generated["status.json"] = json.dumps(status, indent=1, default=str)
+    files = [rd.spec_file, rd.plan_file, rd.metrics_file, rd.resume_file,
+             rd.data_dir / "summary.json", *rd.log_files()]
+    files += [p for p in sorted(rd.tb_dir.rglob("*")) if p.is_file()] if rd.tb_dir.is_dir() else []
+    tmp = rd.path / f".{BUNDLE}.{os.getpid()}.tmp"
+    with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        for name, text in generated.items():
+            zf.writestr(name, scrub(text, secrets))
+        for path in files:
+            if not path.is_file():
+                continue
+            arc = str(path.relative_to(rd.path))
+            if path.suffix in _TEXT_SUFFIXES:
+                zf.writestr(arc, scrub(path.read_text(encoding="utf-8", errors="replace"), secrets))
+            else:
+                zf.write(path, arc)
+        zf.writestr("bundle.json", json.dumps({"run_id": rd.path.name, "created": time.time(),
+                                               "format": 1}))
+    final = rd.path / BUNDLE
+    os.replace(tmp, final)
+    return final
+
+
+@dataclass
+class ReproduceReport:
+    """What a bundle describes, and how this environment differs from the one that ran it."""
+
+    spec: RunSpec
+    run_id: str
+    recorded: dict[str, Any]
+    current: dict[str, Any]
+    packages_changed: dict[str, tuple[str, str]] = field(default_factory=dict)
+    packages_missing: dict[str, str] = field(default_factory=dict)
+    packages_added: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def identical(self) -> bool:
+        same_code = all(self.recorded.get(k) == self.current.get(k)
+                        for k in ("workbench", "python", "git_commit"))
+        return same_code and not (self.packages_changed or self.packages_missing
+                                  or self.packages_added)
+
+    def summary(self) -> str:
+        lines = [f"run {self.run_id}: spec {self.spec.name!r}, model {self.spec.model.id}"]
+        for key in ("workbench", "python", "git_commit", "platform"):
+            a, b = self.recorded.get(key), self.current.get(key)
+            lines.append(f"  {key:10} {a}" + ("" if a == b else f"  (now {b})"))
+        if self.identical:
+            lines.append("  environment: identical packages")
+        for name, (a, b) in sorted(self.packages_changed.items()):
+            lines.append(f"  changed  {name} {a} -> {b}")
+        for name, v in sorted(self.packages_missing.items()):
+            lines.append(f"  missing  {name}=={v}")
+        for name, v in sorted(self.packages_added.items()):
+            lines.append(f"  added    {name}=={v}")
+        return "\n".join(lines)
+
+
+def _parse_freeze(text: str) -> dict[str, str]:
+    out = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if "==" in line and not line.startswith("#"):
+            name, version = line.split("==", 1)
+            out[name.lower()] = version
+        elif " @ " in line:
+            name, where = line.split(" @ ", 1)
+            out[name.lower()] = where
+    return out
+
+
+def compare_bundle(path: str | Path) -> ReproduceReport:
+    path = Path(path)
+    if not path.is_file():
+        raise WorkbenchError(f"bundle {path} not found; it is RUN_DIR/{BUNDLE} of a finished run")
+    try:
+        with zipfile.ZipFile(path) as zf:
+            spec = RunSpec.from_yaml(zf.read("spec.yaml").decode())
+            recorded = json.loads(zf.read("version.json"))
+            frozen = _parse_freeze(zf.read("requirements.txt").decode())
+            run_id = json.loads(zf.read("bundle.json"))["run_id"]
+    except (zipfile.BadZipFile, KeyError) as exc:
+        raise WorkbenchError(f"{path} is not a workbench reproduce bundle ({exc})") from None
+    now = _parse_freeze(pip_freeze())
+    report = ReproduceReport(spec=spec, run_id=run_id, recorded=recorded, current=code_version())
+    for name, version in frozen.items():
+        if name not in now:
+            report.packages_missing[name] = version
+        elif now[name] != version:
+            report.packages_changed[name] = (version, now[name])
+    report.packages_added = {n: v for n, v in now.items() if n not in frozen}
+    return report

@@ -1,0 +1,209 @@
+"""Snapshots: verified, resumable training state under RUN_DIR/checkpoints, optionally mirrored
+to a storage URL (a folder or s3:// on any S3-compatible endpoint, through fsspec).
+
+A snapshot ``checkpoints/step-N/`` counts only once its ``manifest.json`` (sha256 and size of
+every file) is written — the manifest is written last, atomically, so a crash mid-snapshot leaves
+a folder without one — and ``checkpoints/latest`` names the newest verified snapshot. Resume walks
+snapshots newest first, verifies each against its manifest and skips (with a warning) any that is
+partial or corrupt.
+
+    >>> newest_verified(RunDir("runs/x"))     # doctest: +SKIP
+    PosixPath('runs/x/checkpoints/step-40')
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import re
+import shutil
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from workbench.errors import WorkbenchError
+from workbench.rundir import RunDir, write_json_atomic
+
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class SnapshotError(WorkbenchError, RuntimeError):
+    """A snapshot could not be written, verified or fetched."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def snapshot_dir(rd: RunDir, step: int) -> Path:
+    return rd.path / "checkpoints" / f"step-{step}"
+
+
+def write_manifest(folder: Path, step: int) -> dict[str, Any]:
+    files = {str(p.relative_to(folder)): {"sha256": _sha256(p), "bytes": p.stat().st_size}
+             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    manifest = {"step": step, "created": time.time(), "files": files}
+    write_json_atomic(folder / MANIFEST, manifest)
+    return manifest
+
+
+def verify(folder: Path) -> str | None:
+    """None when the snapshot is complete and intact, else why not."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except FileNotFoundError:
+        return "no manifest (the snapshot was never completed)"
+    except json.JSONDecodeError:
+        return "unreadable manifest"
+    for rel, meta in manifest["files"].items():
+        path = folder / rel
+        if not path.is_file():
+            return f"{rel} is missing"
+        if path.stat().st_size != meta["bytes"] or _sha256(path) != meta["sha256"]:
+            return f"{rel} does not match its checksum"
+    return None
+
+
+def snapshots(rd: RunDir) -> list[Path]:
+    """Every step-N folder, newest first (verified or not)."""
+    root = rd.path / "checkpoints"
+    found = [(int(m.group(1)), p) for p in root.glob("step-*")
+             if (m := _STEP_DIR.match(p.name)) and p.is_dir()] if root.is_dir() else []
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def newest_verified(rd: RunDir) -> Path | None:
+    for folder in snapshots(rd):
+        problem = verify(folder)
+        if problem is None:
+            return folder
+        warnings.warn(f"skipping snapshot {folder.name}: {problem}", stacklevel=2)
+    return None
+
+
+def set_latest(rd: RunDir, folder: Path) -> None:
+    latest = rd.path / "checkpoints" / "latest"
+    tmp = latest.with_name(f".latest.{os.getpid()}")
+    tmp.write_text(folder.name + "\n")
+    os.replace(tmp, latest)
+
+
+def prune(rd: RunDir, keep: int) -> None:
+    """Keep the newest ``keep`` verified snapshots (and anything newer that is in flight)."""
+    kept = 0
+    for folder in snapshots(rd):
+        if (folder / MANIFEST).is_file():
+            kept += 1
+            if kept > keep:
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+def commit(rd: RunDir, trainer_folder: Path, step: int, keep: int) -> Path:
+    """Turn the Trainer's checkpoint-N into a verified step-N: rename, manifest, latest, prune."""
+    folder = snapshot_dir(rd, step)
+    if folder.exists():
+        shutil.rmtree(folder)
+    os.replace(trainer_folder, folder)
+    write_manifest(folder, step)
+    set_latest(rd, folder)
+    prune(rd, keep)
+    return folder
+
+
+# -- storage ------------------------------------------------------------------------------------
+
+def _fs(url: str) -> tuple[Any, str]:
+    import fsspec
+
+    kwargs: dict[str, Any] = {}
+    if url.startswith("s3://") and os.environ.get("AWS_ENDPOINT_URL"):
+        kwargs["client_kwargs"] = {"endpoint_url": os.environ["AWS_ENDPOINT_URL"]}
+    fs, root = fsspec.core.url_to_fs(url, **kwargs)
+    return fs, root.rstrip("/")
+
+
+def storage_prefix(url: str, run_id: str) -> str:
+    return f"{url.rstrip('/')}/{run_id}"
+
+
+def upload(folder: Path, url: str) -> None:
+    """Copy a verified snapshot to ``url`` (files first, manifest last, then latest)."""
+    fs, root = _fs(url)
+    dest = f"{root}/{folder.name}"
+    manifest = json.loads((folder / MANIFEST).read_text())
+    for rel in manifest["files"]:
+        fs.makedirs(os.path.dirname(f"{dest}/{rel}"), exist_ok=True)
+        fs.put_file(str(folder / rel), f"{dest}/{rel}")
+    fs.put_file(str(folder / MANIFEST), f"{dest}/{MANIFEST}")
+    with fs.open(f"{root}/latest", "w") as fh:
+        fh.write(folder.name + "\n")
+
+
+def fetch_latest(url: str, rd: RunDir) -> Path | None:
+    """Download the newest snapshot in ``url`` that verifies into RUN_DIR/checkpoints."""
+    fs, root = _fs(url)
+    try:
+        names = sorted((p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)),
+                       key=lambda n: int(m.group(1)) if (m := _STEP_DIR.match(n)) else -1,
+                       reverse=True)
+    except FileNotFoundError:
+        return None
+    for name in names:
+        if not _STEP_DIR.match(name):
+            continue
+        local = rd.path / "checkpoints" / name
+        shutil.rmtree(local, ignore_errors=True)
+        try:
+            fs.get(f"{root}/{name}", str(local), recursive=True)
+        except FileNotFoundError:
+            continue
+        problem = verify(local)
+        if problem is None:
+            set_latest(rd, local)
+            return local
+        warnings.warn(f"skipping stored snapshot {name}: {problem}", stacklevel=2)
+        shutil.rmtree(local, ignore_errors=True)
+    return None
+
+
+class Uploader:
+    """Uploads committed snapshots in a background thread so training never waits on the network.
+
+    Progress is reported to status.json (``upload``: pending / uploading / uploaded step, or the
+    error), which the job view shows.
+    """
+
+    def __init__(self, rd: RunDir, url: str) -> None:
+        self.rd, self.url = rd, url
+        self._queue: queue.Queue[Path | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._work, daemon=True, name="snapshot-upload")
+        self._thread.start()
+
+    def submit(self, folder: Path) -> None:
+        self.rd.write_status(upload={"state": "pending", "step": folder.name})
+        self._queue.put(folder)
+
+    def _work(self) -> None:
+        while (folder := self._queue.get()) is not None:
+            try:
+                self.rd.write_status(upload={"state": "uploading", "step": folder.name})
+                upload(folder, self.url)
+                self.rd.write_status(upload={"state": "uploaded", "step": folder.name,
+                                             "url": self.url})
+            except Exception as exc:  # keep training; the status shows what went wrong
+                self.rd.write_status(upload={"state": "failed", "step": folder.name,
+                                             "error": str(exc)})
+
+    def close(self, timeout: float = 600) -> None:
+        """Finish pending uploads (called at the end of training)."""
+        self._queue.put(None)
+        self._thread.join(timeout)
