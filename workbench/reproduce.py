@@ -12,7 +12,6 @@ SECRET, PASSWORD, CREDENTIAL), and token-shaped strings (hf_..., sk-..., AKIA...
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import platform
@@ -27,6 +26,7 @@ from typing import Any
 
 from workbench.errors import WorkbenchError
 from workbench.rundir import RunDir
+from workbench.snapshots import sha256_file as _sha256
 from workbench.spec import RunSpec
 
 BUNDLE = "reproduce.zip"
@@ -56,14 +56,6 @@ def scrub(text: str, secrets: list[str] | None = None) -> str:
         else:
             text = pattern.sub("***", text)
     return text
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def code_version() -> dict[str, Any]:

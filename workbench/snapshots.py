@@ -36,7 +36,7 @@ class SnapshotError(WorkbenchError, RuntimeError):
     """A snapshot could not be written, verified or fetched."""
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
@@ -49,7 +49,7 @@ def snapshot_dir(rd: RunDir, step: int) -> Path:
 
 
 def write_manifest(folder: Path, step: int) -> dict[str, Any]:
-    files = {str(p.relative_to(folder)): {"sha256": _sha256(p), "bytes": p.stat().st_size}
+    files = {str(p.relative_to(folder)): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
              for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
     manifest = {"step": step, "created": time.time(), "files": files}
     write_json_atomic(folder / MANIFEST, manifest)
@@ -68,7 +68,7 @@ def verify(folder: Path) -> str | None:
         path = folder / rel
         if not path.is_file():
             return f"{rel} is missing"
-        if path.stat().st_size != meta["bytes"] or _sha256(path) != meta["sha256"]:
+        if path.stat().st_size != meta["bytes"] or sha256_file(path) != meta["sha256"]:
             return f"{rel} does not match its checksum"
     return None
 
