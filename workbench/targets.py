@@ -246,6 +246,8 @@ class TargetReport:
                 lines.append(f"        -> {c.fix}")
         return "\n".join(lines)
 
+    __repr__ = __str__  # the CLI prints results with repr()
+
     def _repr_html_(self) -> str:
         import html
 

@@ -31,7 +31,7 @@ from workbench.spec import RunSpec
 from workbench.targets import SSHTarget, TargetError, TargetReport, get_target, probe_environment
 
 # Imports the supervisor's dependencies and picks a free port for the rendezvous, in one call.
-PREFLIGHT = ("import socket, workbench.supervise, workbench.train, torch; s = socket.socket(); "
+PREFLIGHT = ("import socket, workbench.supervise, torch; s = socket.socket(); "
              "s.bind(('', 0)); print('WORKBENCH-PORT', s.getsockname()[1])")
 
 

@@ -70,7 +70,9 @@ class RunForm(W.VBox):
                                 description="GPUs/node", style=_STYLE)
         self.procs = W.IntSlider(spec.resources.procs_per_node, min=1, max=16,
                                  description="Processes", style=_STYLE)
-        self.target = W.Dropdown(options=targets or [spec.target], value=spec.target,
+        from workbench.targets import target_names  # local + targets.yaml (ssh:, slurm:)
+
+        self.target = W.Dropdown(options=targets or target_names(spec.target), value=spec.target,
                                  description="Target", style=_STYLE)
         self.gpu_type = W.Dropdown(options=_gpu_names(), value=spec.resources.gpu_type,
                                    description="GPU type", style=_STYLE)

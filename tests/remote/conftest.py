@@ -1,0 +1,72 @@
+"""Fixtures for remote targets: a real one-machine Slurm cluster and a real sshd on loopback.
+
+Both come up once per test session (``tests/remote/cluster.py``) under a temporary folder and
+are stopped by PID at the end. ``targets`` writes WORKBENCH_HOME/targets.yaml with the targets
+the tests use; every "remote" working directory is a separate folder on this machine.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).parent))
+import cluster as test_cluster  # noqa: E402  (the project's own set-up script, beside this file)
+
+PYTHON = sys.executable  # the venv: what every target runs in this test world
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[test_cluster.Cluster]:
+    root = Path(tempfile.mkdtemp(prefix="workbench-cluster-"))
+    c = test_cluster.up(root)
+    os.environ["SLURM_CONF"] = str(c.slurm_conf)  # sbatch/squeue/scontrol of this cluster
+    try:
+        yield c
+    finally:
+        # Jobs a failed test left behind go first, then the daemons, by PID.
+        subprocess.run(["scancel", "--user=root", "--signal=KILL", "--full"], capture_output=True)
+        test_cluster.stop_pids(c.pids)
+        os.environ.pop("SLURM_CONF", None)
+
+
+@pytest.fixture(scope="session")
+def targets(cluster: test_cluster.Cluster, wb_home: Path) -> dict:
+    env = {"WORKBENCH_HOME": str(wb_home), "HF_HUB_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false", "SLURM_CONF": str(cluster.slurm_conf)}
+    ssh = {"python": PYTHON, "ssh_config": str(cluster.ssh_config), "env": env}
+    work = cluster.root / "work"
+    data = {
+        "ssh": {
+            # Two machines that share nothing: each host has its own working directory.
+            "pair": {**ssh, "hosts": [{"host": "wb-node0", "workdir": f"{work}/node0"},
+                                      {"host": "wb-node1", "workdir": f"{work}/node1"}]},
+            "one": {**ssh, "hosts": ["wb-node0"], "workdir": f"{work}/one"},
+            "down": {**ssh, "hosts": [{"host": "127.0.0.1", "port": 1}], "connect_timeout": 5},
+            "broken": {**ssh, "hosts": ["wb-node0"], "python": "/nonexistent/env/bin/python"},
+            "unknown-key": {"python": PYTHON, "env": env,
+                            "hosts": [{"host": "127.0.0.1", "port": cluster.ssh_port}],
+                            "identity_file": str(cluster.identity),
+                            "known_hosts": str(cluster.root / "empty_known_hosts")},
+        },
+        "slurm": {
+            # The notebook runs on the login node: sbatch here, run directory used in place.
+            "local": {"python": PYTHON, "env": env, "time": "00:10:00"},
+            # sbatch over SSH on a login node, run directory copied to the cluster's workdir.
+            "login": {**ssh, "login": "wb-node0", "workdir": f"{work}/cluster", "time": "00:10:00"},
+            "short": {"python": PYTHON, "env": env, "time": "1", "cpus_per_task": 1,
+                      "setup": ["sleep 600"]},  # stands in for a run longer than its limit
+            "nopart": {"python": PYTHON, "env": env, "partition": "nope"},
+            "broken": {"python": "/nonexistent/env/bin/python", "env": env},
+        },
+    }
+    (cluster.root / "empty_known_hosts").write_text("")
+    (wb_home / "targets.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    return data
