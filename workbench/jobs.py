@@ -165,6 +165,9 @@ class Job:
         After a resume from step N, what the earlier attempt logged past N is dropped, so the
         curve is the one the run actually followed.
         """
+        sync = getattr(self.backend, "sync", None)
+        if sync is not None:  # remote backends first bring new bytes into the local run dir
+            sync(self.run_dir.path)
         for record in self._reader.read_new():
             if record.get("event") == "resume":
                 self._metrics = [m for m in self._metrics if m.get("step", 0) <= record["step"]]

@@ -62,7 +62,8 @@ def targets(cluster: test_cluster.Cluster, wb_home: Path) -> dict:
             # sbatch over SSH on a login node, run directory copied to the cluster's workdir.
             "login": {**ssh, "login": "wb-node0", "workdir": f"{work}/cluster", "time": "00:10:00"},
             "short": {"python": PYTHON, "env": env, "time": "1", "cpus_per_task": 1,
-                      "setup": ["sleep 600"]},  # stands in for a run longer than its limit
+                      # Inside the job only: stands in for a run longer than its limit.
+                      "setup": ['[ -z "$SLURM_JOB_ID" ] || sleep 600']},
             "nopart": {"python": PYTHON, "env": env, "partition": "nope"},
             "broken": {"python": "/nonexistent/env/bin/python", "env": env},
         },

@@ -214,7 +214,7 @@ def test_unknown_partition_and_rejected_sbatch_leave_nothing(targets):
 
 def test_requeued_slurm_job_resumes_from_its_checkpoint(targets):
     job = workbench.launch({"name": "requeue", "target": "slurm:local",
-                            "train": {"max_steps": 40, "lr": 3e-3},
+                            "train": {"max_steps": 20, "lr": 3e-3},
                             "checkpoint": {"every_steps": 5}})
     latest = job.run_dir.path / "checkpoints" / "latest"
     deadline = time.time() + 300
@@ -225,12 +225,15 @@ def test_requeued_slurm_job_resumes_from_its_checkpoint(targets):
     slurm_id = job.record.backend_job_id.split(":", 1)[1]
     subprocess.run(["scontrol", "requeue", slurm_id], check=True)
     assert job.wait(timeout=400, progress=False) == "succeeded", job.logs(tail=40)
-    assert job.status()["restarts"] >= 1
-    steps = [m["step"] for m in job.metrics() if "loss" in m]
-    restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
-    # The second attempt starts after a checkpointed step (a multiple of 5), not at step 1.
-    assert steps[restart] > 1 and (steps[restart] - 1) % 5 == 0, steps
-    assert steps[-1] == 40
+    assert job.status()["requeues"] >= 1
+    raw = job.run_dir.metrics()  # every line both attempts wrote, resume marker included
+    resumes = [i for i, m in enumerate(raw) if m.get("event") == "resume"]
+    assert resumes, "the requeued attempt did not resume from a snapshot"
+    resumed_at = raw[resumes[-1]]["step"]
+    after = [m["step"] for m in raw[resumes[-1]:] if "loss" in m]
+    # The second attempt continues after a checkpointed step (a multiple of 5), not at step 1.
+    assert resumed_at > 0 and resumed_at % 5 == 0 and after[0] == resumed_at + 1, raw
+    assert [m["step"] for m in job.metrics() if "loss" in m] == list(range(1, 21))
     _nothing_left(job.id)
 
 

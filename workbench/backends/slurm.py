@@ -198,6 +198,15 @@ class SlurmBackend:
         if cluster_dir:
             sync_run_dir(self.transport, cluster_dir, Path(run_dir), python=self.target.python)
 
+    def sync(self, run_dir: Path) -> None:
+        """Bring new status, metrics and log bytes into the local run directory (best effort)."""
+        mirror = MirroredRunDir(run_dir)
+        if mirror.placement.get("dir") and not mirror.final:
+            try:
+                self._sync(run_dir)
+            except TargetError:
+                pass  # the login node may come back; status() reports why it is stale
+
     def job_info(self, job: str) -> dict[str, str]:
         """What the scheduler knows about ``job`` ({} when it has forgotten it)."""
         res = self._scheduler(f"scontrol show job -o {job}")
@@ -224,7 +233,7 @@ class SlurmBackend:
             return {**rd.status(), "warning": str(exc)}
         status = rd.status()
         state = info.get("JobState", "")
-        extra = {"slurm_state": state or "unknown", "restarts": int(info.get("Restarts", 0) or 0)}
+        extra = {"slurm_state": state or "unknown", "requeues": int(info.get("Restarts", 0) or 0)}
         if info.get("NodeList") and info["NodeList"] != "(null)":
             extra["nodes"] = info["NodeList"]
         if state in WAITING:
@@ -236,7 +245,9 @@ class SlurmBackend:
                     status.get("ended", 0) < _slurm_time(info.get("StartTime")):
                 # status.json is the previous attempt's ending (a requeue): this one is starting.
                 return {**status, **extra, "state": RUNNING}
-            if status.get("state") not in TERMINAL:
+            if status.get("state") not in TERMINAL or status.get("state") == CANCELLED:
+                # A supervisor stopped by Slurm (requeue, time limit, scancel) writes
+                # "cancelled"; what that means is Slurm's to say once the job leaves RUNNING.
                 status = {**status, "state": RUNNING}
             return {**status, **extra}
         if state == "TIMEOUT":
@@ -305,21 +316,12 @@ class SlurmBackend:
         cluster_dir = mirror.placement.get("dir")
         if cluster_dir and not is_mirrored(path) and not mirror.final:
             return read_remote(self.transport, cluster_dir, path, offset, self.target.python)
-        if cluster_dir and not mirror.final:
-            try:
-                self._sync(run_dir)
-            except TargetError:
-                pass
+        self.sync(run_dir)
         return mirror.read_local(path, offset)
 
     def logs(self, run_dir: Path) -> dict[str, str]:
-        mirror = MirroredRunDir(run_dir)
-        if mirror.placement.get("dir") and not mirror.final:
-            try:
-                self._sync(run_dir)
-            except TargetError:
-                pass
-        return mirror.log_texts()
+        self.sync(run_dir)
+        return MirroredRunDir(run_dir).log_texts()
 
 
 def _slurm_time(value: str | None) -> float:

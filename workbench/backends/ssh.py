@@ -137,6 +137,11 @@ class SSHBackend:
             alive[str(rank)] = any(found.values())
         return alive
 
+    def sync(self, run_dir: Path) -> None:
+        """Bring new status, metrics and log bytes into the local run directory (best effort)."""
+        if not MirroredRunDir(run_dir).final:
+            self._sync_quiet(run_dir)
+
     def status(self, run_dir: Path, job_id: str | None) -> dict[str, Any]:
         rd, mirror = RunDir(run_dir), MirroredRunDir(run_dir)
         if mirror.final or not mirror.placement.get("nodes"):
