@@ -1,0 +1,109 @@
+"""A real JupyterLab server for the lab tests: started once per module, on loopback with a token.
+
+The server gets the session's WORKBENCH_HOME (from tests/conftest.py), serves files from that
+folder (so run folders open in the file browser), keeps its config, runtime and user settings in
+a temp folder (news and update checks off), and is stopped by PID.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import requests
+
+ARTIFACTS = Path(__file__).parent / "artifacts"
+
+
+@dataclass
+class LabServer:
+    url: str
+    token: str
+    root: Path
+    log: Path
+
+    def api(self, path: str) -> str:
+        return f"{self.url}/workbench/api/{path}"
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"token {self.token}"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _quiet_user_settings(settings_dir: Path) -> None:
+    """No news feed and no update check: nothing may reach out of the machine."""
+    notif = settings_dir / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
+    notif.parent.mkdir(parents=True, exist_ok=True)
+    notif.write_text(json.dumps({"fetchNews": "false", "checkForUpdates": False}))
+
+
+@pytest.fixture(scope="module")
+def lab_server(wb_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabServer]:
+    state = tmp_path_factory.mktemp("jupyter-state")
+    _quiet_user_settings(state / "settings")
+    ARTIFACTS.mkdir(exist_ok=True)
+    log = ARTIFACTS / "jupyter-server.log"
+    port, token = _free_port(), secrets.token_hex(16)
+    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(state / "config"),
+           "JUPYTER_RUNTIME_DIR": str(state / "runtime"),
+           "JUPYTERLAB_SETTINGS_DIR": str(state / "settings"),
+           "JUPYTERLAB_WORKSPACES_DIR": str(state / "workspaces")}
+    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
+           f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
+           f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={wb_home}",
+           "--LabApp.news_url=", "--LabApp.expose_app_in_browser=True",
+           "--ServerApp.terminals_enabled=False"]
+    if os.geteuid() == 0:
+        cmd.append("--allow-root")
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=wb_home,
+                                start_new_session=True)
+    server = LabServer(f"http://127.0.0.1:{port}", token, wb_home, log)
+    try:
+        deadline = time.time() + 60
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"jupyter lab exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+            try:
+                if requests.get(f"{server.url}/api/status", headers=server.auth, timeout=2).ok:
+                    break
+            except requests.ConnectionError:
+                pass
+            if time.time() > deadline:
+                pytest.fail(f"jupyter lab did not answer in 60 s:\n{log.read_text()[-3000:]}")
+            time.sleep(0.3)
+        yield server
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def wait_for(predicate, timeout: float, what: str, poll: float = 0.5):
+    """Poll ``predicate`` until it returns something truthy; fail with ``what`` on timeout."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")

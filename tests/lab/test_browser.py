@@ -1,0 +1,164 @@
+"""End to end in a real browser: JupyterLab in headless Chromium (Debian's), driven by Playwright.
+
+A run launched from a notebook on the "Python (Workbench)" kernel (where ``%workbench status``
+works without ``%load_ext``) appears in the Workbench panel, its mini loss curve grows, its
+details open, and Cancel in the panel stops it. The launcher offers the kernel and the
+"New fine-tuning run" card, which opens the template notebook. Screenshots go to
+``tests/lab/artifacts/`` (light and dark theme).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbformat.v4 import new_code_cell, new_notebook
+
+import workbench
+
+from .conftest import ARTIFACTS, LabServer, wait_for
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run",
+                 "--disable-dev-shm-usage"]
+
+playwright_api = pytest.importorskip("playwright.sync_api", reason="make browser installs playwright")
+if not CHROMIUM.exists() and not os.environ.get("CI"):
+    pytest.skip("no /usr/bin/chromium here: `make browser` installs it", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def page(lab_server: LabServer):
+    with playwright_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        context = browser.new_context(viewport={"width": 1400, "height": 900})
+        page = context.new_page()
+        page.set_default_timeout(60_000)
+        try:
+            yield page
+        finally:
+            context.close()
+            browser.close()
+
+
+def _open_lab(page, lab_server: LabServer, path: str = "") -> None:
+    # ?reset: a fresh workspace, so no notebook of an earlier test comes back as the current one.
+    page.goto(f"{lab_server.url}/lab{'/tree/' + path if path else ''}?reset&token={lab_server.token}")
+    page.wait_for_selector("#jupyterlab-splash", state="detached", timeout=90_000)
+    # Our plugin has activated once its commands exist (the splash goes before all plugins are).
+    page.wait_for_function("() => window.jupyterapp?.commands.hasCommand('workbench:new-run')"
+                           " && window.jupyterapp.commands.hasCommand('launcher:create')")
+
+
+@pytest.fixture(autouse=True)
+def _shot_on_exit(request, page):
+    yield
+    shot(page, f"last-{request.node.name}")
+
+
+def _accept_kernel_dialog(page) -> None:
+    dialog = page.locator(".jp-Dialog")
+    if dialog.count():
+        dialog.locator(".jp-mod-accept").first.click()
+
+
+def _command(page, command: str, args: dict | None = None) -> None:
+    # Not awaited in the page: a command can wait on a dialog (e.g. kernel selection) forever.
+    page.evaluate("([c, a]) => { window.jupyterapp.commands.execute(c, a); }", [command, args or {}])
+
+
+def _wait_accepting_dialogs(page, locator, timeout_s: float) -> None:
+    """Wait for ``locator``, accepting the kernel dialogs JupyterLab may raise meanwhile."""
+    def seen() -> bool:
+        _accept_kernel_dialog(page)
+        return locator.count() > 0
+
+    wait_for(seen, timeout_s, f"{locator} to appear")
+
+
+def shot(page, name: str) -> None:
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"))
+
+
+def _write_notebook(root: Path) -> str:
+    nb = new_notebook(cells=[
+        new_code_cell('%workbench status\n'
+                      'job = workbench.launch({"name": "lab-browser", "train": {"max_steps": 100000}})\n'
+                      'print("launched", job.id)'),
+    ], metadata={"kernelspec": {"name": "workbench", "display_name": "Python (Workbench)",
+                                "language": "python"}})
+    nbformat.write(nb, root / "panel-test.ipynb")
+    return "panel-test.ipynb"
+
+
+def test_launcher_offers_the_kernel_and_the_new_run_card(page, lab_server: LabServer) -> None:
+    _open_lab(page, lab_server)
+    _command(page, "launcher:create")
+    launcher = page.locator(".jp-Launcher").first
+    launcher.get_by_text("Python (Workbench)").first.wait_for()
+    card = launcher.locator(".jp-LauncherCard", has_text="New fine-tuning run")
+    card.wait_for()
+    shot(page, "01-launcher")
+    card.click()
+    tab = page.locator(".lm-TabBar-tab", has_text="fine-tune")
+    tab.first.wait_for()
+    _wait_accepting_dialogs(page, page.locator(".jp-Toolbar-kernelName", has_text="Python (Workbench)"), 90)
+    page.locator(".jp-Notebook .jp-Cell").first.wait_for()
+    notebooks = sorted(p.name for p in lab_server.root.glob("fine-tune*.ipynb"))
+    assert notebooks, "the card created no notebook"
+    nb = nbformat.read(lab_server.root / notebooks[-1], as_version=4)
+    assert nb.metadata.kernelspec.name == "workbench"
+    assert any("workbench.launch" in c.source for c in nb.cells)
+    shot(page, "02-new-run-notebook")
+    _command(page, "application:close-all")
+    page.wait_for_timeout(500)
+    _accept_kernel_dialog(page)
+
+
+def test_run_from_a_notebook_shows_in_the_panel_grows_and_cancels(page, lab_server: LabServer) -> None:
+    path = _write_notebook(lab_server.root)
+    _open_lab(page, lab_server, path)
+    _wait_accepting_dialogs(page, page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']"), 90)
+    page.locator(".jp-Notebook .jp-Cell").first.wait_for()
+    page.locator(".lm-TabBar-tab.lm-mod-current", has_text="panel-test").first.wait_for()
+    _command(page, "notebook:run-cell")
+    _wait_accepting_dialogs(page, page.locator(".jp-OutputArea-output", has_text="launched"), 180)
+    output = page.locator(".jp-Cell").first.locator(".jp-OutputArea").inner_text()
+    assert "RUN" in output and "STATE" in output  # %workbench status: the magic was preloaded
+    run_id = output.split("launched")[-1].split()[0]
+
+    page.locator(".jp-SideBar [data-id='workbench-runs']").click()
+    card = page.locator(f".jp-WorkbenchRuns-run[data-run-id='{run_id}']")
+    card.wait_for(timeout=30_000)
+    spark = card.locator("svg.jp-WorkbenchSpark")
+
+    def last_step() -> int:
+        value = spark.get_attribute("data-last-step")
+        return int(float(value)) if value else 0
+
+    first = wait_for(last_step, 180, "the first loss points in the panel")
+    shot(page, "03-panel-running")
+    wait_for(lambda: last_step() > first, 120, "the panel's loss curve to grow")
+    assert card.get_attribute("data-state") == "running"
+    assert "step " in card.locator(".jp-WorkbenchRuns-meta").inner_text()
+
+    card.get_by_role("button", name="details of lab-browser").click()
+    page.locator(".jp-WorkbenchDetails polyline.jp-WorkbenchPlot-train").first.wait_for()
+    page.locator(".jp-WorkbenchDetails-log", has_text="==>").first.wait_for()
+    shot(page, "04-details")
+
+    card.get_by_role("button", name="cancel lab-browser").click()
+    wait_for(lambda: card.get_attribute("data-state") == "cancelled", 90, "the panel to show cancelled")
+    assert workbench.get_job(run_id).state == "cancelled"
+    assert card.get_by_role("button", name="cancel lab-browser").count() == 0
+    shot(page, "05-cancelled")
+
+    _command(page, "apputils:change-theme", {"theme": "JupyterLab Dark"})
+    page.locator("body[data-jp-theme-light='false']").wait_for(state="attached")
+    page.wait_for_timeout(1000)
+    shot(page, "06-dark")
+    _command(page, "apputils:change-theme", {"theme": "JupyterLab Light"})

@@ -1,0 +1,160 @@
+"""The panel's REST endpoints against a real Jupyter server and real runs: Jupyter's own token
+and XSRF protection apply, malformed ids and traversal are refused, and list / details / logs /
+cancel return what the workbench library says."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+
+import workbench
+
+from .conftest import LabServer, wait_for
+
+
+@pytest.fixture(scope="module")
+def short_run(lab_server: LabServer) -> workbench.Job:
+    job = workbench.launch({"name": "lab-short", "train": {"max_steps": 20},
+                            "checkpoint": {"every_steps": 10, "keep": 2}})
+    assert job.wait(timeout=240, progress=False) == "succeeded", job.logs()
+    return job
+
+
+@pytest.fixture
+def cookie_session(lab_server: LabServer) -> requests.Session:
+    """A browser-like session: logged in by cookie (token only in the first URL), as the lab UI is."""
+    session = requests.Session()
+    session.get(f"{lab_server.url}/lab?token={lab_server.token}", timeout=30).raise_for_status()
+    assert "_xsrf" in session.cookies
+    return session
+
+
+def test_requests_without_a_token_are_refused(lab_server: LabServer) -> None:
+    assert requests.get(lab_server.api("runs"), timeout=10).status_code == 403
+    assert requests.post(lab_server.api("runs/any-run/cancel"), timeout=10).status_code == 403
+    assert requests.get(lab_server.api("runs"), headers={"Authorization": "token wrong"},
+                        timeout=10).status_code == 403
+
+
+def test_a_cookie_post_without_the_xsrf_token_is_refused(lab_server: LabServer,
+                                                          cookie_session: requests.Session) -> None:
+    assert cookie_session.get(lab_server.api("runs"), timeout=30).status_code == 200
+    url = lab_server.api("notebooks")
+    refused = cookie_session.post(url, json={"directory": ""}, timeout=30)
+    assert refused.status_code == 403 and "xsrf" in refused.text.lower()
+    accepted = cookie_session.post(url, json={"directory": ""}, timeout=30,
+                                   headers={"X-XSRFToken": cookie_session.cookies["_xsrf"]})
+    assert accepted.status_code == 201, accepted.text
+    assert (lab_server.root / accepted.json()["path"]).is_file()
+
+
+@pytest.mark.parametrize("path", [
+    "runs/..%2F..%2Fregistry.sqlite",
+    "runs/%2Fetc%2Fpasswd",
+    "runs/..",
+    "runs/.hidden",
+    "runs/no-such-run",
+    "runs/no-such-run/logs",
+])
+def test_malformed_or_unknown_run_ids_are_refused(lab_server: LabServer, path: str) -> None:
+    reply = requests.get(lab_server.api(path), headers=lab_server.auth, timeout=10)
+    assert reply.status_code in (400, 404), reply.text
+    assert "root:" not in reply.text and "SQLite" not in reply.text
+
+
+@pytest.mark.parametrize("name", ["../status.json", "..%2F..%2Fregistry.sqlite", "/etc/passwd",
+                                  "rank-9.log", ".."])
+def test_log_names_cannot_leave_the_runs_log_folder(lab_server: LabServer, short_run, name) -> None:
+    url = lab_server.api(f"runs/{short_run.id}/logs") + f"?name={name}"
+    reply = requests.get(url, headers=lab_server.auth, timeout=10)
+    assert reply.status_code == 400, reply.text
+    assert '"state"' not in reply.text and "root:" not in reply.text
+
+
+def test_new_notebooks_stay_inside_the_server_root(lab_server: LabServer) -> None:
+    for directory in ("../..", "/etc", "runs/../../.."):
+        reply = requests.post(lab_server.api("notebooks"), json={"directory": directory},
+                              headers=lab_server.auth, timeout=10)
+        assert reply.status_code in (400, 404), (directory, reply.text)
+
+
+def test_list_and_details_of_a_finished_run(lab_server: LabServer, short_run) -> None:
+    reply = requests.get(lab_server.api("runs"), headers=lab_server.auth, timeout=30)
+    assert reply.status_code == 200
+    body = reply.json()
+    assert body["capabilities"]["cancel"] is True
+    # Capabilities follow the installed library: a button shows only where a call backs it.
+    assert body["capabilities"]["resume"] == callable(getattr(workbench.Job, "resume", None))
+    assert body["capabilities"]["deploy"] == callable(getattr(workbench.Job, "deploy", None))
+    assert set(body["capabilities"]) >= {"resume", "deploy", "snapshots", "endpoints", "tensorboard"}
+    row = next(r for r in body["runs"] if r["id"] == short_run.id)
+    summary = short_run.summary()  # the same library call the server makes
+    for key in ("state", "target", "step", "total_steps", "first_loss", "last_loss"):
+        assert row[key] == summary[key], key
+    assert row["state"] == "succeeded" and row["step"] == row["total_steps"] == 20
+    assert len(row["curve"]) >= 10 and all(len(p) == 2 for p in row["curve"])
+    assert row["browse_path"] == f"runs/{short_run.id}"
+
+    details = requests.get(lab_server.api(f"runs/{short_run.id}"), headers=lab_server.auth,
+                           timeout=30).json()
+    assert [m["step"] for m in details["metrics"] if "loss" in m] == \
+        [m["step"] for m in short_run.metrics() if "loss" in m]
+    assert "rank-0.log" in details["log_names"] and "==> " in details["logs"]
+    if body["capabilities"]["snapshots"]:
+        snaps = details["snapshots"]
+        assert [s["name"] for s in snaps][:1] == ["step-20"] and all(s["complete"] for s in snaps)
+        assert snaps[0]["browse_path"] == f"runs/{short_run.id}/checkpoints/step-20"
+
+    logs = requests.get(lab_server.api(f"runs/{short_run.id}/logs") + "?name=rank-0.log&tail=5",
+                        headers=lab_server.auth, timeout=30).json()
+    assert logs["text"] == short_run.logs(tail=5, name="rank-0.log")
+
+
+def test_cancel_from_the_api_stops_a_live_run(lab_server: LabServer) -> None:
+    job = workbench.launch({"name": "lab-cancel", "train": {"max_steps": 100000}})
+    try:
+        wait_for(lambda: job.state == "running", 180, "the long run to start")
+        reply = requests.post(lab_server.api(f"runs/{job.id}/cancel"), headers=lab_server.auth,
+                              timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["state"] == "cancelled"
+        assert job.state == "cancelled"
+        # Cancelling an ended run is harmless and says how it ended.
+        again = requests.post(lab_server.api(f"runs/{job.id}/cancel"), headers=lab_server.auth,
+                              timeout=60)
+        assert again.json()["state"] == "cancelled"
+    finally:
+        job.cancel()
+
+
+def test_actions_the_library_lacks_answer_501_not_a_fake_success(lab_server: LabServer,
+                                                                  short_run) -> None:
+    caps = requests.get(lab_server.api("runs"), headers=lab_server.auth, timeout=30).json()
+    if caps["capabilities"]["resume"]:
+        pytest.skip("this workbench provides resume")
+    reply = requests.post(lab_server.api(f"runs/{short_run.id}/resume"), headers=lab_server.auth,
+                          timeout=30)
+    assert reply.status_code == 501
+
+
+def test_settings_are_in_the_settings_editor(lab_server: LabServer) -> None:
+    reply = requests.get(f"{lab_server.url}/lab/api/settings/workbench-lab:plugin",
+                         headers=lab_server.auth, timeout=30)
+    assert reply.status_code == 200
+    props = reply.json()["schema"]["properties"]
+    assert props["refreshInterval"]["default"] == 2 and props["defaultTarget"]["default"] == "local"
+
+
+def test_tensorboard_opens_for_a_run_with_events(lab_server: LabServer, short_run) -> None:
+    if not short_run.run_dir.tb_dir.is_dir():
+        pytest.skip("this run wrote no TensorBoard events")
+    reply = requests.post(lab_server.api(f"runs/{short_run.id}/tensorboard"), headers=lab_server.auth,
+                          timeout=60)
+    assert reply.status_code == 200, reply.text
+    url = reply.json()["url"]
+    assert url.startswith("http://127.0.0.1:")
+    assert requests.get(url, timeout=30).status_code == 200
+    # Asking again reuses the same TensorBoard.
+    again = requests.post(lab_server.api(f"runs/{short_run.id}/tensorboard"), headers=lab_server.auth,
+                          timeout=60)
+    assert again.json()["url"] == url
