@@ -7,7 +7,7 @@ import { Widget } from '@lumino/widgets';
 
 import { duration, money, number } from './format';
 import { drawLossPlot } from './sparkline';
-import { IRunDetails, TERMINAL_STATES, WorkbenchService } from './service';
+import { IRunDetails, ISnapshot, TERMINAL_STATES, WorkbenchService } from './service';
 
 export class RunDetails extends Widget {
   private readonly summaryNode = document.createElement('dl');
@@ -157,7 +157,7 @@ export class RunDetails extends Widget {
     this.renderSnapshots(d.snapshots);
   }
 
-  private renderSnapshots(snapshots: unknown[] | null): void {
+  private renderSnapshots(snapshots: ISnapshot[] | null): void {
     this.snapshotsSection.hidden = snapshots === null;
     if (snapshots === null) {
       return;
@@ -168,7 +168,11 @@ export class RunDetails extends Widget {
     list.append(
       ...snapshots.map(s => {
         const li = document.createElement('li');
-        li.textContent = typeof s === 'object' ? JSON.stringify(s) : String(s);
+        const notes = [s.complete ? 'complete' : 'incomplete (no manifest)'];
+        if (s.latest) {
+          notes.push('latest');
+        }
+        li.textContent = `${s.name} · ${notes.join(' · ')}`;
         return li;
       })
     );

@@ -48,12 +48,20 @@ export interface IMetricPoint {
   eval_loss?: number;
 }
 
+export interface ISnapshot {
+  name: string;
+  complete: boolean;
+  latest: boolean;
+  browse_path: string | null;
+}
+
 export interface IRunDetails extends IRun {
   run_dir: string;
   metrics: IMetricPoint[];
   log_names: string[];
   logs: string;
-  snapshots: unknown[] | null;
+  /** Null when the library has no snapshots. */
+  snapshots: ISnapshot[] | null;
 }
 
 /** A deployed endpoint (workbench.serve): name, state, target, OpenAI base URL, models. */

@@ -43,13 +43,20 @@ def _serve_module() -> Any | None:
         return None
 
 
+def _snapshots_module() -> Any | None:
+    try:
+        return importlib.import_module("workbench.snapshots")
+    except ImportError:
+        return None
+
+
 def capabilities() -> dict[str, bool]:
     """Which actions the installed library supports; the panel shows only these."""
     serve = _serve_module()
     return {
         "cancel": True,
         "resume": callable(getattr(Job, "resume", None)),
-        "snapshots": callable(getattr(Job, "snapshots", None)),
+        "snapshots": callable(getattr(_snapshots_module(), "snapshots", None)),
         "deploy": callable(getattr(Job, "deploy", None)) or callable(getattr(serve, "deploy", None)),
         "endpoints": callable(getattr(serve, "endpoints", None)),
         "stop_endpoint": callable(getattr(serve, "undeploy", None)),
@@ -93,8 +100,11 @@ class RunsView:
 
     def browse_path(self, job: Job) -> str | None:
         """The run folder relative to the file browser's root, or None when it lies outside."""
+        return self.browse_path_of(job.run_dir.path)
+
+    def browse_path_of(self, folder: str | Path) -> str | None:
         try:
-            return Path(job.run_dir.path).resolve().relative_to(self.root_dir).as_posix()
+            return Path(folder).resolve().relative_to(self.root_dir).as_posix()
         except ValueError:
             return None
 
@@ -138,8 +148,22 @@ class RunsView:
             "snapshots": None,
         }
         if capabilities()["snapshots"]:
-            details["snapshots"] = _plain(job.snapshots())  # type: ignore[attr-defined]
+            details["snapshots"] = self.snapshots(job)
         return details
+
+    def snapshots(self, job: Job) -> list[dict[str, Any]]:
+        """The run's step-N snapshots, newest first, as ``workbench.snapshots`` lists them.
+
+        "complete" means the manifest was written (the library's rule for a snapshot that counts);
+        checksums are not re-verified here, since that reads every byte of every snapshot.
+        """
+        module = _snapshots_module()
+        manifest = getattr(module, "MANIFEST", "manifest.json")
+        latest_file = job.run_dir.path / "checkpoints" / "latest"
+        latest = latest_file.read_text().strip() if latest_file.is_file() else None
+        return [{"name": folder.name, "complete": (folder / manifest).is_file(),
+                 "latest": folder.name == latest, "browse_path": self.browse_path_of(folder)}
+                for folder in module.snapshots(job.run_dir)]  # type: ignore[union-attr]
 
     def logs(self, run_id: str, name: str | None, tail: int) -> str:
         if name is not None and not _LOG_NAME.match(name):
@@ -211,18 +235,3 @@ def _endpoint_row(endpoint: Any) -> dict[str, Any]:
     except (AttributeError, KeyError, TypeError):
         row["models"] = []
     return row
-
-
-def _plain(value: Any) -> Any:
-    """JSON-friendly form of what a library call returned (dataclasses, paths, lists)."""
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    if hasattr(value, "to_dict"):
-        return _plain(value.to_dict())
-    if hasattr(value, "__dataclass_fields__"):
-        return _plain({k: getattr(value, k) for k in value.__dataclass_fields__})
-    return str(value)
