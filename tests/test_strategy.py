@@ -8,6 +8,7 @@ import pytest
 
 import workbench
 from workbench.rundir import RunDir
+from workbench.snapshots import newest_verified
 from workbench.spec import ParallelSpec, RunSpec
 from workbench.train.strategy import deepspeed_config, resolved_parallel
 
@@ -44,11 +45,15 @@ def test_deepspeed_zero_runs_on_cpu_with_two_ranks(stage):
     from workbench.infer import load_chat_model
 
     job = workbench.launch({"name": f"ds-{stage}", "train": {"max_steps": 15, "lr": 3e-3},
-                            "parallel": {"strategy": stage}})
+                            "parallel": {"strategy": stage}, "checkpoint": {"every_steps": 10}})
     assert job.wait(timeout=600, progress=False) == "succeeded", job.logs(tail=30)
     assert f"strategy: lora + {stage}" in job.logs(tail=None, name="rank-0.log")
     losses = [m["loss"] for m in job.metrics() if "loss" in m]
     assert len(losses) == 15 and losses[-1] < losses[0] - 1.0
+    # DeepSpeed writes its own shards; the snapshot is still committed and verified.
+    snap = newest_verified(job.run_dir)
+    assert snap is not None and snap.name == "step-10"
+    assert any(p.is_dir() for p in snap.iterdir())  # the engine's global_step folder
     # The adapter saved under ZeRO holds real, trained weights (not empty ZeRO-3 shards).
     model = load_chat_model(job).model
     lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]

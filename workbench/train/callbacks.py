@@ -88,7 +88,7 @@ def _agree(flags: list[bool]) -> list[bool]:
     return [bool(v) for v in t.tolist()]
 
 
-def _barrier() -> None:
+def barrier() -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -96,18 +96,15 @@ def _barrier() -> None:
 
 
 class SnapshotCallback(TrainerCallback):
-    """Snapshots every N steps and/or M minutes, and the budget stop.
+    """When to snapshot (every N steps and/or M minutes) and the budget stop.
 
-    The Trainer writes the full resumable state (adapter or model, optimizer, scheduler, RNG of
-    every rank, data position; DeepSpeed shards under ZeRO) to checkpoint-N; once every rank is
-    done, rank 0 commits it as a verified step-N (manifest last) and hands it to the uploader.
+    How a snapshot is written and committed is SnapshottingTrainer's job (workbench.train.run).
     """
 
-    def __init__(self, rd: RunDir, spec: Any, billing: Any, uploader: Any = None) -> None:
-        self.rd, self.billing, self.uploader = rd, billing, uploader
+    def __init__(self, spec: Any, billing: Any) -> None:
+        self.billing = billing
         self.every_steps = spec.checkpoint.every_steps
         self.every_s = spec.checkpoint.every_minutes * 60 if spec.checkpoint.every_minutes else None
-        self.keep = spec.checkpoint.keep
         self.last_snapshot = time.time()
         self.budget_stopped = False
         self._t0 = time.time()
@@ -130,19 +127,4 @@ class SnapshotCallback(TrainerCallback):
             control.should_save = True
 
     def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        from pathlib import Path
-
-        from workbench.snapshots import commit
-
-        _barrier()  # every rank has written its part of checkpoint-N
-        if state.is_world_process_zero:
-            t = time.time()
-            folder = commit(self.rd, Path(args.output_dir) / f"checkpoint-{state.global_step}",
-                            state.global_step, self.keep)
-            self.rd.write_status(snapshot={"step": state.global_step, "path": folder.name,
-                                           "seconds": round(time.time() - t, 3),
-                                           "time": time.time()})
-            if self.uploader is not None:
-                self.uploader.submit(folder)
-        _barrier()  # nobody trains on while the snapshot is being committed
         self.last_snapshot = time.time()

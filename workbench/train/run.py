@@ -158,6 +158,59 @@ def training_arguments(spec: RunSpec, rd: RunDir, has_eval: bool) -> Any:
     )
 
 
+def snapshotting_trainer_class() -> type:
+    """The Trainer, with snapshots committed as verified step-N folders (asynchronously)."""
+    import time
+
+    from transformers import Trainer
+
+    from workbench.snapshots import commit
+    from workbench.train.async_snapshot import AsyncWriter, wait_for_ranks
+    from workbench.train.callbacks import barrier
+
+    class SnapshottingTrainer(Trainer):
+        def __init__(self, *args: Any, run_dir: RunDir, keep: int, uploader: Any = None,
+                     **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.rd, self.keep, self.uploader = run_dir, keep, uploader
+            self.writer = AsyncWriter(self.args.process_index)
+
+        def _commit(self, folder: Path, step: int, stall_s: float, started: float) -> None:
+            final = commit(self.rd, folder, step, self.keep)
+            info = {"step": step, "path": final.name, "stall_s": round(stall_s, 4),
+                    "write_s": round(time.time() - started, 4), "time": time.time()}
+            self.rd.write_status(snapshot=info)
+            self.rd.append_metrics({"event": "snapshot", **info})
+            if self.uploader is not None:
+                self.uploader.submit(final)
+
+        def _save_checkpoint(self, model: Any, trial: Any) -> None:
+            step = self.state.global_step
+            folder = Path(self.args.output_dir) / f"checkpoint-{step}"
+            started = time.time()
+            if self.is_deepspeed_enabled:  # the engine writes its own shards: synchronous
+                super()._save_checkpoint(model, trial)
+                barrier()
+                if self.is_world_process_zero():
+                    self._commit(folder, step, time.time() - started, started)
+                barrier()
+                return
+            with self.writer.capture():
+                super()._save_checkpoint(model, trial)
+            stall = self.writer.last_copy_s
+            then = None
+            if self.is_world_process_zero():
+                local = range(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+                def then() -> None:
+                    if wait_for_ranks(folder, local):
+                        self._commit(folder, step, stall, started)
+
+            self.writer.flush_async(folder, then)
+
+    return SnapshottingTrainer
+
+
 def save_artefacts(trainer: Any, tokenizer: Any, spec: RunSpec, rd: RunDir, source: str) -> Path:
     out = rd.adapter_dir if spec.method.kind in ("lora", "qlora") else rd.model_dir
     trainer.save_model(str(out))
@@ -176,8 +229,6 @@ def main(run_dir: str) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     _redirect_output(rd, rank)
     print(f"workbench.train rank {rank}/{world} pid {os.getpid()} run {rd.path}", flush=True)
-
-    from transformers import Trainer
 
     from workbench.budget import Billing
     from workbench.data.tokenize import Collator
@@ -203,18 +254,20 @@ def main(run_dir: str) -> int:
     uploader = None
     if rank == 0 and spec.checkpoint.storage:
         uploader = Uploader(rd, storage_prefix(spec.checkpoint.storage, rd.path.name))
-    snapshots = SnapshotCallback(rd, spec, billing, uploader)
-    trainer = Trainer(
+    snapshots = SnapshotCallback(spec, billing)
+    trainer = snapshotting_trainer_class()(
         model=model,
         args=args,
         train_dataset=train_rows,
         eval_dataset=eval_rows or None,
         data_collator=Collator(tokenizer.pad_token_id),
         callbacks=[RunDirCallback(rd, world, billing), snapshots],
+        run_dir=rd, keep=spec.checkpoint.keep, uploader=uploader,
     )
     if resume_from is not None:
         print(f"resuming from {resume_from.name}", flush=True)
     trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    trainer.writer.wait()  # the last snapshot is on disk (and committed) before we go on
     if snapshots.budget_stopped:
         if rank == 0:
             rd.write_status(stop_reason="budget", cost=billing.cost())
