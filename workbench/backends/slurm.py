@@ -146,8 +146,15 @@ class SlurmBackend:
     def submit(self, run_dir: Path, spec: RunSpec) -> str:
         rd, mirror = RunDir(run_dir), MirroredRunDir(run_dir)
         cluster_dir = self._cluster_dir(run_dir)
+        if cluster_dir and cluster_dir.startswith("~"):
+            # #SBATCH lines are not expanded by a shell: the script needs the absolute path.
+            try:
+                res = self.transport.run('printf %s "$HOME"', timeout=60)
+            except TargetError as exc:
+                raise self._refuse(mirror, str(exc)) from None
+            cluster_dir = res.stdout.decode().strip() + cluster_dir[1:]
         where = cluster_dir or str(rd.path.resolve())
-        script = self.preview(spec, run_dir)
+        script = sbatch_script(spec, self.target, where, f"wb-{rd.path.name}")
         (rd.path / "slurm.sbatch").write_text(script, encoding="utf-8")
         print(f"sbatch script for {rd.path.name} ({rd.path / 'slurm.sbatch'}):\n{script}",
               flush=True)
