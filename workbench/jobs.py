@@ -72,6 +72,10 @@ def launch(spec: RunSpec | dict | str | Path | None = None, *, force: bool = Fal
         spec = RunSpec.from_yaml(spec)
     registry = registry or Registry()
     backend = get_backend(spec.target)
+    if spec.target != "local":  # a named target's defaults fill what the spec left unset
+        from workbench.targets import apply_defaults, get_target
+
+        spec = apply_defaults(spec, get_target(spec.target))
     # Cheapest first: the target's resources, then the plan (which knows common configs offline,
     # so a run that cannot fit says so even where the weights are out of reach), then the model.
     if spec.target == "local":

@@ -205,8 +205,20 @@ def save_target(target: Target, path: Path | None = None) -> None:
 
 
 def apply_defaults(spec: Any, target: Target) -> Any:
-    """``spec`` with the target's defaults (dotted field paths) applied."""
-    return spec.updated(**target.defaults) if target.defaults else spec
+    """``spec`` with the target's defaults (dotted field paths) where the spec left them unset.
+
+    A field counts as set when the spec's YAML or mapping named it (pydantic's
+    ``model_fields_set``), so an explicit ``resources.nodes: 1`` beats a default of 2.
+    """
+    unset = {}
+    for dotted, value in target.defaults.items():
+        node: Any = spec
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = getattr(node, p, None)
+        if node is not None and leaf not in getattr(node, "model_fields_set", {leaf}):
+            unset[dotted] = value
+    return spec.updated(**unset) if unset else spec
 
 
 # -- check ------------------------------------------------------------------------------------

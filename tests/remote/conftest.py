@@ -47,7 +47,8 @@ def targets(cluster: test_cluster.Cluster, wb_home: Path) -> dict:
         "ssh": {
             # Two machines that share nothing: each host has its own working directory.
             "pair": {**ssh, "hosts": [{"host": "wb-node0", "workdir": f"{work}/node0"},
-                                      {"host": "wb-node1", "workdir": f"{work}/node1"}]},
+                                      {"host": "wb-node1", "workdir": f"{work}/node1"}],
+                     "defaults": {"resources.nodes": 2, "resources.processes_per_node": 1}},
             "one": {**ssh, "hosts": ["wb-node0"], "workdir": f"{work}/one"},
             "down": {**ssh, "hosts": [{"host": "127.0.0.1", "port": 1}], "connect_timeout": 5},
             "broken": {**ssh, "hosts": ["wb-node0"], "python": "/nonexistent/env/bin/python"},

@@ -86,6 +86,21 @@ def test_targets_load_and_are_offered(targets):
         get_target("ssh:nope")
 
 
+def test_target_defaults_fill_only_what_the_spec_left_unset(targets):
+    from workbench.targets import apply_defaults
+    from workbench.widgets import RunForm
+
+    pair = get_target("ssh:pair")
+    assert apply_defaults(RunSpec(), pair).resources.nodes == 2
+    explicit = RunSpec.parse({"resources": {"nodes": 1}})
+    assert apply_defaults(explicit, pair).resources.nodes == 1
+    form = RunForm(RunSpec())
+    assert {"local", "ssh:pair", "slurm:local"} <= set(form.target.options)
+    form.target.value = "ssh:pair"
+    assert form.procs.value == 1 and form.spec.resources.nodes == 2
+    assert form.spec.target == "ssh:pair"
+
+
 def test_check_reports_what_works_and_what_is_missing(targets):
     ok = check_target("ssh:one")
     assert ok.ok, str(ok)
@@ -120,9 +135,10 @@ def test_sbatch_script_asks_for_what_the_spec_needs(targets):
 # -- runs ---------------------------------------------------------------------------------------
 
 def test_two_node_ssh_run_with_zero3_trains_to_completion(targets):
+    # Two nodes of one process each come from the target's defaults in targets.yaml.
     job = workbench.launch({"name": "ssh2", "target": "ssh:pair", **TINY,
-                            "resources": {"nodes": 2, "processes_per_node": 1},
                             "parallel": {"strategy": "zero3"}})
+    assert job.spec.resources.nodes == 2 and job.spec.resources.procs_per_node == 1
     assert job.wait(timeout=400, progress=False) == "succeeded", job.logs(tail=30)
     status = job.status()
     assert status["world_size"] == 2 and status["step"] == 10

@@ -90,6 +90,7 @@ class RunForm(W.VBox):
                   self.gpus, self.procs, self.target, self.name, self.gpu_type):
             w.observe(lambda _c: self.validate(), names="value")
         self.gpus.observe(self._gpus_changed, names="value")
+        self.target.observe(self._target_changed, names="value")
         super().__init__([
             W.HTML("<b>Fine-tuning run</b>"), self.name, self.model, self.dataset, self.format,
             self.preview, self.method, self.lora_r, self.lr, self.epochs, self.batch, self.gpus,
@@ -102,6 +103,23 @@ class RunForm(W.VBox):
     def _gpus_changed(self, change: dict[str, Any]) -> None:
         if change["new"] > 0:
             self.procs.value = change["new"]
+
+    def _target_changed(self, change: dict[str, Any]) -> None:
+        """Show a target's defaults (targets.yaml) in the form when it is picked."""
+        from workbench.targets import TargetError, get_target
+
+        if change["new"] == "local":
+            return
+        try:
+            defaults = dict(get_target(change["new"]).defaults)
+        except TargetError:
+            return  # validate() and launch say what is wrong with the target
+        shown = {"resources.gpus_per_node": self.gpus, "train.lr": self.lr,
+                 "resources.processes_per_node": self.procs, "train.batch_size": self.batch}
+        for key in [k for k in defaults if k in shown]:
+            shown[key].value = defaults.pop(key)
+        if defaults:  # the rest (e.g. resources.nodes) has no widget: keep it in the spec
+            self._base = self._base.updated(**defaults)
 
     @property
     def spec(self) -> RunSpec:
