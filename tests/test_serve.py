@@ -22,6 +22,7 @@ import workbench
 from workbench.assets.teaching import score, teaching_rows
 from workbench.serve import (
     AdapterNotFoundError,
+    DeployError,
     EndpointStartError,
     LocalServeTarget,
     LoraRankError,
@@ -142,7 +143,7 @@ def test_fine_tuned_adapter_answers_better_than_the_base(servers):
 
 def test_merged_weights_give_the_adapter_output(servers, reference):
     _, merged = servers
-    assert merged.models == ["serve-test-merged"] or merged.models == ["serve-test"]
+    assert merged.models == ["serve-test"]  # the run's name, as for its adapter
     assert merged.generate(HELDOUT) == reference["adapter"]
     assert merged.api_key is None  # loopback: no key
 
@@ -171,6 +172,16 @@ def test_endpoint_api_registry_and_cli(servers):
     table = run(["endpoints"])
     assert "serve-test-merged" in table and merged.api_base in table
     assert "Started server process" in adapter.logs(tail=None) or adapter.logs()
+    try:
+        import openai  # noqa: F401  (optional: ep.chat works without it)
+    except ImportError:
+        with pytest.raises(DeployError, match="pip install openai"):
+            adapter.client()
+    else:
+        out = adapter.client().chat.completions.create(
+            model="serve-test", messages=[{"role": "user", "content": "What does a cow say?"}],
+            temperature=0, max_tokens=8)
+        assert out.choices[0].message.content == reply
 
 
 def test_chat_widget_streams_a_conversation(servers):

@@ -129,6 +129,8 @@ def _source_to_path(source: Any) -> tuple[Path | str, str | None, str | None]:
         return art, source.name, source.id
     text = str(source)
     path = Path(os.path.expanduser(text))
+    if not path.exists() and _looks_like_hub_id(text):
+        return text, None, None
     if path.exists() or "/" in text or text.startswith((".", "~")):
         if not path.is_dir():
             raise AdapterNotFoundError(
@@ -148,6 +150,12 @@ def _source_to_path(source: Any) -> tuple[Path | str, str | None, str | None]:
             f"{text!r} is neither a run (id or name), an existing folder, nor a built-in model; "
             "`workbench status` lists the runs"
         ) from None
+
+
+def _looks_like_hub_id(text: str) -> bool:
+    """ORG/NAME (a base model on the hub), not a mistyped RUN_DIR/adapter path."""
+    return (re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", text) is not None
+            and text.rsplit("/", 1)[1] not in ("adapter", "model", "merged"))
 
 
 def _default_name(path: Path, run_name: str | None) -> str:
@@ -866,7 +874,11 @@ def deploy(source: Any, *more: Any, name: str | None = None, target: str = "loca
         created=now, updated=now))
     endpoint = Endpoint(registry.get_endpoint(name), registry)
     if wait:
-        endpoint.wait_healthy(timeout=timeout, progress=progress)
+        try:
+            endpoint.wait_healthy(timeout=timeout, progress=progress)
+        except KeyboardInterrupt:  # an interrupted cell must not leave a half-started server
+            endpoint.stop()
+            raise
     return endpoint
 
 
