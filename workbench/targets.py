@@ -274,18 +274,24 @@ class TargetReport:
 # Runs on the target with the target's Python; prints one JSON object. Kept free of workbench
 # imports at top level so a missing package is reported, not a crash.
 PROBE = r"""
-import importlib, json, os, shutil, subprocess, sys
+import importlib.metadata, importlib.util, json, os, shutil, subprocess, sys
 out = {"python": sys.version.split()[0], "executable": sys.executable}
-for mod in ("workbench", "torch", "transformers", "peft"):
+# Finding the packages is enough for most; importing transformers and peft would take longer
+# than everything else here. torch is imported, for its CUDA view.
+for mod in ("workbench", "transformers", "peft"):
+    if importlib.util.find_spec(mod) is None:
+        out[mod], out[mod + "_error"] = None, f"No module named {mod!r}"
+        continue
     try:
-        m = importlib.import_module(mod)
-        out[mod] = getattr(m, "__version__", "installed")
-    except Exception as exc:
-        out[mod] = None
-        out[mod + "_error"] = f"{type(exc).__name__}: {exc}"
-if out["torch"]:
+        out[mod] = importlib.metadata.version(mod)
+    except importlib.metadata.PackageNotFoundError:
+        out[mod] = "installed"
+try:
     import torch
+    out["torch"] = torch.__version__
     out["cuda_devices"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
+except Exception as exc:
+    out["torch"], out["torch_error"] = None, f"{type(exc).__name__}: {exc}"
 smi = shutil.which("nvidia-smi")
 out["nvidia_smi"] = None
 if smi:

@@ -184,6 +184,13 @@ def test_cancel_stops_every_process(targets, target):
     assert job.cancel() == "cancelled"
     assert workbench.get_job(job.id).state == "cancelled"
     _nothing_left(job.id)
+    if target == "slurm:login":
+        # Resume submits the same run directory again (sbatch over SSH); the adapter of the
+        # finished run comes back from the cluster's workdir.
+        job.resume(**{"train.max_steps": 5})
+        assert job.wait(timeout=300, progress=False) == "succeeded", job.logs(tail=30)
+        assert (job.artefact() / "adapter_config.json").is_file()
+        _nothing_left(job.id)
 
 
 # -- errors -------------------------------------------------------------------------------------

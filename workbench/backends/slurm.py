@@ -159,7 +159,9 @@ class SlurmBackend:
         print(f"sbatch script for {rd.path.name} ({rd.path / 'slurm.sbatch'}):\n{script}",
               flush=True)
         rd.write_status(state=QUEUED, submitted=time.time(), target=self.ref)
-        save_placement(rd.path, target=self.ref, kind="slurm", dir=cluster_dir)
+        # A resumed run is submitted again into the same run directory: start a fresh record.
+        save_placement(rd.path, target=self.ref, kind="slurm", dir=cluster_dir, job=None,
+                       final=False, artefact_fetched=False)
         try:
             if cluster_dir:
                 put_dir(self.transport, rd.path, cluster_dir.rsplit("/", 1)[0])

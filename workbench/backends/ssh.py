@@ -94,7 +94,9 @@ class SSHBackend:
         except TargetError as exc:
             raise self._refuse(mirror, f"could not copy the run directory: {exc}") from None
         nodes: list[dict[str, Any]] = []
-        save_placement(rd.path, target=t.ref, kind="ssh", rdzv=f"{master}:{port}", nodes=nodes)
+        # A resumed run is submitted again into the same run directory: start a fresh record.
+        save_placement(rd.path, target=t.ref, kind="ssh", rdzv=f"{master}:{port}", nodes=nodes,
+                       final=False, artefact_fetched=False)
         try:
             for rank, (tr, h, d) in enumerate(zip(transports, hosts, dirs)):
                 pid = self._start_node(tr, d, rank, nnodes, f"{master}:{port}", rd.path.name)
