@@ -10,6 +10,7 @@ details open, and Cancel in the panel stops it. The launcher offers the kernel a
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import nbformat
@@ -70,6 +71,25 @@ def _command(page, command: str, args: dict | None = None) -> None:
     page.evaluate("([c, a]) => { window.jupyterapp.commands.execute(c, a); }", [command, args or {}])
 
 
+def _run_first_cell(page, attempts: int = 8, wait_s: float = 15) -> None:
+    """Run the notebook's first cell, again if JupyterLab dropped the request (kernel not ready).
+
+    A queued or running cell shows ``[*]`` at once, so re-asking only while the prompt is still
+    empty never runs the cell twice.
+    """
+    prompt = page.locator(".jp-Cell").first.locator(".jp-InputPrompt")
+    for _ in range(attempts):
+        _command(page, "notebook:run-cell")
+        deadline = time.time() + wait_s
+        while time.time() < deadline:
+            _accept_kernel_dialog(page)
+            text = prompt.inner_text()
+            if "*" in text or any(c.isdigit() for c in text):
+                return
+            time.sleep(0.5)
+    pytest.fail("the notebook never started running its cell")
+
+
 def _wait_accepting_dialogs(page, locator, timeout_s: float) -> None:
     """Wait for ``locator``, accepting the kernel dialogs JupyterLab may raise meanwhile."""
     def seen() -> bool:
@@ -125,7 +145,7 @@ def test_run_from_a_notebook_shows_in_the_panel_grows_and_cancels(page, lab_serv
     _wait_accepting_dialogs(page, page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']"), 90)
     page.locator(".jp-Notebook .jp-Cell").first.wait_for()
     page.locator(".lm-TabBar-tab.lm-mod-current", has_text="panel-test").first.wait_for()
-    _command(page, "notebook:run-cell")
+    _run_first_cell(page)
     _wait_accepting_dialogs(page, page.locator(".jp-OutputArea-output", has_text="launched"), 180)
     output = page.locator(".jp-Cell").first.locator(".jp-OutputArea").inner_text()
     assert "RUN" in output and "STATE" in output  # %workbench status: the magic was preloaded

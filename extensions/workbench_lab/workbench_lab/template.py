@@ -7,6 +7,7 @@ to what a new run needs; the notebook opens on the "Python (Workbench)" kernel, 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import nbformat
@@ -27,7 +28,7 @@ def new_run_notebook(target: str = "local") -> dict[str, Any]:
         new_code_cell("import workbench\nfrom workbench.widgets import RunForm"),
         new_markdown_cell("## 1. Describe the run\n\nEvery section has defaults; change what you need."),
         new_code_cell(
-            f'spec = workbench.RunSpec(name="my-run", target={target!r},\n'
+            f'spec = workbench.RunSpec(name="my-run", target={json.dumps(target)},\n'
             '                          train={"epochs": 20, "lr": 3e-3})\n'
             "form = RunForm(spec)\nform"
         ),
