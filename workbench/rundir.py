@@ -14,6 +14,7 @@ consumes complete lines and remembers its byte offset, so polling costs only the
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import time
@@ -89,11 +90,17 @@ class RunDir:
             return {"state": PENDING}
 
     def write_status(self, **changes: Any) -> dict[str, Any]:
-        """Merge ``changes`` into status.json (read-modify-replace, never a torn file)."""
-        status = self.status() if self.status_file.exists() else {}
-        status.update(changes)
-        status["updated"] = time.time()
-        write_json_atomic(self.status_file, status)
+        """Merge ``changes`` into status.json (read-modify-replace, never a torn file).
+
+        Several writers touch it (the supervisor, rank 0's callbacks, its snapshot and upload
+        threads): an advisory lock around the read-modify-replace keeps any update from being lost.
+        """
+        with (self.path / ".status.lock").open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            status = self.status() if self.status_file.exists() else {}
+            status.update(changes)
+            status["updated"] = time.time()
+            write_json_atomic(self.status_file, status)
         return status
 
     # -- metrics --------------------------------------------------------------------------------

@@ -48,9 +48,18 @@ def snapshot_dir(rd: RunDir, step: int) -> Path:
     return rd.path / "checkpoints" / f"step-{step}"
 
 
-def write_manifest(folder: Path, step: int) -> dict[str, Any]:
-    files = {str(p.relative_to(folder)): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
-             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
+def write_manifest(folder: Path, step: int,
+                   known: dict[str, tuple[str, int]] | None = None) -> dict[str, Any]:
+    """Write folder/manifest.json. ``known`` maps file names to (sha256, bytes) already computed
+    while writing them, so big files are not read back just to be hashed."""
+    known = known or {}
+    files = {}
+    for p in sorted(folder.rglob("*")):
+        if not p.is_file() or p.name == MANIFEST:
+            continue
+        rel, size = str(p.relative_to(folder)), p.stat().st_size
+        digest, nbytes = known.get(rel, (None, -1))
+        files[rel] = {"sha256": digest if nbytes == size else sha256_file(p), "bytes": size}
     manifest = {"step": step, "created": time.time(), "files": files}
     write_json_atomic(folder / MANIFEST, manifest)
     return manifest
@@ -107,13 +116,14 @@ def prune(rd: RunDir, keep: int) -> None:
                 shutil.rmtree(folder, ignore_errors=True)
 
 
-def commit(rd: RunDir, trainer_folder: Path, step: int, keep: int) -> Path:
+def commit(rd: RunDir, trainer_folder: Path, step: int, keep: int,
+           known: dict[str, tuple[str, int]] | None = None) -> Path:
     """Turn the Trainer's checkpoint-N into a verified step-N: rename, manifest, latest, prune."""
     folder = snapshot_dir(rd, step)
     if folder.exists():
         shutil.rmtree(folder)
     os.replace(trainer_folder, folder)
-    write_manifest(folder, step)
+    write_manifest(folder, step, known)
     set_latest(rd, folder)
     prune(rd, keep)
     return folder

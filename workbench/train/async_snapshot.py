@@ -14,6 +14,8 @@ DeepSpeed checkpoints (ZeRO shards written by the engine) take the synchronous p
 from __future__ import annotations
 
 import copy
+import hashlib
+import io
 import os
 import threading
 import time
@@ -25,7 +27,20 @@ from typing import Any
 import torch
 
 _REAL_TORCH_SAVE = torch.save
-_REAL_SAFE_SAVE = __import__("safetensors.torch", fromlist=["save_file"]).save_file
+_SAFETENSORS = __import__("safetensors.torch", fromlist=["save"])
+_CHUNK = 8 << 20
+
+
+def _write_hashed(data: bytes | memoryview, path: Any) -> tuple[str, int]:
+    """Write bytes to ``path`` in chunks, hashing as we go (both release the interpreter lock)."""
+    h = hashlib.sha256()
+    view = memoryview(data)
+    with open(path, "wb") as fh:
+        for i in range(0, len(view), _CHUNK):
+            chunk = view[i:i + _CHUNK]
+            h.update(chunk)
+            fh.write(chunk)
+    return h.hexdigest(), len(view)
 
 
 def _to_cpu_copy(obj: Any) -> Any:
@@ -66,6 +81,7 @@ class AsyncWriter:
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self._jobs: list[Callable[[], None]] = []
+        self.hashes: dict[str, tuple[str, int]] = {}  # path -> (sha256, bytes) of what we wrote
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.last_copy_s = 0.0
@@ -73,19 +89,30 @@ class AsyncWriter:
     @contextmanager
     def capture(self) -> Iterator[None]:
         """Within this block, heavy writes are copied to memory and queued instead of written."""
-        jobs = self._jobs
+        jobs, hashes = self._jobs, self.hashes
         real_st = {(m, a): getattr(m, a) for m, a in _safetensors_writers()}
 
+        # Serialising into memory is the only part that holds the interpreter lock; writing and
+        # hashing the bytes happen at low priority without it, so training keeps running.
         def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
             if not isinstance(f, (str, os.PathLike)):
                 return _REAL_TORCH_SAVE(obj, f, *args, **kwargs)
             held = _to_cpu_copy(obj)
-            jobs.append(lambda: _REAL_TORCH_SAVE(held, f, *args, **kwargs))
+
+            def job() -> None:
+                buf = io.BytesIO()
+                _REAL_TORCH_SAVE(held, buf, *args, **kwargs)
+                hashes[str(f)] = _write_hashed(buf.getbuffer(), f)
+            jobs.append(job)
             return None
 
         def save_file(tensors: dict, filename: Any, metadata: Any = None) -> None:
             held = _to_cpu_copy(tensors)
-            jobs.append(lambda: _REAL_SAFE_SAVE(held, filename, metadata=metadata))
+
+            def job() -> None:
+                hashes[str(filename)] = _write_hashed(_SAFETENSORS.save(held, metadata=metadata),
+                                                      filename)
+            jobs.append(job)
 
         t0 = time.perf_counter()
         torch.save = save  # type: ignore[assignment]
@@ -106,6 +133,8 @@ class AsyncWriter:
 
         def work() -> None:
             try:
+                # Lowest CPU priority for this thread only (Linux schedules threads as tasks).
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
                 for job in jobs:
                     job()
                 (folder / f".done-rank-{self.rank}").write_text("ok")

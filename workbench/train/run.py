@@ -176,7 +176,10 @@ def snapshotting_trainer_class() -> type:
             self.writer = AsyncWriter(self.args.process_index)
 
         def _commit(self, folder: Path, step: int, stall_s: float, started: float) -> None:
-            final = commit(self.rd, folder, step, self.keep)
+            prefix = str(folder) + os.sep
+            known = {k[len(prefix):]: self.writer.hashes.pop(k)
+                     for k in list(self.writer.hashes) if k.startswith(prefix)}
+            final = commit(self.rd, folder, step, self.keep, known)
             info = {"step": step, "path": final.name, "stall_s": round(stall_s, 4),
                     "write_s": round(time.time() - started, 4), "time": time.time()}
             self.rd.write_status(snapshot=info)
