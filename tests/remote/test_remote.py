@@ -158,22 +158,6 @@ def test_two_node_ssh_run_with_zero3_trains_to_completion(targets):
     _nothing_left(job.id)
 
 
-def test_slurm_run_with_two_tasks_and_zero2(targets):
-    job = workbench.launch({"name": "slurm2", "target": "slurm:local", **TINY,
-                            "parallel": {"strategy": "zero2"}})
-    script = (job.run_dir.path / "slurm.sbatch").read_text()
-    assert "#SBATCH --requeue" in script and "srun" in script
-    assert job.wait(timeout=400, progress=False) == "succeeded", job.logs(tail=30)
-    status = job.status()
-    assert status["world_size"] == 2 and status["slurm_state"] == "COMPLETED"
-    assert "strategy: lora + zero2" in job.logs(tail=None, name="rank-0.log")
-    assert len([m for m in job.metrics() if "loss" in m]) == 10
-    logs = job.backend.logs(job.run_dir.path)
-    slurm_out = [n for n in logs if n.startswith("slurm-")]
-    assert slurm_out and "attempt 1" in logs[slurm_out[0]] and "node-0.log" in logs
-    _nothing_left(job.id)
-
-
 # -- cancel -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("target", ["ssh:one", "slurm:login"])
@@ -235,10 +219,14 @@ def test_unknown_partition_and_rejected_sbatch_leave_nothing(targets):
 
 # -- requeue and time limit ----------------------------------------------------------------------
 
-def test_requeued_slurm_job_resumes_from_its_checkpoint(targets):
+def test_slurm_two_task_zero2_run_resumes_from_its_checkpoint_after_requeue(targets):
+    # One node, two processes (one machine cannot host a second slurmd), DeepSpeed ZeRO-2,
+    # requeued by the scheduler once a snapshot exists.
     job = workbench.launch({"name": "requeue", "target": "slurm:local",
                             "train": {"max_steps": 20, "lr": 3e-3},
-                            "checkpoint": {"every_steps": 5}})
+                            "checkpoint": {"every_steps": 5}, "parallel": {"strategy": "zero2"}})
+    script = (job.run_dir.path / "slurm.sbatch").read_text()
+    assert "#SBATCH --requeue" in script and "srun" in script
     latest = job.run_dir.path / "checkpoints" / "latest"
     deadline = time.time() + 300
     while time.time() < deadline and not latest.exists():
@@ -248,7 +236,9 @@ def test_requeued_slurm_job_resumes_from_its_checkpoint(targets):
     slurm_id = job.record.backend_job_id.split(":", 1)[1]
     subprocess.run(["scontrol", "requeue", slurm_id], check=True)
     assert job.wait(timeout=400, progress=False) == "succeeded", job.logs(tail=40)
-    assert job.status()["requeues"] >= 1
+    status = job.status()
+    assert status["world_size"] == 2 and status["requeues"] >= 1
+    assert "strategy: lora + zero2" in job.logs(tail=None, name="rank-0.log")
     raw = job.run_dir.metrics()  # every line both attempts wrote, resume marker included
     resumes = [i for i, m in enumerate(raw) if m.get("event") == "resume"]
     assert resumes, "the requeued attempt did not resume from a snapshot"
@@ -257,7 +247,11 @@ def test_requeued_slurm_job_resumes_from_its_checkpoint(targets):
     # The second attempt continues after a checkpointed step (a multiple of 5), not at step 1.
     assert resumed_at > 0 and resumed_at % 5 == 0 and after[0] == resumed_at + 1, raw
     assert [m["step"] for m in job.metrics() if "loss" in m] == list(range(1, 21))
+    logs = job.backend.logs(job.run_dir.path)
+    out = logs[f"slurm-{slurm_id}.out"]
+    assert "attempt 1" in out and "attempt 2" in out and "node-0.log" in logs
     _nothing_left(job.id)
+    assert job.status()["slurm_state"] == "COMPLETED"
 
 
 def test_time_limit_expiry_gives_a_clear_state(timeout_job):
