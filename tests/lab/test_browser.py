@@ -9,7 +9,6 @@ details open, and Cancel in the panel stops it. The launcher offers the kernel a
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -26,9 +25,10 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
                  "--disable-component-update", "--disable-sync", "--no-first-run",
                  "--disable-dev-shm-usage"]
 
-playwright_api = pytest.importorskip("playwright.sync_api", reason="make browser installs playwright")
-if not CHROMIUM.exists() and not os.environ.get("CI"):
-    pytest.skip("no /usr/bin/chromium here: `make browser` installs it", allow_module_level=True)
+# Both come from `make browser` (a prerequisite of `make test`): their absence is a set-up error.
+import playwright.sync_api as playwright_api  # noqa: E402
+
+assert CHROMIUM.exists(), "no /usr/bin/chromium: run `make browser` (Debian's chromium)"
 
 
 @pytest.fixture(scope="module")

@@ -100,10 +100,10 @@ def test_list_and_details_of_a_finished_run(lab_server: LabServer, short_run) ->
     assert [m["step"] for m in details["metrics"] if "loss" in m] == \
         [m["step"] for m in short_run.metrics() if "loss" in m]
     assert "rank-0.log" in details["log_names"] and "==> " in details["logs"]
-    if body["capabilities"]["snapshots"]:
-        snaps = details["snapshots"]
-        assert [s["name"] for s in snaps][:1] == ["step-20"] and all(s["complete"] for s in snaps)
-        assert snaps[0]["browse_path"] == f"runs/{short_run.id}/checkpoints/step-20"
+    assert body["capabilities"]["snapshots"]
+    snaps = details["snapshots"]
+    assert [s["name"] for s in snaps][:1] == ["step-20"] and all(s["complete"] for s in snaps)
+    assert snaps[0]["browse_path"] == f"runs/{short_run.id}/checkpoints/step-20"
 
     logs = requests.get(lab_server.api(f"runs/{short_run.id}/logs") + "?name=rank-0.log&tail=5",
                         headers=lab_server.auth, timeout=30).json()
@@ -127,14 +127,20 @@ def test_cancel_from_the_api_stops_a_live_run(lab_server: LabServer) -> None:
         job.cancel()
 
 
-def test_actions_the_library_lacks_answer_501_not_a_fake_success(lab_server: LabServer,
-                                                                  short_run) -> None:
-    caps = requests.get(lab_server.api("runs"), headers=lab_server.auth, timeout=30).json()
-    if caps["capabilities"]["resume"]:
-        pytest.skip("this workbench provides resume")
-    reply = requests.post(lab_server.api(f"runs/{short_run.id}/resume"), headers=lab_server.auth,
-                          timeout=30)
-    assert reply.status_code == 501
+def test_resume_from_the_api_restarts_an_ended_run(lab_server: LabServer) -> None:
+    job = workbench.launch({"name": "lab-resume", "train": {"max_steps": 100000}})
+    try:
+        wait_for(lambda: job.state == "running", 180, "the long run to start")
+        job.cancel()
+        caps = requests.get(lab_server.api("runs"), headers=lab_server.auth, timeout=30).json()
+        assert caps["capabilities"]["resume"] is True
+        reply = requests.post(lab_server.api(f"runs/{job.id}/resume"), headers=lab_server.auth,
+                              timeout=60)
+        assert reply.status_code in (200, 201), reply.text
+        wait_for(lambda: job.state == "running", 180, "the resumed run to start")
+    finally:
+        job.cancel()
+    assert job.state == "cancelled"
 
 
 def test_settings_are_in_the_settings_editor(lab_server: LabServer) -> None:
@@ -146,8 +152,7 @@ def test_settings_are_in_the_settings_editor(lab_server: LabServer) -> None:
 
 
 def test_tensorboard_opens_for_a_run_with_events(lab_server: LabServer, short_run) -> None:
-    if not short_run.run_dir.tb_dir.is_dir():
-        pytest.skip("this run wrote no TensorBoard events")
+    assert list(short_run.run_dir.tb_dir.rglob("events.out.tfevents.*"))  # tracking default
     reply = requests.post(lab_server.api(f"runs/{short_run.id}/tensorboard"), headers=lab_server.auth,
                           timeout=60)
     assert reply.status_code == 200, reply.text
