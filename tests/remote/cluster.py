@@ -96,7 +96,11 @@ def start_munge(root: Path) -> tuple[int, Path]:
     pid = _spawn(["munged", "-F", "--force", f"--socket={sock}", f"--key-file={key}",
                   f"--pid-file={mdir / 'munged.pid'}", f"--seed-file={mdir / 'munged.seed'}",
                   f"--log-file={mdir / 'munged.log'}"], root / "munged.out", user="munge")
-    _wait_for("munged", sock.exists, 15, [root / "munged.out", mdir / "munged.log"])
+    try:
+        _wait_for("munged", sock.exists, 15, [root / "munged.out", mdir / "munged.log"])
+    except RuntimeError:
+        stop_pids({"munged": pid})
+        raise
     return pid, sock
 
 
@@ -165,9 +169,13 @@ def start_slurm(root: Path, node: str, munge_socket: Path) -> tuple[dict[str, in
                              text=True)
         return out.returncode == 0 and out.stdout.strip().startswith(("idle", "mixed"))
 
-    _wait_for("slurm (node idle)", node_idle, 30,
-              [root / "slurmctld.out", root / "slurmd.out", root / "slurmctld.log",
-               root / "slurmd.log"])
+    try:
+        _wait_for("slurm (node idle)", node_idle, 30,
+                  [root / "slurmctld.out", root / "slurmd.out", root / "slurmctld.log",
+                   root / "slurmd.log"])
+    except RuntimeError:
+        stop_pids(pids)
+        raise
     return pids, conf
 
 
@@ -189,7 +197,11 @@ def start_sshd(root: Path) -> tuple[int, int, Path, Path, Path]:
         "",
     ]))
     pid = _spawn(["/usr/sbin/sshd", "-D", "-e", "-f", str(config)], root / "sshd.out")
-    _wait_for("sshd", lambda: _port_open(port), 15, [root / "sshd.out"])
+    try:
+        _wait_for("sshd", lambda: _port_open(port), 15, [root / "sshd.out"])
+    except RuntimeError:
+        stop_pids({"sshd": pid})
+        raise
     known = sdir / "known_hosts"
     pub = host_key.with_suffix(".pub").read_text().split()
     known.write_text(f"[127.0.0.1]:{port} {pub[0]} {pub[1]}\n")

@@ -8,6 +8,7 @@ the tests use; every "remote" working directory is a separate folder on this mac
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -35,6 +36,7 @@ def cluster() -> Iterator[test_cluster.Cluster]:
         subprocess.run(["scancel", "--user=root", "--signal=KILL", "--full"], capture_output=True)
         test_cluster.stop_pids(c.pids)
         os.environ.pop("SLURM_CONF", None)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -221,6 +221,10 @@ class SlurmBackend:
         res = self._scheduler(f"scontrol show job -o {job}")
         if res.returncode == 0 and "JobState=" in res.stdout.decode(errors="replace"):
             return parse_scontrol(res.stdout.decode(errors="replace").splitlines()[0])
+        if "invalid job id" not in res.text.lower():
+            # A busy or restarting slurmctld (timeouts) says nothing about the job: never
+            # conclude from that that it vanished.
+            raise TargetError(f"could not ask Slurm about job {job}: {res.text or 'no answer'}")
         # slurmctld forgets finished jobs after MinJobAge; the accounting database does not.
         res = self._scheduler(f"sacct -n -P -X -j {job} -o State,ExitCode,Timelimit")
         line = res.stdout.decode(errors="replace").strip().splitlines()
@@ -307,8 +311,11 @@ class SlurmBackend:
         self._scheduler(f"scancel {job}")
         deadline = time.time() + timeout
         while time.time() < deadline:
-            if self.job_info(job).get("JobState", "CANCELLED") not in WAITING | ACTIVE:
-                break
+            try:
+                if self.job_info(job).get("JobState", "CANCELLED") not in WAITING | ACTIVE:
+                    break
+            except TargetError:
+                pass  # slurmctld busy: ask again
             time.sleep(0.5)
         else:
             self._scheduler(f"scancel --signal=KILL --full {job}")
