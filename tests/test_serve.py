@@ -57,8 +57,8 @@ def serve_python() -> str:
     python = serving_python()
     try:
         probe_serving_python(python)
-    except ServingEnvironmentError as exc:
-        pytest.skip(f"no vLLM to serve with ({exc}); `make serve-env` installs it")
+    except ServingEnvironmentError as exc:  # `make test` builds it: its absence is a failure
+        pytest.fail(f"no vLLM to serve with ({exc}); `make serve-env` installs it")
     return python
 
 
