@@ -22,7 +22,6 @@ import workbench
 from workbench.assets.teaching import score, teaching_rows
 from workbench.serve import (
     AdapterNotFoundError,
-    DeployError,
     EndpointStartError,
     LocalServeTarget,
     LoraRankError,
