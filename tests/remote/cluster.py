@@ -75,11 +75,11 @@ def _port_open(port: int) -> bool:
 
 def _spawn(argv: list[str], log: Path, user: str | None = None,
            env: dict[str, str] | None = None) -> int:
-    if user:
-        argv = ["runuser", "-u", user, "--"] + argv
+    # user= switches in the child itself (no runuser in between), so the PID is the daemon's.
     with log.open("ab") as fh:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
-                                start_new_session=True, env=env)
+                                start_new_session=True, env=env, user=user, group=user,
+                                extra_groups=[] if user else None)
     return proc.pid
 
 
