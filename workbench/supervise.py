@@ -38,6 +38,11 @@ class NodeRole:
     def writes_status(self) -> bool:
         return self.node_rank == 0  # one writer of status.json per run
 
+    @property
+    def launcher_log(self) -> str:
+        # On a shared filesystem every node writes into the same logs/: one file per node.
+        return "launcher.log" if self.nnodes == 1 else f"launcher-node{self.node_rank}.log"
+
 
 def torchrun_command(run_dir: Path, nproc: int, role: NodeRole = NodeRole()) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
@@ -52,7 +57,7 @@ def torchrun_command(run_dir: Path, nproc: int, role: NodeRole = NodeRole()) -> 
 
 def error_text(rd: RunDir, max_lines: int = 25) -> str:
     """The most telling error in the run's logs: the first rank traceback, else the launcher's."""
-    logs = sorted(rd.logs_dir.glob("rank-*.log")) + [rd.logs_dir / "launcher.log"]
+    logs = sorted(rd.logs_dir.glob("rank-*.log")) + sorted(rd.logs_dir.glob("launcher*.log"))
     for path in logs:
         if not path.is_file():
             continue
@@ -117,7 +122,7 @@ def supervise(run_dir: str, role: NodeRole = NodeRole()) -> int:
         signal.signal(sig, on_signal)
     restarts, resumed_from = 0, _newest_committed_step(rd)
     while True:
-        rc = _run_ranks(rd, cmd, child, cancel_at, write)
+        rc = _run_ranks(rd, cmd, child, cancel_at, write, role.launcher_log)
         if cancel_at or rc == 0:
             break
         newest = _newest_committed_step(rd)
@@ -145,9 +150,9 @@ def supervise(run_dir: str, role: NodeRole = NodeRole()) -> int:
 
 
 def _run_ranks(rd: RunDir, cmd: list[str], child: list[subprocess.Popen],
-               cancel_at: list[float], write: Callable[..., object]) -> int:
+               cancel_at: list[float], write: Callable[..., object], log_name: str) -> int:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with (rd.logs_dir / "launcher.log").open("ab") as log:
+    with (rd.logs_dir / log_name).open("ab") as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT, env=env, cwd=rd.path,
                                 start_new_session=True)
