@@ -46,6 +46,9 @@ class Billing:
         self.before = billed_before_s
         self.price_per_hour, self.currency = hourly_price(spec)
         self.limit = spec.budget.limit
+        # Seconds a stop itself takes (final snapshot, saving the artefacts); raised to the
+        # measured length of the last snapshot, so a big model stops early enough.
+        self.shutdown_s = 3.0
 
     def seconds(self) -> float:
         return self.before + self._time() - self.start
@@ -54,7 +57,8 @@ class Billing:
         return self.price_per_hour * self.seconds() / 3600.0
 
     def would_exceed(self, next_seconds: float) -> bool:
-        """Would running ``next_seconds`` more pass the limit?"""
+        """Would running ``next_seconds`` more, and then stopping, pass the limit?"""
         if self.limit is None:
             return False
-        return self.cost() + self.price_per_hour * next_seconds / 3600.0 > self.limit
+        ahead = next_seconds + self.shutdown_s
+        return self.cost() + self.price_per_hour * ahead / 3600.0 > self.limit

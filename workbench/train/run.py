@@ -170,9 +170,9 @@ def snapshotting_trainer_class() -> type:
 
     class SnapshottingTrainer(Trainer):
         def __init__(self, *args: Any, run_dir: RunDir, keep: int, uploader: Any = None,
-                     **kwargs: Any) -> None:
+                     billing: Any = None, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            self.rd, self.keep, self.uploader = run_dir, keep, uploader
+            self.rd, self.keep, self.uploader, self.billing = run_dir, keep, uploader, billing
             self.writer = AsyncWriter(self.args.process_index)
 
         def _commit(self, folder: Path, step: int, stall_s: float, started: float) -> None:
@@ -184,6 +184,8 @@ def snapshotting_trainer_class() -> type:
                     "write_s": round(time.time() - started, 4), "time": time.time()}
             self.rd.write_status(snapshot=info)
             self.rd.append_metrics({"event": "snapshot", **info})
+            if self.billing is not None:
+                self.billing.shutdown_s = max(self.billing.shutdown_s, info["write_s"] + 1.0)
             if self.uploader is not None:
                 self.uploader.submit(final)
 
@@ -265,7 +267,7 @@ def main(run_dir: str) -> int:
         eval_dataset=eval_rows or None,
         data_collator=Collator(tokenizer.pad_token_id),
         callbacks=[RunDirCallback(rd, world, billing), snapshots],
-        run_dir=rd, keep=spec.checkpoint.keep, uploader=uploader,
+        run_dir=rd, keep=spec.checkpoint.keep, uploader=uploader, billing=billing,
     )
     if resume_from is not None:
         print(f"resuming from {resume_from.name}", flush=True)
@@ -278,6 +280,8 @@ def main(run_dir: str) -> int:
         trainer.evaluate()
     out = save_artefacts(trainer, tokenizer, spec, rd, source)
     print(f"saved {out}", flush=True)
+    if rank == 0:  # the final bill, saving included
+        rd.write_status(cost=billing.cost(), billed_s=billing.seconds())
     if uploader is not None:
         uploader.close()
     _shutdown_distributed()
