@@ -87,3 +87,19 @@ def test_status_is_replaced_atomically(tmp_path):
     assert rd.spec() == RunSpec()
     with pytest.raises(FileExistsError):
         RunDir(tmp_path / "run").create(RunSpec())  # a run directory is written once
+
+
+def test_backends_read_inside_the_run_directory_only(tmp_path):
+    from workbench.backends.local import LocalBackend
+    from workbench.rundir import RunDirError
+
+    rd = RunDir(tmp_path / "run").create(RunSpec())
+    rd.append_metrics({"step": 1, "loss": 2.0})
+    (tmp_path / "secret.txt").write_text("not yours")
+    backend = LocalBackend()
+    whole = backend.read(rd.path, "metrics.jsonl")
+    assert backend.read(rd.path, "metrics.jsonl", offset=5) == whole[5:]
+    assert backend.read(rd.path, "logs/not-yet.log") == b""  # a file that is not written yet
+    for escape in ("../secret.txt", "logs/../../secret.txt", str(tmp_path / "secret.txt")):
+        with pytest.raises(RunDirError, match="outside the run directory"):
+            backend.read(rd.path, escape)

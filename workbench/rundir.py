@@ -22,12 +22,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from workbench.errors import WorkbenchError
 from workbench.spec import RunSpec
 
 PENDING, QUEUED, RUNNING = "pending", "queued", "running"
 SUCCEEDED, FAILED, CANCELLED, BUDGET_STOPPED = "succeeded", "failed", "cancelled", "budget_stopped"
 STATES = (PENDING, QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED, BUDGET_STOPPED)
 TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED, BUDGET_STOPPED})
+
+
+class RunDirError(WorkbenchError, ValueError):
+    """A request reaches outside a run directory."""
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -117,6 +122,21 @@ class RunDir:
     # -- logs -----------------------------------------------------------------------------------
     def log_files(self) -> list[Path]:
         return sorted(self.logs_dir.glob("*.log")) if self.logs_dir.is_dir() else []
+
+    def read_from(self, path: str, offset: int = 0) -> bytes:
+        """Bytes of a file inside the run directory from ``offset`` (b"" while it does not exist).
+
+        Backends serve readers through this, so a path that escapes the run directory is refused.
+        """
+        full = (self.path / path).resolve()
+        if not full.is_relative_to(self.path.resolve()):
+            raise RunDirError(f"{path!r} is outside the run directory {self.path}")
+        try:
+            with full.open("rb") as fh:
+                fh.seek(offset)
+                return fh.read()
+        except FileNotFoundError:
+            return b""
 
     def artefact_dir(self) -> Path | None:
         for d in (self.adapter_dir, self.model_dir):

@@ -133,15 +133,7 @@ class LocalBackend:
             rd.write_status(state=CANCELLED, ended=time.time())
 
     def read(self, run_dir: Path, path: str, offset: int = 0) -> bytes:
-        full = (Path(run_dir) / path).resolve()
-        if not full.is_relative_to(Path(run_dir).resolve()):
-            raise LaunchError(f"{path!r} is outside the run directory")
-        try:
-            with full.open("rb") as fh:
-                fh.seek(offset)
-                return fh.read()
-        except FileNotFoundError:
-            return b""
+        return RunDir(run_dir).read_from(path, offset)
 
     def logs(self, run_dir: Path) -> dict[str, str]:
         return {p.name: p.read_text(encoding="utf-8", errors="replace")

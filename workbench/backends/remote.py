@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from workbench.rundir import write_json_atomic
+from workbench.rundir import RunDir, write_json_atomic
 from workbench.targets import HostSpec, SSHOptions, TargetError
 
 # The remote run directory is authoritative for these; the local copy is a mirror.
@@ -345,15 +345,7 @@ class MirroredRunDir:
         save_placement(self.path, artefact_fetched=True)
 
     def read_local(self, path: str, offset: int) -> bytes:
-        full = (self.path / path).resolve()
-        if not full.is_relative_to(self.path.resolve()):
-            raise TargetError(f"{path!r} is outside the run directory")
-        try:
-            with full.open("rb") as fh:
-                fh.seek(offset)
-                return fh.read()
-        except FileNotFoundError:
-            return b""
+        return RunDir(self.path).read_from(path, offset)
 
     def log_texts(self) -> dict[str, str]:
         logs = self.path / "logs"

@@ -15,6 +15,7 @@ failed with the limit and how to raise it, CANCELLED -> cancelled, a vanished jo
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 import time
 from pathlib import Path
@@ -246,6 +247,12 @@ class SlurmBackend:
             return {**rd.status(), "warning": str(exc)}
         status = rd.status()
         state = info.get("JobState", "")
+        if state not in WAITING and state not in ACTIVE and status.get("state") not in TERMINAL:
+            # The supervisor may have recorded its outcome after our sync and before Slurm
+            # answered: read once more before concluding the run ended without one.
+            with contextlib.suppress(TargetError):
+                self._sync(run_dir)
+            status = rd.status()
         extra = {"slurm_state": state or "unknown", "requeues": int(info.get("Restarts", 0) or 0)}
         if info.get("NodeList") and info["NodeList"] != "(null)":
             extra["nodes"] = info["NodeList"]
