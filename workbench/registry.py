@@ -102,15 +102,19 @@ class Registry:
             )
         return record
 
-    def update_run(self, run_id: str, **fields: object) -> None:
-        allowed = {"state", "backend_job_id", "run_dir", "target"}
+    def _update(self, table: str, key: str, value: str, allowed: set[str],
+                fields: dict[str, object]) -> None:
         bad = set(fields) - allowed
         if bad:
             raise ValueError(f"cannot update {sorted(bad)}; updatable: {sorted(allowed)}")
         fields["updated"] = time.time()
         cols = ", ".join(f"{k} = :{k}" for k in fields)
         with self._connect() as db:
-            db.execute(f"UPDATE runs SET {cols} WHERE id = :id", {**fields, "id": run_id})
+            db.execute(f"UPDATE {table} SET {cols} WHERE {key} = :{key}", {**fields, key: value})
+
+    def update_run(self, run_id: str, **fields: object) -> None:
+        self._update("runs", "id", run_id, {"state", "backend_job_id", "run_dir", "target"},
+                     fields)
 
     def get_run(self, id_or_name: str) -> RunRecord:
         """By exact id, else the newest run with that name, else a unique id prefix."""
@@ -153,14 +157,8 @@ class Registry:
         return record
 
     def update_endpoint(self, name: str, **fields: object) -> None:
-        allowed = {"state", "url", "pid", "server_pid", "serves"}
-        bad = set(fields) - allowed
-        if bad:
-            raise ValueError(f"cannot update {sorted(bad)}; updatable: {sorted(allowed)}")
-        fields["updated"] = time.time()
-        cols = ", ".join(f"{k} = :{k}" for k in fields)
-        with self._connect() as db:
-            db.execute(f"UPDATE endpoints SET {cols} WHERE name = :name", {**fields, "name": name})
+        self._update("endpoints", "name", name, {"state", "url", "pid", "server_pid", "serves"},
+                     fields)
 
     def get_endpoint(self, name: str) -> EndpointRecord:
         from workbench.serve import EndpointNotFoundError
