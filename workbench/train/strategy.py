@@ -58,18 +58,31 @@ def deepspeed_config(parallel: ParallelSpec, cuda: bool) -> dict[str, Any] | Non
     return config
 
 
+SHM_COMM_OP = "deepspeed_shm_comm"  # DeepSpeed's name for its CPU shared-memory all-reduce
+
+
 def install_cpu_deepspeed_shim() -> None:
-    """Make accelerate count every rank when DeepSpeed runs on CPU (gloo), and nothing else.
+    """Make DeepSpeed on CPU (gloo) count every rank and build nothing at start-up.
 
     Without CUDA, accelerate's ``PartialState._prepare_backend`` finds no backend, so it counts
     one process while DeepSpeed sees all of them, and the Trainer fails its batch-size check
     (``train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step * world_size``).
+
+    DeepSpeed's CPU communicator also JIT-compiles a shared-memory all-reduce op
+    (``deepspeed_shm_comm``) into ``~/.cache/torch_extensions`` on every new install. Each rank
+    races for that build's lock file, and a build killed half-way leaves the lock behind: every
+    later run then waits on it forever, silently. gloo's all-reduce is what the Trainer needs, so
+    the op is switched off.
+
     Only applied when no CUDA device exists and torchrun set LOCAL_RANK.
     """
     import torch
 
     if torch.cuda.is_available() or "LOCAL_RANK" not in os.environ:
         return
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
