@@ -64,7 +64,7 @@ def by_hand(job, tmp: Path) -> float:
     port = free_port("127.0.0.1")
     cmd = vllm_command(python, plan, "127.0.0.1", port, 256, _max_lora_rank(plan.adapters, None),
                        on_cpu, workdir)
-    env = vllm_env(plan, workdir, on_cpu, None)
+    env = {**os.environ, **vllm_env(plan, workdir, on_cpu)}
     t0 = time.time()
     with (workdir / "server.log").open("wb") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,

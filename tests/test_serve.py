@@ -8,12 +8,12 @@ weights (loopback). Bad inputs must fail before anything starts, and leave no pr
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -23,7 +23,6 @@ from workbench.assets.teaching import score, teaching_rows
 from workbench.serve import (
     AdapterNotFoundError,
     EndpointStartError,
-    LocalServeTarget,
     LoraRankError,
     PortInUseError,
     ServingEnvironmentError,
@@ -34,6 +33,7 @@ from workbench.serve import (
     probe_serving_python,
     serving_python,
 )
+from workbench.serve_targets import LocalServeTarget, guard_command
 
 HELDOUT = [r["instruction"] for r in teaching_rows("heldout")]
 
@@ -275,8 +275,12 @@ def test_guard_stops_the_server_when_the_deploying_process_ends(tmp_path):
     """keep=False: a server does not outlive the kernel that started it (here: a stand-in)."""
     kernel = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])
     target = LocalServeTarget()
-    guard, server = target.start(["sleep", "120"], dict(os.environ), tmp_path, tmp_path / "log", kernel.pid)
-    assert _alive(server) and target.alive(guard, tmp_path)
+    command = guard_command(sys.executable, str(tmp_path), "127.0.0.1", 0,
+                            f"--watch-pid {kernel.pid}", ["sleep", "120"])
+    guard, server = target.start(command, {}, tmp_path, kernel.pid)
+    record = SimpleNamespace(pid=guard, server_pid=server, endpoint_dir=str(tmp_path))
+    assert _alive(server) and target.alive(record)
+    assert json.loads((tmp_path / "address.json").read_text())["port"] > 0  # --port 0: picked
     kernel.wait()
     deadline = time.time() + 15
     while _alive(server) and time.time() < deadline:

@@ -156,7 +156,7 @@ def _deploy(args: argparse.Namespace) -> Any:
 
     # The command exits at once, so the endpoint must outlive it: `workbench undeploy` stops it.
     ep = deploy(*args.runs, name=args.name, merge=args.merge or None, host=args.host,
-                port=args.port, python=args.python, keep=True)
+                port=args.port, python=args.python, target=args.target, keep=True)
     key = f"\napi key: {ep.api_key}" if ep.api_key else ""
     return f"{ep.name} healthy at {ep.api_base} serving {', '.join(ep.models)}{key}"
 
@@ -219,7 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("runs", nargs="+", help="run ids/names (several adapters share one base)")
     c.add_argument("--name", help="endpoint name (default: from the first run)")
     c.add_argument("--merge", action="store_true", help="serve merged weights, not base + LoRA")
-    c.add_argument("--host", default="127.0.0.1", help="bind address; beyond loopback a key is set")
+    c.add_argument("--target", default="local",
+                   help="local, ssh:NAME (reached through a tunnel) or slurm:NAME (a batch job)")
+    c.add_argument("--host", help="bind address (default: loopback; on Slurm every interface); "
+                   "beyond loopback an API key is set")
     c.add_argument("--port", type=int, help="port (default: a free one)")
     c.add_argument("--python", help="the Python that has vLLM (default: WORKBENCH_SERVE_PYTHON)")
     c.set_defaults(func=_deploy)

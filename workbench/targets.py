@@ -74,6 +74,7 @@ class SSHOptions(_Model):
 
 class _TargetBase(SSHOptions):
     python: str = "python3"  # interpreter that has workbench, torch and friends installed
+    serve_python: str | None = None  # the one with vLLM, when it is another environment
     workdir: str | None = None  # folder that holds run directories on the target
     env: dict[str, str] = Field(default_factory=dict)
     setup: list[str] = Field(default_factory=list)  # shell lines run first, e.g. module load

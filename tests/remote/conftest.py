@@ -43,7 +43,11 @@ def cluster() -> Iterator[test_cluster.Cluster]:
 def targets(cluster: test_cluster.Cluster, wb_home: Path) -> dict:
     env = {"WORKBENCH_HOME": str(wb_home), "HF_HUB_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "SLURM_CONF": str(cluster.slurm_conf)}
-    ssh = {"python": PYTHON, "ssh_config": str(cluster.ssh_config), "env": env}
+    from workbench.serve import serving_python
+
+    # vLLM lives in its own environment (.venv-serve), as on real clusters.
+    ssh = {"python": PYTHON, "serve_python": serving_python(), "ssh_config": str(cluster.ssh_config),
+           "env": env}
     work = cluster.root / "work"
     data = {
         "ssh": {
@@ -61,7 +65,8 @@ def targets(cluster: test_cluster.Cluster, wb_home: Path) -> dict:
         },
         "slurm": {
             # The notebook runs on the login node: sbatch here, run directory used in place.
-            "local": {"python": PYTHON, "env": env, "time": "00:10:00"},
+            "local": {"python": PYTHON, "serve_python": serving_python(), "env": env,
+                      "time": "00:10:00"},
             # sbatch over SSH on a login node, run directory copied to the cluster's workdir.
             "login": {**ssh, "login": "wb-node0", "workdir": f"{work}/cluster", "time": "00:10:00"},
             "short": {"python": PYTHON, "env": env, "time": "1", "cpus_per_task": 1,

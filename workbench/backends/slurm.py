@@ -45,6 +45,17 @@ ACTIVE = {"RUNNING", "COMPLETING", "SIGNALING", "STAGE_OUT"}
 SLURM_FAILED = {"FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "REVOKED"}
 
 
+def allocation_lines(target: SlurmTarget, gpus: int) -> list[str]:
+    """#SBATCH lines for GPUs per node, memory, time limit, partition, account and qos."""
+    lines = [f"#SBATCH --gres=gpu:{gpus}"] if gpus else []
+    if target.mem:
+        lines.append(f"#SBATCH --mem={target.mem}")
+    lines.append(f"#SBATCH --time={target.time}")
+    lines += [f"#SBATCH --{opt}={getattr(target, opt)}" for opt in ("partition", "account", "qos")
+              if getattr(target, opt)]
+    return lines
+
+
 def sbatch_script(spec: RunSpec, target: SlurmTarget, run_dir: str, job_name: str) -> str:
     """The batch script for ``spec`` on ``target``, running the run directory ``run_dir``."""
     r = spec.resources
@@ -60,14 +71,7 @@ def sbatch_script(spec: RunSpec, target: SlurmTarget, run_dir: str, job_name: st
         "#SBATCH --ntasks-per-node=1",
         f"#SBATCH --cpus-per-task={cpus}",
     ]
-    if r.gpus_per_node:
-        lines.append(f"#SBATCH --gres=gpu:{r.gpus_per_node}")
-    if target.mem:
-        lines.append(f"#SBATCH --mem={target.mem}")
-    lines.append(f"#SBATCH --time={target.time}")
-    for opt in ("partition", "account", "qos"):
-        if getattr(target, opt):
-            lines.append(f"#SBATCH --{opt}={getattr(target, opt)}")
+    lines += allocation_lines(target, r.gpus_per_node)
     if target.requeue:
         lines.append("#SBATCH --requeue")
     lines += [
@@ -134,7 +138,7 @@ class SlurmBackend:
         workdir = t.workdir or ("~/workbench-runs" if t.login else None)
         return f"{workdir.rstrip('/')}/{Path(run_dir).name}" if workdir else None
 
-    def _scheduler(self, command: str, timeout: float = 60.0) -> Any:
+    def scheduler(self, command: str, timeout: float = 60.0) -> Any:
         return self.transport.run(f"{self.target.shell_prefix()}{command}", check=False,
                                   timeout=timeout)
 
@@ -166,20 +170,20 @@ class SlurmBackend:
         try:
             if cluster_dir:
                 put_dir(self.transport, rd.path, cluster_dir.rsplit("/", 1)[0])
-            res = self._scheduler(f"sbatch --parsable {shell_path(where)}/slurm.sbatch")
+            res = self.scheduler(f"sbatch --parsable {shell_path(where)}/slurm.sbatch")
         except TargetError as exc:
             raise self._refuse(mirror, str(exc)) from None
         job = res.stdout.decode(errors="replace").strip().split(";")[0]
         if res.returncode != 0 or not job.isdigit():
-            raise self._refuse(mirror, self._explain_sbatch(res.text))
+            raise self._refuse(mirror, self.explain_sbatch(res.text))
         save_placement(rd.path, job=job)
         return f"slurm:{job}"
 
-    def _explain_sbatch(self, err: str) -> str:
+    def explain_sbatch(self, err: str) -> str:
         t, low = self.target, err.lower()
         msg = f"sbatch refused the job on {self.transport.where}: {err or 'no output'}\n-> "
         if "partition" in low:
-            parts = self._scheduler("sinfo -h -o %P").stdout.decode(errors="replace").split()
+            parts = self.scheduler("sinfo -h -o %P").stdout.decode(errors="replace").split()
             return msg + (f"set 'partition:' of {t.ref} to one of: {', '.join(parts) or '?'} "
                           "(sinfo lists them)")
         if "account" in low or "association" in low:
@@ -219,7 +223,7 @@ class SlurmBackend:
 
     def job_info(self, job: str) -> dict[str, str]:
         """What the scheduler knows about ``job`` ({} when it has forgotten it)."""
-        res = self._scheduler(f"scontrol show job -o {job}")
+        res = self.scheduler(f"scontrol show job -o {job}")
         if res.returncode == 0 and "JobState=" in res.stdout.decode(errors="replace"):
             return parse_scontrol(res.stdout.decode(errors="replace").splitlines()[0])
         if "invalid job id" not in res.text.lower():
@@ -227,7 +231,7 @@ class SlurmBackend:
             # conclude from that that it vanished.
             raise TargetError(f"could not ask Slurm about job {job}: {res.text or 'no answer'}")
         # slurmctld forgets finished jobs after MinJobAge; the accounting database does not.
-        res = self._scheduler(f"sacct -n -P -X -j {job} -o State,ExitCode,Timelimit")
+        res = self.scheduler(f"sacct -n -P -X -j {job} -o State,ExitCode,Timelimit")
         line = res.stdout.decode(errors="replace").strip().splitlines()
         if res.returncode == 0 and line:
             state, exit_code, limit = (line[0].split("|") + ["", "", ""])[:3]
@@ -315,7 +319,7 @@ class SlurmBackend:
         job = mirror.placement.get("job")
         if mirror.final or not job:
             return
-        self._scheduler(f"scancel {job}")
+        self.scheduler(f"scancel {job}")
         deadline = time.time() + timeout
         while time.time() < deadline:
             try:
@@ -325,7 +329,7 @@ class SlurmBackend:
                 pass  # slurmctld busy: ask again
             time.sleep(0.5)
         else:
-            self._scheduler(f"scancel --signal=KILL --full {job}")
+            self.scheduler(f"scancel --signal=KILL --full {job}")
         self._sync(run_dir)
         status = rd.status()
         if status.get("state") in (SUCCEEDED, FAILED):
@@ -365,14 +369,14 @@ def check_slurm_target(target: SlurmTarget, report: TargetReport) -> None:
                        str(exc).split("\n-> ")[-1])
             return
         report.add(f"reachable ({target.login.host})", True, f"ssh {target.login.destination} works")
-    res = backend._scheduler("command -v sbatch squeue scontrol scancel")
+    res = backend.scheduler("command -v sbatch squeue scontrol scancel")
     found = res.stdout.decode(errors="replace").split()
     ok = report.add("slurm client", len(found) == 4, f"{len(found)}/4 of sbatch, squeue, scontrol, "
                     "scancel found", "add the Slurm client tools to PATH via 'setup:' (e.g. "
                     "module load slurm)")
     if not ok:
         return
-    res = backend._scheduler("sinfo -h -o '%P|%a|%D|%c|%m|%G|%l'")
+    res = backend.scheduler("sinfo -h -o '%P|%a|%D|%c|%m|%G|%l'")
     rows = [ln.split("|") for ln in res.stdout.decode(errors="replace").split("\n") if ln.strip()]
     if res.returncode != 0:
         report.add("slurm controller", False, res.text, "check that slurmctld is up (scontrol ping)")

@@ -228,7 +228,8 @@ def _endpoint_row(endpoint: Any) -> dict[str, Any]:
         "name": getattr(endpoint, "name", str(endpoint)),
         "state": getattr(record, "state", None),
         "target": getattr(endpoint, "target", None),
-        "url": getattr(endpoint, "api_base", getattr(endpoint, "url", None)),
+        # Where it listens (its host or Slurm node): listing must not open SSH tunnels.
+        "url": getattr(endpoint, "listen_url", None) and f"{endpoint.listen_url}/v1",
     }
     try:
         row["models"] = list(endpoint.models)

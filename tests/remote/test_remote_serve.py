@@ -1,0 +1,140 @@
+"""Serving on remote targets with real vLLM on CPU: an SSH host (through a tunnel) and a Slurm job.
+
+The "SSH host" is the loopback sshd of ``tests/remote/cluster.py`` with its own working folder,
+and the Slurm cluster is the one-machine cluster there; vLLM is the real ``.venv-serve`` one
+(``serve_python`` of the targets). A run trained here is served on each target and its greedy
+replies are compared with transformers + peft.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+import workbench
+from workbench.assets.teaching import teaching_rows
+from workbench.serve import DeployError, ServingEnvironmentError, deploy, get_endpoint
+
+pytestmark = pytest.mark.slow
+PROMPTS = [r["instruction"] for r in teaching_rows("heldout")][:12]
+
+
+def _processes_with(text: str) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and text in " ".join(p.info["cmdline"] or []):
+                found.append(p)
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def _gone(text: str, timeout: float = 30.0) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline and _processes_with(text):
+        time.sleep(0.3)
+    return not _processes_with(text)
+
+
+def _squeue_names() -> list[str]:
+    out = subprocess.run(["squeue", "-h", "-o", "%j"], capture_output=True, text=True)
+    return out.stdout.split()
+
+
+@pytest.fixture(scope="module")
+def trained(targets):
+    job = workbench.launch({"name": "remote-serve", "train": {"epochs": 8, "lr": 3e-3}})
+    assert job.wait(progress=False) == "succeeded", job.logs()
+    return job
+
+
+@pytest.fixture(scope="module")
+def reference(trained) -> list[str]:
+    from workbench.infer import load_chat_model
+
+    return load_chat_model(trained).generate(PROMPTS)
+
+
+def test_ssh_endpoint_is_reached_through_a_tunnel_and_dies_with_its_kernel(trained, reference,
+                                                                           targets):
+    # The deploying "kernel" is a child process: it deploys with keep=False, then is killed -9.
+    kernel = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, workbench\n"
+         f"ep = workbench.deploy({trained.id!r}, target='ssh:one', name='ssh-ep', progress=False)\n"
+         "print('READY', ep.url, flush=True)\n"
+         "sys.stdin.read()\n"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=os.environ)
+    try:
+        line = kernel.stdout.readline()
+        assert line.startswith("READY http://127.0.0.1:"), kernel.stderr.read()[-3000:]
+        # Another process (a restarted kernel, the lab panel) finds it and opens its own tunnel.
+        ep = get_endpoint("ssh-ep")
+        assert ep.state == "healthy" and ep.target == "ssh:one"
+        assert ep.listen_url.startswith("http://wb-node0:")
+        assert ep.url.startswith("http://127.0.0.1:") and ep.url != line.split()[1]
+        server_dir = f"{targets['ssh']['one']['workdir']}/endpoints/ssh-ep"
+        # The adapter was copied to the host; the base model path existed there and is used as is.
+        adapter_path = ep.serves["adapters"][trained.spec.name]
+        assert adapter_path.startswith(server_dir) and Path(adapter_path, "adapter_config.json").is_file()
+        assert ep.generate(PROMPTS) == reference
+        server = _processes_with(f"{server_dir}/chat_template.jinja")
+        assert server, "no vLLM process runs from the endpoint's folder on the host"
+    finally:
+        kernel.send_signal(signal.SIGKILL)  # the kernel dies without cleaning anything up
+        kernel.wait()
+    # Its ssh session's stdin closes with it; the guard on the host stops vLLM.
+    assert _gone(server_dir), [p.cmdline() for p in _processes_with(server_dir)]
+    ended = json.loads(Path(server_dir, "exit.json").read_text())
+    assert ended["reason"] == "watched process ended"
+    assert get_endpoint("ssh-ep").record.state == "stopped"
+
+
+def test_slurm_endpoint_runs_inside_its_job_with_an_api_key(trained, reference, targets):
+    ep = deploy(trained, target="slurm:local", name="slurm-ep", progress=False, timeout=400)
+    try:
+        script = (ep.dir / "serve.sbatch").read_text()
+        assert "#SBATCH --time=00:10:00" in script and "#SBATCH --no-requeue" in script
+        assert "wb-serve-slurm-ep" in _squeue_names()
+        assert "VLLM_API_KEY" not in script and ep.api_key  # on every interface: a key, from a file
+        assert ep.listen_url.startswith("http://vm:") and ep.url == ep.listen_url
+        denied = httpx.post(ep.api_base + "/chat/completions", json={"model": ep.model,
+                            "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+        assert denied.status_code == 401
+        assert ep.generate(PROMPTS) == reference
+        assert ep.logs(tail=None)  # the job's output is the server log
+    finally:
+        ep.stop()
+    # scancel ended the job, and with it the server: nothing outlives the allocation.
+    deadline = time.time() + 60
+    while time.time() < deadline and "wb-serve-slurm-ep" in _squeue_names():
+        time.sleep(0.5)
+    assert "wb-serve-slurm-ep" not in _squeue_names()
+    assert _gone(str(ep.dir)), [p.cmdline() for p in _processes_with(str(ep.dir))]
+    assert get_endpoint("slurm-ep").record.state == "stopped"
+
+
+def test_remote_bad_inputs_are_clear_errors(trained, targets):
+    with pytest.raises(ServingEnvironmentError, match="on host wb-node0 has no vLLM installed"):
+        deploy(trained, target="ssh:one", name="novllm-ep", python=sys.executable, progress=False)
+    with pytest.raises(DeployError, match="(?s)cannot import workbench.*fix 'python:'"):
+        deploy(trained, target="ssh:broken", name="broken-ep", progress=False)
+    with pytest.raises(DeployError, match="cannot reach 127.0.0.1 over SSH"):
+        deploy(trained, target="ssh:down", name="down-ep", progress=False)
+    from workbench.targets import TargetError
+
+    with pytest.raises(TargetError, match="not configured"):
+        deploy(trained, target="ssh:nowhere", name="nowhere-ep", progress=False)
+    assert not [e for e in workbench.serve.endpoints(all=True) if e.name.endswith("-ep")
+                and e.name in ("novllm-ep", "broken-ep", "down-ep", "nowhere-ep")]
