@@ -20,10 +20,12 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from workbench.errors import WorkbenchError
-from workbench.spec import RunSpec
+
+if TYPE_CHECKING:  # the supervisor reads run directories without needing pydantic
+    from workbench.spec import RunSpec
 
 PENDING, QUEUED, RUNNING = "pending", "queued", "running"
 SUCCEEDED, FAILED, CANCELLED, BUDGET_STOPPED = "succeeded", "failed", "cancelled", "budget_stopped"
@@ -79,6 +81,8 @@ class RunDir:
 
         spec.yaml is written once; a resume with, say, a larger budget records only its changes.
         """
+        from workbench.spec import RunSpec
+
         spec = RunSpec.from_yaml(self.spec_file)
         if self.resume_file.is_file():
             import yaml
