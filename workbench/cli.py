@@ -148,7 +148,9 @@ def _targets_list(args: argparse.Namespace) -> Any:
 def _targets_check(args: argparse.Namespace) -> Any:
     from workbench.targets import check_target
 
-    return check_target(args.name)
+    report = check_target(args.name)
+    print(report)
+    return 0 if report.ok else 1  # scripts (and CI) can gate on a target being ready
 
 
 def _deploy(args: argparse.Namespace) -> Any:

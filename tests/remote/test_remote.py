@@ -116,6 +116,11 @@ def test_check_reports_what_works_and_what_is_missing(targets):
     assert "partition" in missing and "debug" in missing["partition"].fix
     broken = check_target("ssh:broken")
     assert any("/nonexistent/env/bin/python" in c.detail for c in broken.missing)
+    # The CLI's exit status says whether the target is ready.
+    from workbench.cli import main
+
+    assert main(["targets", "check", "ssh:one"]) == 0
+    assert main(["targets", "check", "ssh:broken"]) == 1
 
 
 def test_sbatch_script_asks_for_what_the_spec_needs(targets):
