@@ -8,6 +8,12 @@ directly. When a rank's writes are done it drops a marker; rank 0's thread waits
 of every rank on its node, then commits the snapshot (rename to step-N, manifest last, latest,
 prune, upload) — exactly what the synchronous path does.
 
+Training pays for the copy only: one memcpy per tensor, into the previous snapshot's buffers once
+one has been written. The writer thread (nice 19) serialises each file straight to disk, hashing
+as it writes (no archive built in memory first), and mostly without the interpreter lock. Its
+CPU time is hidden only where a host core is free for it (a GPU node); where training uses every
+core, that time comes out of training (see docs/benchmarks.md).
+
 DeepSpeed checkpoints (ZeRO shards written by the engine) take the synchronous path.
 """
 
@@ -15,46 +21,85 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import io
+import mmap
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 
+# Bound at import: a writer thread may run while the next snapshot's capture has patched them.
 _REAL_TORCH_SAVE = torch.save
-_SAFETENSORS = __import__("safetensors.torch", fromlist=["save"])
-_CHUNK = 8 << 20
+_SAFETENSORS = __import__("safetensors.torch", fromlist=["save_file"])
+_REAL_SAVE_FILE = _SAFETENSORS.save_file
+_CHUNK = 64 << 20
+# Benchmark only: CPUs the writer thread may run on ("1" or "1,3"), to model a GPU node's host.
+WRITER_CPUS_ENV = "WORKBENCH_SNAPSHOT_WRITER_CPUS"
 
 
-def _write_hashed(data: bytes | memoryview, path: Any) -> tuple[str, int]:
-    """Write bytes to ``path`` in chunks, hashing as we go (both release the interpreter lock)."""
-    h = hashlib.sha256()
-    view = memoryview(data)
-    with open(path, "wb") as fh:
+class _HashingFile:
+    """A write-only file for ``torch.save``: each piece is hashed and written as it arrives.
+
+    torch hands over memoryviews of the tensor memory, so the bytes go from the CPU copy to the
+    file in one pass (no in-memory archive first); hashing and writing large pieces both release
+    the interpreter lock.
+    """
+
+    def __init__(self, fh: Any) -> None:
+        self._fh, self.sha, self.nbytes = fh, hashlib.sha256(), 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
         for i in range(0, len(view), _CHUNK):
             chunk = view[i:i + _CHUNK]
-            h.update(chunk)
-            fh.write(chunk)
-    return h.hexdigest(), len(view)
+            self.sha.update(chunk)
+            self._fh.write(chunk)
+        self.nbytes += len(view)
+        return len(view)
+
+    def flush(self) -> None:
+        self._fh.flush()
 
 
-def _to_cpu_copy(obj: Any) -> Any:
+def _hash_file(path: Any) -> tuple[str, int]:
+    """sha256 and size of a file just written (still in the page cache): mapped, not copied."""
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size == 0:
+            return hashlib.sha256().hexdigest(), 0
+        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            return hashlib.sha256(mm).hexdigest(), size
+
+
+def _recyclable(t: torch.Tensor) -> bool:
+    return (type(t) is torch.Tensor and t.layout == torch.strided and not t.is_quantized
+            and t.is_contiguous())
+
+
+def _to_cpu_copy(obj: Any, free: dict | None = None, held: list | None = None) -> Any:
+    """A CPU copy of ``obj``'s tensors (one memcpy each), into ``free`` buffers of the same dtype
+    and shape where there are some (no fresh pages to fault in); copies made are added to ``held``."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        t = obj.detach()
+        if held is None or not _recyclable(t):
+            return t.to("cpu", copy=True)
+        bufs = free.get((t.dtype, t.shape)) if free else None
+        out = bufs.pop().copy_(t) if bufs else t.to("cpu", copy=True)
+        held.append(out)
+        return out
     if isinstance(obj, dict):
         out = obj.__class__() if obj.__class__ is not dict else {}
         for k, v in obj.items():
-            out[k] = _to_cpu_copy(v)
+            out[k] = _to_cpu_copy(v, free, held)
         return out
     if isinstance(obj, list):
-        return [_to_cpu_copy(v) for v in obj]
+        return [_to_cpu_copy(v, free, held) for v in obj]
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_to_cpu_copy(v) for v in obj)
+        return tuple(_to_cpu_copy(v, free, held) for v in obj)
     return copy.deepcopy(obj)
 
 
@@ -81,6 +126,12 @@ class AsyncWriter:
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self._jobs: list[Callable[[], None]] = []
+        self._held: list[torch.Tensor] = []  # the CPU copies the queued jobs write
+        # The copies of the last snapshot written, reused by the next capture: copying into
+        # memory already mapped is one memcpy, while fresh memory is first faulted in page by page.
+        # Holds at most one snapshot's state (which, written, the old code freed and reallocated).
+        self._free: dict[tuple, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
         self.hashes: dict[str, tuple[str, int]] = {}  # path -> (sha256, bytes) of what we wrote
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
@@ -89,29 +140,34 @@ class AsyncWriter:
     @contextmanager
     def capture(self) -> Iterator[None]:
         """Within this block, heavy writes are copied to memory and queued instead of written."""
-        jobs, hashes = self._jobs, self.hashes
+        jobs, hashes, held = self._jobs, self.hashes, self._held
+        with self._lock:
+            free, self._free = self._free, {}
         real_st = {(m, a): getattr(m, a) for m, a in _safetensors_writers()}
 
-        # Serialising into memory is the only part that holds the interpreter lock; writing and
-        # hashing the bytes happen at low priority without it, so training keeps running.
+        # Only the copy happens here; the writer thread serialises straight into the file,
+        # hashing as it goes, at low priority and mostly without the interpreter lock.
         def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
             if not isinstance(f, (str, os.PathLike)):
                 return _REAL_TORCH_SAVE(obj, f, *args, **kwargs)
-            held = _to_cpu_copy(obj)
+            kept = _to_cpu_copy(obj, free, held)
 
             def job() -> None:
-                buf = io.BytesIO()
-                _REAL_TORCH_SAVE(held, buf, *args, **kwargs)
-                hashes[str(f)] = _write_hashed(buf.getbuffer(), f)
+                with open(f, "wb") as fh:
+                    out = _HashingFile(fh)
+                    _REAL_TORCH_SAVE(kept, cast(IO[bytes], out), *args, **kwargs)
+                hashes[str(f)] = (out.sha.hexdigest(), out.nbytes)
             jobs.append(job)
             return None
 
         def save_file(tensors: dict, filename: Any, metadata: Any = None) -> None:
-            held = _to_cpu_copy(tensors)
+            kept = _to_cpu_copy(tensors, free, held)
 
             def job() -> None:
-                hashes[str(filename)] = _write_hashed(_SAFETENSORS.save(held, metadata=metadata),
-                                                      filename)
+                # safetensors writes the file from the tensors' memory (without the lock); building
+                # it in memory first (``save``) would hold the lock for the whole copy.
+                _REAL_SAVE_FILE(kept, filename, metadata=metadata)
+                hashes[str(filename)] = _hash_file(filename)
             jobs.append(job)
 
         t0 = time.perf_counter()
@@ -126,17 +182,32 @@ class AsyncWriter:
                 setattr(m, a, fn)
             self.last_copy_s = time.perf_counter() - t0
 
+    def _recycle(self, held: list[torch.Tensor]) -> None:
+        free: dict[tuple, list[torch.Tensor]] = {}
+        for t in held:
+            free.setdefault((t.dtype, t.shape), []).append(t)
+        with self._lock:
+            self._free = free
+
     def flush_async(self, folder: Path, then: Callable[[], None] | None = None) -> None:
         """Write what ``capture`` queued, mark this rank done, then run ``then`` (rank 0)."""
         self.wait()  # one snapshot in flight per rank
         jobs, self._jobs = self._jobs, []
+        held, self._held = self._held, []
 
         def work() -> None:
             try:
                 # Lowest CPU priority for this thread only (Linux schedules threads as tasks).
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+                me = threading.get_native_id()
+                os.setpriority(os.PRIO_PROCESS, me, 19)
+                cpus = os.environ.get(WRITER_CPUS_ENV)
+                if cpus:
+                    os.sched_setaffinity(me, {int(c) for c in cpus.split(",")})
                 for job in jobs:
                     job()
+                jobs.clear()
+                self._recycle(held)  # written: the next capture may copy into them
+                held.clear()
                 (folder / f".done-rank-{self.rank}").write_text("ok")
                 if then is not None:
                     then()
