@@ -107,6 +107,9 @@ def main() -> None:
             "workbench": med(r["time_to_first_loss_s"] for r in wb if not r["cold"]),
             "workbench_cold_first_launch": next(r["time_to_first_loss_s"] for r in wb if r["cold"]),
             "bare": med(r["time_to_first_loss_s"] for r in bare)},
+        "runs": {"workbench": [{k: r[k] for k in ("tokens_per_s", "time_to_first_loss_s", "cold")}
+                               for r in wb], "bare": bare},
+        "load_average_after": os.getloadavg(),
         "metric_latency_s": {"p50": med(lat), "p95": sorted(lat)[int(0.95 * (len(lat) - 1))],
                              "max": max(lat), "n": len(lat)},
     }
