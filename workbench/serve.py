@@ -925,8 +925,9 @@ def undeploy(name: str, registry: Any = None) -> str:
 
 def endpoints_table(eps: Sequence[Endpoint]) -> str:
     # The URL where each server listens (on its host or node): listing opens no tunnels.
-    rows = [("NAME", "TARGET", "STATE", "LISTENS ON", "MODELS")]
-    rows += [(e.name, e.target, e.record.state, e.listen_url, ", ".join(e.models)) for e in eps]
+    rows = [("NAME", "TARGET", "STATE", "API (WHERE IT LISTENS)", "MODELS")]
+    rows += [(e.name, e.target, e.record.state, f"{e.listen_url}/v1", ", ".join(e.models))
+             for e in eps]
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
