@@ -267,9 +267,13 @@ class Job:
         return self.state
 
     def deploy(self, *more: Any, **kwargs: Any) -> Any:
-        """Serve this run on a vLLM endpoint (see :func:`workbench.serve.deploy`); an Endpoint."""
+        """Serve this run on a vLLM endpoint (see :func:`workbench.serve.deploy`); an Endpoint.
+
+        It is served on the target it trained on unless ``target=`` says otherwise.
+        """
         from workbench.serve import deploy
 
+        kwargs.setdefault("target", self.target)
         return deploy(self, *more, **kwargs)
 
     # -- views -----------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -51,6 +52,7 @@ VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 _REPO_ROOT = Path(__file__).resolve().parents[1]
 
 LIVE_STATES = ("starting", "healthy")
+_client_lock = threading.Lock()
 PORT_FROM_GUARD = "@PORT@"  # in a server command: the port the guard picked on its machine
 
 
@@ -480,10 +482,11 @@ class Endpoint:
     def _client(self) -> Any:
         import httpx
 
-        if self._http is None:
-            self._http = httpx.Client(base_url=self.api_base, headers=self._headers(),
-                                      timeout=httpx.Timeout(300.0, connect=10.0))
-        return self._http
+        with _client_lock:  # generate() calls this from many threads at once
+            if self._http is None:
+                self._http = httpx.Client(base_url=self.api_base, headers=self._headers(),
+                                          timeout=httpx.Timeout(300.0, connect=10.0))
+            return self._http
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         resp = self._client().post(path, json=body)
@@ -890,6 +893,10 @@ def refresh_state(name: str, registry: Any = None) -> Any:
     registry = registry or Registry()
     record = registry.get_endpoint(name)
     target = get_serve_target(record.target) if record.state in LIVE_STATES else None
+    if target is not None and record.state == "starting" and target.read(record, "healthy.json"):
+        # Its guard saw /health answer: up, even if nobody waited for it (deploy(wait=False)).
+        registry.update_endpoint(name, state="healthy", url=target.address(record) or record.url)
+        record = registry.get_endpoint(name)
     if target is not None and not target.alive(record):
         try:
             ended = json.loads(target.read(record, "exit.json") or b"{}")
@@ -937,7 +944,8 @@ def _guard_main(argv: Sequence[str]) -> int:
     """Run the server command in DIR; stop it when told to; record how it ended.
 
     Writes DIR/guard.pid, DIR/server.pid, DIR/address.json (node, bind host, port: ``--port 0``
-    picks a free one, substituted for PORT_FROM_GUARD in the command) and, at the end,
+    picks a free one, substituted for PORT_FROM_GUARD in the command), DIR/healthy.json once the
+    server answers /health (so any process sees it is up, with no tunnel to it) and, at the end,
     DIR/exit.json. DIR/api_key, when present, reaches the server as VLLM_API_KEY. The guard
     leads its process group, so stopping the group stops the server with it. It stops the server
     when the process ``--watch-pid`` ends, or when its stdin closes (``--watch-stdin``: the SSH
@@ -987,7 +995,13 @@ def _guard_main(argv: Sequence[str]) -> int:
     signal.signal(signal.SIGHUP, on_signal)
     if args.watch_stdin:
         threading.Thread(target=read_stdin_to_eof, daemon=True).start()
+    local = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(args.host, args.host)
+    health = f"http://{_url_host(local)}:{port}/health"
+    healthy = False
     while server.poll() is None:
+        if not healthy and _answers(health):
+            healthy = True
+            (d / "healthy.json").write_text(json.dumps({"time": time.time()}))
         if (args.watch_pid and not _pid_alive(args.watch_pid)) or watched_gone.is_set():
             reason["value"] = "watched process ended"
             server.terminate()
@@ -1001,6 +1015,16 @@ def _guard_main(argv: Sequence[str]) -> int:
     (d / "exit.json").write_text(json.dumps({"code": code, "reason": reason["value"],
                                              "time": time.time()}))
     return 0
+
+
+def _answers(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as resp:
+            return bool(resp.status == 200)
+    except OSError:
+        return False
 
 
 def _pid_alive(pid: int) -> bool:

@@ -32,6 +32,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -259,6 +260,7 @@ class _Remote:
 
     ref: str
     target: SSHTarget | SlurmTarget
+    _home: str | None = None  # $HOME on the target, asked once
 
     @property
     def guard_python(self) -> str:
@@ -302,8 +304,10 @@ class _Remote:
         if parent is None:
             return str(workdir)
         if parent.startswith("~"):  # vLLM and #SBATCH lines need it absolute
-            home = self.transport().run('printf %s "$HOME"', timeout=60).stdout.decode().strip()
-            parent = home + parent[1:]
+            if self._home is None:
+                self._home = self.transport().run('printf %s "$HOME"',
+                                                  timeout=60).stdout.decode().strip()
+            parent = self._home + parent[1:]
         return f"{parent.rstrip('/')}/endpoints/{workdir.name}"
 
     def _placement(self, record: EndpointRecord) -> dict[str, Any]:
@@ -401,6 +405,8 @@ class _Remote:
 # -- an SSH host -----------------------------------------------------------------------------------
 _sessions: dict[str, subprocess.Popen] = {}  # endpoint dir -> the ssh session holding its guard
 _tunnels: dict[str, tuple[subprocess.Popen, str, str]] = {}  # endpoint dir -> (ssh, remote, url)
+_tunnel_lock = threading.Lock()
+_CLOSED_PORT = 9  # "discard": nothing listens there, so a request fails at once
 
 
 class SSHServeTarget(_Remote):
@@ -485,11 +491,19 @@ class SSHServeTarget(_Remote):
         return local and local.replace("http://127.0.0.1", f"http://{self.host.host}")
 
     def connect(self, record: EndpointRecord) -> str:
-        """A local port forwarded to the server's port on the host (reused while it lives)."""
-        remote = read_address(self.read(record, "address.json"), "127.0.0.1")
-        if remote is None:
-            return record.url
-        return open_tunnel(self.transport(), record.endpoint_dir, remote.split("//", 1)[1])
+        """A local port forwarded to the server's port on the host (reused while it lives).
+
+        Requests of one endpoint often start together (``Endpoint.generate`` sends 16 at once):
+        one of them opens the tunnel, the others reuse it, and sshd is not hit 16 times.
+        """
+        with _tunnel_lock:
+            known = _tunnels.get(record.endpoint_dir)
+            if known is not None and known[0].poll() is None:
+                return known[2]
+            remote = read_address(self.read(record, "address.json"), "127.0.0.1")
+            if remote is None:  # not started yet: nothing to reach (health checks just fail)
+                return f"http://127.0.0.1:{_CLOSED_PORT}"
+            return open_tunnel(self.transport(), record.endpoint_dir, remote.split("//", 1)[1])
 
     def stop(self, record: EndpointRecord, timeout: float = 20.0) -> None:
         from workbench.targets import TargetError

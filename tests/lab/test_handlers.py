@@ -127,6 +127,36 @@ def test_cancel_from_the_api_stops_a_live_run(lab_server: LabServer) -> None:
         job.cancel()
 
 
+def test_deploy_from_the_api_returns_at_once_and_the_endpoint_serves(lab_server: LabServer,
+                                                                      short_run) -> None:
+    import time
+
+    from workbench.serve import get_endpoint
+
+    t0 = time.time()
+    reply = requests.post(lab_server.api(f"runs/{short_run.id}/deploy"), headers=lab_server.auth,
+                          timeout=120)
+    assert reply.status_code == 200, reply.text
+    row = reply.json()["endpoint"]
+    # The request does not wait for vLLM (tens of seconds); the panel shows it starting.
+    assert time.time() - t0 < 30 and row["state"] == "starting" and row["target"] == "local"
+    name = row["name"]
+    try:
+        def healthy() -> bool:
+            listed = requests.get(lab_server.api("runs"), headers=lab_server.auth, timeout=30)
+            states = {e["name"]: e["state"] for e in listed.json().get("endpoints", [])}
+            assert states.get(name) != "failed", get_endpoint(name).logs()
+            return states.get(name) == "healthy"
+
+        wait_for(healthy, 300, "the endpoint deployed from the panel to become healthy")
+        assert isinstance(get_endpoint(name).chat("What does a cow say?", max_tokens=8), str)
+    finally:
+        stopped = requests.post(lab_server.api(f"endpoints/{name}/stop"), headers=lab_server.auth,
+                                timeout=120)
+    assert stopped.status_code == 200 and stopped.json()["state"] == "stopped"
+    assert get_endpoint(name).record.state == "stopped"
+
+
 def test_resume_from_the_api_restarts_an_ended_run(lab_server: LabServer) -> None:
     job = workbench.launch({"name": "lab-resume", "train": {"max_steps": 100000}})
     try:

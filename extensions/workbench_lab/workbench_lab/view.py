@@ -204,7 +204,9 @@ class RunsView:
             deploy = functools.partial(_serve_module().deploy, job)  # type: ignore[union-attr]
         wanted = {"keep": True, "wait": False, "progress": False}
         accepted = inspect.signature(deploy).parameters
-        endpoint = deploy(**{k: v for k, v in wanted.items() if k in accepted})
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+            wanted = {k: v for k, v in wanted.items() if k in accepted}
+        endpoint = deploy(**wanted)
         return {"endpoint": _endpoint_row(endpoint)}
 
     def endpoints(self) -> list[dict[str, Any]]:
