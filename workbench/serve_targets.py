@@ -353,50 +353,41 @@ class _Remote:
 
     def _upload_folder_files(self, workdir: Path, sdir: str) -> None:
         """The endpoint folder's own files (chat template, api key) next to the server."""
-        if sdir == str(workdir):
-            return
-        from workbench.backends.remote import shell_path
+        if sdir != str(workdir):  # server_dir() ends in workdir's name: put_dir lands it there
+            from workbench.backends.remote import put_dir
 
-        names = [p.name for p in workdir.iterdir() if p.is_file() and p.name != "placement.json"]
-        import io
-        import tarfile
+            put_dir(self.transport(), workdir, sdir.rsplit("/", 1)[0])
 
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w") as tar:
-            for n in names:
-                tar.add(workdir / n, arcname=n)
-        self.transport().run(f"mkdir -p {shell_path(sdir)}/cache {shell_path(sdir)}/tmp && "
-                             f"tar -C {shell_path(sdir)} -xf -", input=buf.getvalue(), timeout=120)
+    def _remote_dir(self, record: EndpointRecord) -> str | None:
+        """The endpoint folder on the target; None when the server uses the local one."""
+        sdir = self._placement(record).get("server_dir", record.endpoint_dir)
+        return None if sdir == record.endpoint_dir else str(sdir)
 
-    def read(self, record: EndpointRecord, name: str) -> bytes:
+    def _read_remote(self, sdir: str, name: str, offset: int = 0) -> bytes:
         from workbench.backends.remote import read_remote
         from workbench.targets import TargetError
 
-        sdir = self._placement(record).get("server_dir", record.endpoint_dir)
-        if sdir == record.endpoint_dir:
+        try:
+            return read_remote(self.transport(), sdir, name, offset, self.target.python)
+        except TargetError:
+            return b""  # the host may be back soon; callers treat "nothing yet" the same way
+
+    def read(self, record: EndpointRecord, name: str) -> bytes:
+        sdir = self._remote_dir(record)
+        if sdir is None:
             try:
-                return (Path(sdir) / name).read_bytes()
+                return (Path(record.endpoint_dir) / name).read_bytes()
             except OSError:
                 return b""
-        try:
-            return read_remote(self.transport(), sdir, name, 0, self.target.python)
-        except TargetError:
-            return b""
+        return self._read_remote(sdir, name)
 
     def sync_log(self, record: EndpointRecord) -> None:
         """Append the server log's new bytes to the local copy (Endpoint.logs reads that)."""
-        from workbench.backends.remote import read_remote
-        from workbench.targets import TargetError
-
-        sdir = self._placement(record).get("server_dir", record.endpoint_dir)
+        sdir = self._remote_dir(record)
+        if sdir is None:
+            return
         local = Path(record.endpoint_dir) / "server.log"
-        if sdir == record.endpoint_dir:
-            return
-        offset = local.stat().st_size if local.is_file() else 0
-        try:
-            data = read_remote(self.transport(), sdir, "server.log", offset, self.target.python)
-        except TargetError:
-            return
+        data = self._read_remote(sdir, "server.log", local.stat().st_size if local.is_file() else 0)
         if data:
             with local.open("ab") as fh:
                 fh.write(data)
