@@ -1,6 +1,6 @@
-"""The asynchronous snapshot writer on its own (no training): what it writes is what training
-held at the save, its hashes are those of the files, and the copies it reuses are never still
-being written."""
+"""The asynchronous snapshot writer on its own (no Trainer): what it writes is what training held
+at the save even though training goes on, because the next optimizer step waits for the copy;
+its hashes are those of the files; the buffers it reuses are never still being written."""
 
 from __future__ import annotations
 
@@ -13,70 +13,127 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from workbench.train import async_snapshot
 from workbench.train.async_snapshot import AsyncWriter
 
 
-def _state() -> tuple[dict, dict]:
-    torch.manual_seed(0)
-    weights = {"a": torch.randn(64, 32), "b": torch.randn(7)}
-    optim = {"state": {0: {"exp_avg": torch.randn(64, 32), "step": torch.tensor(1.0)}},
-             "param_groups": [{"lr": 0.1, "params": [0]}]}
-    return weights, optim
+class Training:
+    """A model and its Adam state, changed in place by each step, as in the Trainer's loop."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.model = torch.nn.Linear(32, 64)
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=0.1)
+        self.step()  # so the optimizer has state to save
+
+    def step(self) -> None:
+        self.opt.zero_grad()
+        self.model(torch.randn(8, 32)).square().sum().backward()
+        self.opt.step()
+
+    def save(self, writer: AsyncWriter, folder: Path) -> dict[str, torch.Tensor]:
+        """Save as the Trainer does; returns the values that must reach the files."""
+        folder.mkdir()
+        with writer.capture():
+            torch.save(self.opt.state_dict(), folder / "optimizer.pt")
+            # through the module, as transformers does: the writer patches module attributes
+            safetensors.torch.save_file(self.model.state_dict(), str(folder / "model.safetensors"),
+                                        metadata={"format": "pt"})
+        return {"weight": self.model.weight.detach().clone(),
+                "exp_avg": self.opt.state_dict()["state"][0]["exp_avg"].clone()}
 
 
-def _save(writer: AsyncWriter, folder: Path, weights: dict, optim: dict) -> None:
-    folder.mkdir()
-    with writer.capture():
-        torch.save(optim, folder / "optimizer.pt")
-        # through the module, as transformers does: the writer patches module attributes
-        safetensors.torch.save_file(weights, str(folder / "model.safetensors"),
-                                    metadata={"format": "pt"})
+def _saved(folder: Path) -> dict[str, torch.Tensor]:
+    return {"weight": load_file(str(folder / "model.safetensors"))["weight"],
+            "exp_avg": torch.load(folder / "optimizer.pt")["state"][0]["exp_avg"]}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_files_hold_the_state_at_the_save_and_the_manifest_hashes(tmp_path):
-    writer = AsyncWriter(0)
-    weights, optim = _state()
-    for step in range(3):  # the 2nd and 3rd saves copy into the buffers of the previous one
-        folder = tmp_path / f"checkpoint-{step}"
-        _save(writer, folder, weights, optim)
-        expect_w, expect_m = weights["a"].clone(), optim["state"][0]["exp_avg"].clone()
-        weights["a"].add_(1.0)  # training goes on, in place, while the thread writes
-        optim["state"][0]["exp_avg"].mul_(2.0)
+    writer, training = AsyncWriter(0), Training()
+    for n in range(3):  # the 2nd and 3rd saves copy into the buffers of the previous one
+        folder = tmp_path / f"checkpoint-{n}"
+        expect = training.save(writer, folder)
         writer.flush_async(folder)
+        training.step()  # training goes on, in place, while the thread copies and writes
         writer.wait()
         assert (folder / ".done-rank-0").is_file()
         for name in ("optimizer.pt", "model.safetensors"):
             data = (folder / name).read_bytes()
             assert writer.hashes[str(folder / name)] == (hashlib.sha256(data).hexdigest(),
                                                          len(data))
-        assert torch.equal(load_file(str(folder / "model.safetensors"))["a"], expect_w)
-        assert torch.equal(torch.load(folder / "optimizer.pt")["state"][0]["exp_avg"], expect_m)
+        assert _same(_saved(folder), expect)
+        assert not torch.equal(training.model.weight, expect["weight"])  # it did change since
         with safe_open(str(folder / "model.safetensors"), "pt") as fh:
             assert fh.metadata() == {"format": "pt"}
 
 
+def test_the_next_optimizer_step_waits_until_the_copy_is_complete(tmp_path, monkeypatch):
+    go = threading.Event()
+    real_run = async_snapshot._Copies.run
+
+    def held_back(copies):  # the writer thread, slowed down before it copies
+        go.wait()
+        real_run(copies)
+
+    monkeypatch.setattr(async_snapshot._Copies, "run", held_back)
+    writer, training = AsyncWriter(0), Training()
+    expect = training.save(writer, tmp_path / "checkpoint-1")
+    writer.flush_async(tmp_path / "checkpoint-1")
+    stepped = threading.Event()
+    trainer = threading.Thread(target=lambda: (training.step(), stepped.set()))
+    trainer.start()
+    assert not stepped.wait(0.5)  # the step is held at its start
+    assert torch.equal(training.model.weight, expect["weight"])
+    go.set()
+    trainer.join(30)
+    assert stepped.is_set()
+    writer.wait()
+    assert _same(_saved(tmp_path / "checkpoint-1"), expect)
+    assert writer.current is not None and writer.current.wait_s >= 0.5  # reported as stall
+
+
+def test_a_failed_copy_releases_training_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    def broken(copies):
+        raise OSError("no memory for the copy")
+
+    monkeypatch.setattr(async_snapshot._Copies, "run", broken)
+    writer, training = AsyncWriter(0), Training()
+    training.save(writer, tmp_path / "checkpoint-1")
+    writer.flush_async(tmp_path / "checkpoint-1")
+    trainer = threading.Thread(target=training.step)
+    trainer.start()
+    trainer.join(30)
+    assert not trainer.is_alive()  # not held forever by a copy that will never finish
+    writer.wait()
+    assert "snapshot write failed" in capsys.readouterr().out
+    assert not list((tmp_path / "checkpoint-1").iterdir())  # never committed: nothing written
+
+
 def test_a_save_while_the_previous_one_is_written_copies_into_other_memory(tmp_path):
-    writer = AsyncWriter(0)
-    weights, optim = _state()
-    _save(writer, tmp_path / "checkpoint-1", weights, optim)
+    writer, training = AsyncWriter(0), Training()
+    training.save(writer, tmp_path / "checkpoint-1")
     writer.flush_async(tmp_path / "checkpoint-1")
     writer.wait()
     recycled = {id(t) for bufs in writer._free.values() for t in bufs}
-    assert recycled  # the first snapshot's copies, free once written
+    assert recycled  # the first snapshot's buffers, free once written
 
-    _save(writer, tmp_path / "checkpoint-2", weights, optim)
-    second = {id(t) for t in writer._held}
+    training.step()
+    expect = training.save(writer, tmp_path / "checkpoint-2")
+    assert writer.current is not None
+    second = {id(buf) for _, buf in writer.current.held}
     assert second == recycled  # copied into them
-    expect = weights["a"].clone()
     go = threading.Event()
-    writer._jobs.insert(0, go.wait)  # the writer is held back before it writes checkpoint-2
+    writer._jobs.insert(0, go.wait)  # the writer copies, then waits before it writes checkpoint-2
     writer.flush_async(tmp_path / "checkpoint-2")
-    weights["a"].add_(1.0)
-    _save(writer, tmp_path / "checkpoint-3", weights, optim)
-    assert not {id(t) for t in writer._held} & second
+    training.step()
+    latest = training.save(writer, tmp_path / "checkpoint-3")
+    assert not {id(buf) for _, buf in writer.current.held} & second
     go.set()
     writer.flush_async(tmp_path / "checkpoint-3")
     writer.wait()
-    assert torch.equal(load_file(str(tmp_path / "checkpoint-2" / "model.safetensors"))["a"], expect)
-    assert torch.equal(load_file(str(tmp_path / "checkpoint-3" / "model.safetensors"))["a"],
-                       weights["a"])
+    assert _same(_saved(tmp_path / "checkpoint-2"), expect)
+    assert _same(_saved(tmp_path / "checkpoint-3"), latest)

@@ -1,18 +1,25 @@
-"""Asynchronous snapshots: training waits only for an in-memory copy, a thread writes the files.
+"""Asynchronous snapshots: training does not wait for the files, and mostly not for the copy.
 
 The Trainer still decides *what* a checkpoint holds and in which format (so its own resume code
 reads it back); while it "saves", its heavy writes (``torch.save`` of optimizer, scheduler and RNG
-state, ``safetensors`` files of the weights or adapter) are intercepted: each object is copied to
-CPU memory on the spot and written to disk by a background thread. Small JSON files are written
-directly. When a rank's writes are done it drops a marker; rank 0's thread waits for the markers
-of every rank on its node, then commits the snapshot (rename to step-N, manifest last, latest,
-prune, upload) — exactly what the synchronous path does.
+state, ``safetensors`` files of the weights or adapter) are intercepted: each tensor gets a CPU
+buffer to be copied into, and a background thread copies, then writes the files. Small JSON files
+are written directly. When a rank's writes are done it drops a marker; rank 0's thread waits for
+the markers of every rank on its node, then commits the snapshot (rename to step-N, manifest
+last, latest, prune, upload) — exactly what the synchronous path does.
 
-Training pays for the copy only: one memcpy per tensor, into the previous snapshot's buffers once
-one has been written. The writer thread (nice 19) serialises each file straight to disk, hashing
-as it writes (no archive built in memory first), and mostly without the interpreter lock. Its
-CPU time is hidden only where a host core is free for it (a GPU node); where training uses every
-core, that time comes out of training (see docs/benchmarks.md).
+The copy is deferred, not taken on the spot: weights and optimizer state change only in the next
+optimizer step, so the thread copies them while the next forward and backward pass run, and an
+optimizer-step pre-hook holds that step until the copy is complete (``stall``). Tensors from
+the GPU are copied on a side stream into pinned buffers. The buffers are the previous snapshot's
+once it has been written. The contract this relies on: between the save and the next optimizer
+step nothing changes the saved tensors in place (true of the Trainer's loop; DeepSpeed, whose
+engine writes its own shards, takes the synchronous path).
+
+After the copy, the writer thread (nice 19) serialises each file straight to disk, hashing as it
+writes (no archive built in memory first), and mostly without the interpreter lock. All of this is
+hidden where a host core is free for it (a GPU node); where training uses every core, its CPU time
+comes out of training (see docs/benchmarks.md).
 
 DeepSpeed checkpoints (ZeRO shards written by the engine) take the synchronous path.
 """
@@ -80,27 +87,95 @@ def _recyclable(t: torch.Tensor) -> bool:
             and t.is_contiguous())
 
 
-def _to_cpu_copy(obj: Any, free: dict | None = None, held: list | None = None) -> Any:
-    """A CPU copy of ``obj``'s tensors (one memcpy each), into ``free`` buffers of the same dtype
-    and shape where there are some (no fresh pages to fault in); copies made are added to ``held``."""
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach()
-        if held is None or not _recyclable(t):
-            return t.to("cpu", copy=True)
-        bufs = free.get((t.dtype, t.shape)) if free else None
-        out = bufs.pop().copy_(t) if bufs else t.to("cpu", copy=True)
-        held.append(out)
-        return out
-    if isinstance(obj, dict):
-        out = obj.__class__() if obj.__class__ is not dict else {}
-        for k, v in obj.items():
-            out[k] = _to_cpu_copy(v, free, held)
-        return out
-    if isinstance(obj, list):
-        return [_to_cpu_copy(v, free, held) for v in obj]
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_to_cpu_copy(v, free, held) for v in obj)
-    return copy.deepcopy(obj)
+class _Copies:
+    """One snapshot's tensors on one rank, each paired with the CPU buffer it is copied into.
+
+    ``plan`` (during the Trainer's save) only hands out buffers; ``run`` (on the writer thread)
+    copies; ``done`` is set once every buffer holds its value, or once the copy failed.
+    """
+
+    def __init__(self, free: dict[tuple, list[torch.Tensor]]) -> None:
+        self.free = free
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (live source, buffer)
+        self.held: list[tuple[tuple, torch.Tensor]] = []  # (kind, buffer): recycled once written
+        self.ready: dict[torch.device, Any] = {}  # per GPU: an event after the last update
+        self.done = threading.Event()
+        self.plan_s = 0.0  # training's time in the Trainer's save (and for the last writer)
+        self.wait_s = 0.0  # training's time held at the next optimizer step
+
+    @property
+    def stall_s(self) -> float:
+        return self.plan_s + self.wait_s
+
+    def plan(self, obj: Any) -> Any:
+        """``obj`` with every tensor replaced by its buffer (to be filled by ``run``)."""
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach()
+            if not _recyclable(t) or t.device.type not in ("cpu", "cuda"):
+                return t.to("cpu", copy=True)  # rare (views, quantized, MPS...): on the spot
+            kind = (t.dtype, t.shape, t.is_cuda)
+            bufs = self.free.get(kind)
+            buf = bufs.pop() if bufs else torch.empty(t.shape, dtype=t.dtype,
+                                                      pin_memory=t.is_cuda)
+            self.pairs.append((t, buf))
+            self.held.append((kind, buf))
+            return buf
+        if isinstance(obj, dict):
+            out = obj.__class__() if obj.__class__ is not dict else {}
+            for k, v in obj.items():
+                out[k] = self.plan(v)
+            return out
+        if isinstance(obj, list):
+            return [self.plan(v) for v in obj]
+        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+            return tuple(self.plan(v) for v in obj)
+        return copy.deepcopy(obj)
+
+    def mark_ready(self) -> None:
+        """On each GPU, the point in the training stream the copies must wait for."""
+        for dev in {src.device for src, _ in self.pairs if src.is_cuda}:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(dev))
+            self.ready[dev] = event
+
+    def run(self) -> None:
+        try:
+            streams = {}
+            for dev, event in self.ready.items():  # GPU -> pinned host, beside the training
+                streams[dev] = torch.cuda.Stream(device=dev)
+                streams[dev].wait_event(event)
+            for src, buf in self.pairs:
+                if src.is_cuda:
+                    with torch.cuda.stream(streams[src.device]):
+                        buf.copy_(src, non_blocking=True)
+                else:
+                    buf.copy_(src)  # releases the interpreter lock
+            for stream in streams.values():
+                stream.synchronize()
+        finally:
+            self.pairs.clear()  # no references to live tensors kept
+            self.done.set()
+
+
+# Copies not yet complete, in any writer of this process; the next optimizer step waits for them.
+_IN_FLIGHT: set[_Copies] = set()
+_HOOKED: list[Any] = []
+
+
+def _hold_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    for copies in list(_IN_FLIGHT):
+        if not copies.done.is_set():
+            t0 = time.perf_counter()
+            copies.done.wait()
+            copies.wait_s += time.perf_counter() - t0
+
+
+def _hook_optimizers() -> None:
+    """Every optimizer step of this process first waits for the snapshot copies in flight."""
+    if not _HOOKED:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _HOOKED.append(register_optimizer_step_pre_hook(_hold_optimizer_step))
 
 
 def _safetensors_writers() -> list[tuple[Any, str]]:
@@ -121,13 +196,13 @@ def _safetensors_writers() -> list[tuple[Any, str]]:
 
 
 class AsyncWriter:
-    """One per rank: a queue of deferred writes, drained by a daemon thread."""
+    """One per rank: the copies and the deferred writes of a snapshot, done by a daemon thread."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self._jobs: list[Callable[[], None]] = []
-        self._held: list[torch.Tensor] = []  # the CPU copies the queued jobs write
-        # The copies of the last snapshot written, reused by the next capture: copying into
+        self.current: _Copies | None = None  # the snapshot last captured
+        # The buffers of the last snapshot written, reused by the next capture: copying into
         # memory already mapped is one memcpy, while fresh memory is first faulted in page by page.
         # Holds at most one snapshot's state (which, written, the old code freed and reallocated).
         self._free: dict[tuple, list[torch.Tensor]] = {}
@@ -135,22 +210,23 @@ class AsyncWriter:
         self.hashes: dict[str, tuple[str, int]] = {}  # path -> (sha256, bytes) of what we wrote
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
-        self.last_copy_s = 0.0
+        _hook_optimizers()
 
     @contextmanager
     def capture(self) -> Iterator[None]:
-        """Within this block, heavy writes are copied to memory and queued instead of written."""
-        jobs, hashes, held = self._jobs, self.hashes, self._held
+        """Within this block, heavy writes are given buffers and queued instead of written;
+        ``flush_async`` then copies and writes them."""
         with self._lock:
             free, self._free = self._free, {}
+        copies = self.current = _Copies(free)
+        jobs: list[Callable[[], None]] = []
+        self._jobs, hashes = jobs, self.hashes
         real_st = {(m, a): getattr(m, a) for m, a in _safetensors_writers()}
 
-        # Only the copy happens here; the writer thread serialises straight into the file,
-        # hashing as it goes, at low priority and mostly without the interpreter lock.
         def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
             if not isinstance(f, (str, os.PathLike)):
                 return _REAL_TORCH_SAVE(obj, f, *args, **kwargs)
-            kept = _to_cpu_copy(obj, free, held)
+            kept = copies.plan(obj)
 
             def job() -> None:
                 with open(f, "wb") as fh:
@@ -161,7 +237,7 @@ class AsyncWriter:
             return None
 
         def save_file(tensors: dict, filename: Any, metadata: Any = None) -> None:
-            kept = _to_cpu_copy(tensors, free, held)
+            kept = copies.plan(tensors)
 
             def job() -> None:
                 # safetensors writes the file from the tensors' memory (without the lock); building
@@ -180,39 +256,46 @@ class AsyncWriter:
             torch.save = _REAL_TORCH_SAVE  # type: ignore[assignment]
             for (m, a), fn in real_st.items():
                 setattr(m, a, fn)
-            self.last_copy_s = time.perf_counter() - t0
+            copies.mark_ready()
+            copies.plan_s = time.perf_counter() - t0
 
-    def _recycle(self, held: list[torch.Tensor]) -> None:
+    def _recycle(self, held: list[tuple[tuple, torch.Tensor]]) -> None:
         free: dict[tuple, list[torch.Tensor]] = {}
-        for t in held:
-            free.setdefault((t.dtype, t.shape), []).append(t)
+        for kind, buf in held:
+            free.setdefault(kind, []).append(buf)
         with self._lock:
             self._free = free
 
     def flush_async(self, folder: Path, then: Callable[[], None] | None = None) -> None:
-        """Write what ``capture`` queued, mark this rank done, then run ``then`` (rank 0)."""
+        """Copy and write what ``capture`` queued, mark this rank done, then run ``then``."""
+        t0 = time.perf_counter()
         self.wait()  # one snapshot in flight per rank
         jobs, self._jobs = self._jobs, []
-        held, self._held = self._held, []
+        copies = self.current or _Copies({})
+        copies.plan_s += time.perf_counter() - t0
+        _IN_FLIGHT.add(copies)
 
         def work() -> None:
             try:
-                # Lowest CPU priority for this thread only (Linux schedules threads as tasks).
                 me = threading.get_native_id()
-                os.setpriority(os.PRIO_PROCESS, me, 19)
                 cpus = os.environ.get(WRITER_CPUS_ENV)
                 if cpus:
                     os.sched_setaffinity(me, {int(c) for c in cpus.split(",")})
+                copies.run()  # at normal priority: the next optimizer step may be waiting
+                # Then the lowest CPU priority, for this thread only (Linux threads are tasks).
+                os.setpriority(os.PRIO_PROCESS, me, 19)
                 for job in jobs:
                     job()
                 jobs.clear()
-                self._recycle(held)  # written: the next capture may copy into them
-                held.clear()
+                self._recycle(copies.held)  # written: the next capture may copy into them
                 (folder / f".done-rank-{self.rank}").write_text("ok")
                 if then is not None:
                     then()
             except BaseException as exc:  # reported by wait(); training itself goes on
                 self.error = exc
+            finally:
+                copies.done.set()  # (already, unless the thread failed before copying)
+                _IN_FLIGHT.discard(copies)
 
         self._thread = threading.Thread(target=work, daemon=True, name="snapshot-writer")
         self._thread.start()

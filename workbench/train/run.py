@@ -202,14 +202,14 @@ def snapshotting_trainer_class() -> type:
                 return
             with self.writer.capture():
                 super()._save_checkpoint(model, trial)
-            stall = self.writer.last_copy_s
+            copies = self.writer.current
             then = None
             if self.is_world_process_zero():
                 local = range(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
-                def then() -> None:
+                def then() -> None:  # stall: the save, and the next optimizer step's wait
                     if wait_for_ranks(folder, local):
-                        self._commit(folder, step, stall, started)
+                        self._commit(folder, step, copies.stall_s if copies else 0.0, started)
 
             self.writer.flush_async(folder, then)
 
