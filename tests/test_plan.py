@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -353,6 +354,9 @@ def test_outputs_json_text_chart_html():
     text = p.summary()
     for needle in ("Qwen/Qwen2.5-0.5B", "RTX 4090", "FITS", "Cost:", "CNY", "activations"):
         assert needle in text
+    assert re.search(r"Qwen2.5-0.5B: 494M parameters \(\d+(\.\d+)?M trainable", text), text
+    tiny = plan(RunSpec()).summary()  # the built-in model counts in K, not "0.000609B"
+    assert re.search(r"Plan for builtin:tiny-llama: \d+(\.\d+)?K parameters", tiny), tiny
     fig = p.plot()
     ax = fig.axes[0]
     assert len(ax.patches) == 6  # one bar segment per component

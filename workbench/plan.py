@@ -674,8 +674,8 @@ class Plan:
         m = self.memory
         unit = "GPU" if self.device == "gpu" else "process (host RAM)"
         lines = [
-            f"Plan for {self.model_id}: {self.params / 1e9:.3g}B parameters "
-            f"({self.trainable_params / 1e6:,.2f}M trainable; counts from {self.model_source})",
+            f"Plan for {self.model_id}: {_fmt_count(self.params)} parameters "
+            f"({_fmt_count(self.trainable_params)} trainable; counts from {self.model_source})",
             f"Hardware: {self.nodes} node(s) x {self.devices_per_node} "
             f"{self.gpu_type if self.device == 'gpu' else 'CPU process(es)'}, "
             f"world size {self.world_size}",
@@ -751,6 +751,14 @@ class Plan:
         color = "green" if self.fits else "crimson"
         return (f"<div><b style='color:{color}'>{'fits' if self.fits else 'does not fit'}</b>"
                 f"<pre>{html.escape(self.summary())}</pre></div>")
+
+
+def _fmt_count(n: float) -> str:
+    """6.74B, 4.19M, 609K, 512: a parameter count the way model cards write it."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return f"{n:.0f}"
 
 
 def _fmt_hours(hours: float) -> str:
