@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from pathlib import Path
 
 import safetensors.torch
@@ -137,3 +138,53 @@ def test_a_save_while_the_previous_one_is_written_copies_into_other_memory(tmp_p
     writer.wait()
     assert _same(_saved(tmp_path / "checkpoint-2"), expect)
     assert _same(_saved(tmp_path / "checkpoint-3"), latest)
+
+
+def test_the_trainer_snapshots_the_weights_of_each_save_step_though_the_copy_lags(
+        tmp_path, monkeypatch):
+    """The real Trainer loop (HF Trainer + accelerate's optimizer wrapper): every step saves, the
+    writer starts copying only 0.5 s later (several steps of this model), and each committed
+    snapshot still holds the weights of its own step, because each next step waited."""
+    from transformers import AutoModelForCausalLM, TrainerCallback, TrainingArguments
+
+    from workbench.assets import builtin_model_path
+    from workbench.rundir import RunDir
+    from workbench.snapshots import snapshot_dir, verify
+    from workbench.spec import RunSpec
+    from workbench.train.run import snapshotting_trainer_class
+
+    real_run = async_snapshot._Copies.run
+
+    def late(copies):
+        time.sleep(0.5)
+        real_run(copies)
+
+    monkeypatch.setattr(async_snapshot._Copies, "run", late)
+    held: dict[int, dict[str, torch.Tensor]] = {}
+
+    class SaveEveryStep(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kw):
+            held[state.global_step] = {n: p.detach().clone() for n, p in model.named_parameters()}
+            control.should_save = True
+
+    rd = RunDir(tmp_path / "run").create(RunSpec())
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(builtin_model_path())
+    rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(3, 100, (16, 16))]
+    args = TrainingArguments(output_dir=str(rd.path / "checkpoints"), max_steps=4,
+                             per_device_train_batch_size=2, learning_rate=1e-2, report_to=[],
+                             use_cpu=True, disable_tqdm=True, save_strategy="no")
+    trainer = snapshotting_trainer_class()(model=model, args=args, train_dataset=rows,
+                                           callbacks=[SaveEveryStep()], run_dir=rd, keep=10)
+    trainer.train()
+    trainer.writer.wait()
+    for step in range(1, 5):
+        folder = snapshot_dir(rd, step)
+        assert verify(folder) is None
+        saved = load_file(str(folder / "model.safetensors"))
+        assert saved.keys() & held[step].keys()
+        for name in saved.keys() & held[step].keys():
+            assert torch.equal(saved[name], held[step][name]), (step, name)
+    assert not torch.equal(held[1]["model.embed_tokens.weight"], held[4]["model.embed_tokens.weight"])
+    stalls = [m["stall_s"] for m in rd.metrics() if m.get("event") == "snapshot"]
+    assert len(stalls) == 4 and all(s >= 0.3 for s in stalls[:3])  # the waits are reported

@@ -139,8 +139,8 @@ class _Copies:
             self.ready[dev] = event
 
     def run(self) -> None:
+        streams = {}
         try:
-            streams = {}
             for dev, event in self.ready.items():  # GPU -> pinned host, beside the training
                 streams[dev] = torch.cuda.Stream(device=dev)
                 streams[dev].wait_event(event)
@@ -150,9 +150,9 @@ class _Copies:
                         buf.copy_(src, non_blocking=True)
                 else:
                     buf.copy_(src)  # releases the interpreter lock
-            for stream in streams.values():
-                stream.synchronize()
         finally:
+            for stream in streams.values():  # (also after a failure: sources stay alive until
+                stream.synchronize()         # the copies that read them have ended)
             self.pairs.clear()  # no references to live tensors kept
             self.done.set()
 
