@@ -266,6 +266,29 @@ def down(root: Path) -> None:
     stop_pids(saved["pids"])
 
 
+# What the tests look for once a run or an endpoint has ended: nothing of it may remain.
+
+def processes_with(text: str) -> list:
+    """Live (not zombie) processes on this machine whose command line contains ``text``."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and text in " ".join(
+                    p.info["cmdline"] or []):
+                found.append(p)
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def squeue_job_names() -> list[str]:
+    """Names of the jobs in the queue (pending or running)."""
+    out = subprocess.run(["squeue", "-h", "-o", "%j"], capture_output=True, text=True)
+    return out.stdout.split()
+
+
 if __name__ == "__main__":
     cmd, where = sys.argv[1], Path(sys.argv[2])
     if cmd == "up":

@@ -13,8 +13,8 @@ import subprocess
 import time
 from pathlib import Path
 
-import psutil
 import pytest
+from cluster import processes_with, squeue_job_names
 
 import workbench
 from workbench.backends.slurm import sbatch_script
@@ -25,18 +25,6 @@ pytestmark = pytest.mark.slow
 TINY = {"train": {"max_steps": 10, "lr": 3e-3}}
 
 
-def _alive_with(text: str) -> list[psutil.Process]:
-    found = []
-    for p in psutil.process_iter(["cmdline", "status"]):
-        try:
-            if p.info["status"] != psutil.STATUS_ZOMBIE and text in " ".join(
-                    p.info["cmdline"] or []):
-                found.append(p)
-        except psutil.NoSuchProcess:
-            continue
-    return found
-
-
 def _squeue() -> list[str]:
     out = subprocess.run(["squeue", "-h", "-o", "%i %T"], capture_output=True, text=True)
     return out.stdout.split("\n")[:-1]
@@ -44,15 +32,14 @@ def _squeue() -> list[str]:
 
 def _nothing_left(run_id: str, timeout: float = 30.0) -> None:
     deadline = time.time() + timeout
-    while time.time() < deadline and (_alive_with(run_id) or any(_squeue_names(run_id))):
+    while time.time() < deadline and (processes_with(run_id) or any(_squeue_names(run_id))):
         time.sleep(0.5)
-    assert not _alive_with(run_id), [p.cmdline() for p in _alive_with(run_id)]
+    assert not processes_with(run_id), [p.cmdline() for p in processes_with(run_id)]
     assert not _squeue_names(run_id)
 
 
 def _squeue_names(run_id: str) -> list[str]:
-    out = subprocess.run(["squeue", "-h", "-o", "%j"], capture_output=True, text=True)
-    return [n for n in out.stdout.split() if run_id[:50] in n]
+    return [n for n in squeue_job_names() if run_id[:50] in n]
 
 
 def _wait_running(job: workbench.Job, timeout: float = 240) -> None:

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
+from cluster import processes_with, squeue_job_names
 
 import workbench
 from workbench.assets.teaching import teaching_rows
@@ -28,27 +28,11 @@ pytestmark = pytest.mark.slow
 PROMPTS = [r["instruction"] for r in teaching_rows("heldout")][:12]
 
 
-def _processes_with(text: str) -> list[psutil.Process]:
-    found = []
-    for p in psutil.process_iter(["cmdline", "status"]):
-        try:
-            if p.info["status"] != psutil.STATUS_ZOMBIE and text in " ".join(p.info["cmdline"] or []):
-                found.append(p)
-        except psutil.NoSuchProcess:
-            continue
-    return found
-
-
 def _gone(text: str, timeout: float = 30.0) -> bool:
     deadline = time.time() + timeout
-    while time.time() < deadline and _processes_with(text):
+    while time.time() < deadline and processes_with(text):
         time.sleep(0.3)
-    return not _processes_with(text)
-
-
-def _squeue_names() -> list[str]:
-    out = subprocess.run(["squeue", "-h", "-o", "%j"], capture_output=True, text=True)
-    return out.stdout.split()
+    return not processes_with(text)
 
 
 @pytest.fixture(scope="module")
@@ -89,13 +73,13 @@ def test_ssh_endpoint_is_reached_through_a_tunnel_and_dies_with_its_kernel(train
         adapter_path = ep.serves["adapters"][trained.spec.name]
         assert adapter_path.startswith(server_dir) and Path(adapter_path, "adapter_config.json").is_file()
         assert ep.generate(PROMPTS) == reference
-        server = _processes_with(f"{server_dir}/chat_template.jinja")
+        server = processes_with(f"{server_dir}/chat_template.jinja")
         assert server, "no vLLM process runs from the endpoint's folder on the host"
     finally:
         kernel.send_signal(signal.SIGKILL)  # the kernel dies without cleaning anything up
         kernel.wait()
     # Its ssh session's stdin closes with it; the guard on the host stops vLLM.
-    assert _gone(server_dir), [p.cmdline() for p in _processes_with(server_dir)]
+    assert _gone(server_dir), [p.cmdline() for p in processes_with(server_dir)]
     ended = json.loads(Path(server_dir, "exit.json").read_text())
     assert ended["reason"] == "watched process ended"
     assert get_endpoint("ssh-ep").record.state == "stopped"
@@ -106,7 +90,7 @@ def test_slurm_endpoint_runs_inside_its_job_with_an_api_key(trained, reference, 
     try:
         script = (ep.dir / "serve.sbatch").read_text()
         assert "#SBATCH --time=00:10:00" in script and "#SBATCH --no-requeue" in script
-        assert "wb-serve-slurm-ep" in _squeue_names()
+        assert "wb-serve-slurm-ep" in squeue_job_names()
         assert "VLLM_API_KEY" not in script and ep.api_key  # on every interface: a key, from a file
         assert ep.listen_url.startswith("http://vm:") and ep.url == ep.listen_url
         denied = httpx.post(ep.api_base + "/chat/completions", json={"model": ep.model,
@@ -118,10 +102,10 @@ def test_slurm_endpoint_runs_inside_its_job_with_an_api_key(trained, reference, 
         ep.stop()
     # scancel ended the job, and with it the server: nothing outlives the allocation.
     deadline = time.time() + 60
-    while time.time() < deadline and "wb-serve-slurm-ep" in _squeue_names():
+    while time.time() < deadline and "wb-serve-slurm-ep" in squeue_job_names():
         time.sleep(0.5)
-    assert "wb-serve-slurm-ep" not in _squeue_names()
-    assert _gone(str(ep.dir)), [p.cmdline() for p in _processes_with(str(ep.dir))]
+    assert "wb-serve-slurm-ep" not in squeue_job_names()
+    assert _gone(str(ep.dir)), [p.cmdline() for p in processes_with(str(ep.dir))]
     assert get_endpoint("slurm-ep").record.state == "stopped"
 
 
