@@ -10,7 +10,12 @@ import workbench
 from workbench.rundir import RunDir
 from workbench.snapshots import newest_verified
 from workbench.spec import ParallelSpec, RunSpec
-from workbench.train.strategy import deepspeed_config, resolved_parallel
+from workbench.train.strategy import (
+    STALE_LOCK_S,
+    clear_stale_extension_locks,
+    deepspeed_config,
+    resolved_parallel,
+)
 
 
 def test_ddp_has_no_deepspeed_config_and_zero_stages_do():
@@ -39,6 +44,26 @@ def test_auto_reads_the_planners_choice_from_plan_json(tmp_path):
     assert resolved_parallel(spec, rd).strategy == "ddp"
 
 
+def test_locks_left_by_killed_builds_are_removed_and_live_ones_kept(tmp_path, monkeypatch,
+                                                                     capsys):
+    import os
+    import time
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    old = time.time() - STALE_LOCK_S - 60
+    stale = [tmp_path / "fused_adam" / "lock", tmp_path / "py311_cu121" / "cpu_adam" / "lock"]
+    live = tmp_path / "cpu_adam" / "lock"  # another rank building right now
+    for lock in [*stale, live]:
+        lock.parent.mkdir(parents=True)
+        lock.touch()
+    for lock in stale:
+        os.utime(lock, (old, old))
+    assert sorted(clear_stale_extension_locks()) == sorted(stale)
+    assert live.exists() and not any(lock.exists() for lock in stale)
+    assert f"removed a stale build lock left by a killed build: {stale[0]}" in capsys.readouterr().out
+    assert clear_stale_extension_locks() == []  # nothing left to do
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", ["zero2", "zero3"])
 def test_deepspeed_zero_runs_on_cpu_with_two_ranks(stage, tmp_path, monkeypatch):
@@ -54,6 +79,7 @@ def test_deepspeed_zero_runs_on_cpu_with_two_ranks(stage, tmp_path, monkeypatch)
     job = workbench.launch({"name": f"ds-{stage}", "train": {"max_steps": 15, "lr": 3e-3},
                             "parallel": {"strategy": stage}, "checkpoint": {"every_steps": 10}})
     assert job.wait(timeout=600, progress=False) == "succeeded", job.logs(tail=30)
+    assert (stale / "lock").exists()  # fresh, so kept: the run simply built nothing
     assert f"strategy: lora + {stage}" in job.logs(tail=None, name="rank-0.log")
     losses = [m["loss"] for m in job.metrics() if "loss" in m]
     assert len(losses) == 15 and losses[-1] < losses[0] - 1.0

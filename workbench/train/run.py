@@ -102,6 +102,7 @@ def training_arguments(spec: RunSpec, rd: RunDir, has_eval: bool) -> Any:
     from transformers import TrainingArguments
 
     from workbench.train.strategy import (
+        clear_stale_extension_locks,
         deepspeed_config,
         install_cpu_deepspeed_shim,
         resolved_parallel,
@@ -111,6 +112,7 @@ def training_arguments(spec: RunSpec, rd: RunDir, has_eval: bool) -> Any:
     parallel = resolved_parallel(spec, rd)
     ds_config = deepspeed_config(parallel, cuda)
     if ds_config is not None:
+        clear_stale_extension_locks()
         install_cpu_deepspeed_shim()
     print(f"strategy: {spec.method.kind} + {parallel.strategy}"
           f"{' (offload optimizer)' if parallel.offload_optimizer else ''}"

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import time
+from pathlib import Path
 from typing import Any
 
 from workbench.rundir import RunDir
@@ -59,6 +61,34 @@ def deepspeed_config(parallel: ParallelSpec, cuda: bool) -> dict[str, Any] | Non
 
 
 SHM_COMM_OP = "deepspeed_shm_comm"  # DeepSpeed's name for its CPU shared-memory all-reduce
+# A JIT build of an op takes minutes; a lock this old was left by a build that was killed.
+STALE_LOCK_S = 30 * 60
+
+
+def clear_stale_extension_locks(max_age_s: float = STALE_LOCK_S) -> list[Path]:
+    """Remove the ``lock`` files that killed JIT builds left in the torch extensions folder.
+
+    DeepSpeed builds some ops on first use (fused Adam, CPU Adam, ...) through torch's
+    ``cpp_extension``, which holds ``<extensions dir>/<op>/lock`` while it builds. A build killed
+    half-way (a cancelled run, a preempted node) leaves the lock, and every later build of that
+    op waits for it forever, printing nothing. Locks older than any real build are removed, with
+    a line in the rank's log saying which.
+    """
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        from torch.utils.cpp_extension import get_default_build_root
+
+        root = get_default_build_root()  # holds one folder per Python/CUDA flavour
+    now, removed = time.time(), []
+    for lock in [*Path(root).glob("*/lock"), *Path(root).glob("*/*/lock")]:
+        try:
+            if now - lock.stat().st_mtime > max_age_s:
+                lock.unlink()
+                removed.append(lock)
+                print(f"removed a stale build lock left by a killed build: {lock}", flush=True)
+        except FileNotFoundError:  # another rank was first
+            continue
+    return removed
 
 
 def install_cpu_deepspeed_shim() -> None:
