@@ -182,3 +182,23 @@ def test_run_from_a_notebook_shows_in_the_panel_grows_and_cancels(page, lab_serv
     page.wait_for_timeout(1000)
     shot(page, "06-dark")
     _command(page, "apputils:change-theme", {"theme": "JupyterLab Light"})
+
+
+def test_tensorboard_opens_in_a_new_tab_through_jupyter(page, lab_server: LabServer) -> None:
+    job = workbench.launch({"name": "lab-tensorboard", "train": {"max_steps": 12}})
+    assert job.wait(timeout=240, progress=False) == "succeeded", job.logs()
+    _open_lab(page, lab_server)
+    page.locator(".jp-SideBar [data-id='workbench-runs']").click()
+    card = page.locator(f".jp-WorkbenchRuns-run[data-run-id='{job.id}']")
+    card.wait_for(timeout=30_000)
+    with page.context.expect_page(timeout=90_000) as opened:
+        card.get_by_role("button", name="open TensorBoard for lab-tensorboard").click()
+    tab = opened.value
+    tab.wait_for_load_state()
+    # The same origin as JupyterLab, logged in by its cookie: no loopback port in the address.
+    assert tab.url.startswith(f"{lab_server.url}/workbench/tensorboard/{job.id}/")
+    # TensorBoard's page drew the run's loss card from data it fetched through the relay.
+    tab.get_by_role("combobox", name="Filter tags (regex)").fill("train/loss")
+    tab.locator("card-view", has_text="train/loss").first.wait_for(timeout=90_000)
+    shot(tab, "07-tensorboard")
+    tab.close()

@@ -11,6 +11,7 @@ to status codes with the error's message as the reason the panel shows.
     POST /workbench/api/runs/RUN_ID/cancel|resume|deploy|tensorboard
     POST /workbench/api/endpoints/NAME/stop     stop a deployed endpoint
     POST /workbench/api/notebooks               {"directory": "", "target": "local"} -> {"path"}
+    GET|POST /workbench/tensorboard/RUN_ID/...  the run's TensorBoard (started by the POST above)
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import tornado.web
-from jupyter_server.base.handlers import APIHandler
+from jupyter_server.base.handlers import APIHandler, JupyterHandler
 from jupyter_server.utils import ensure_async, url_path_join
+from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 
 from workbench.errors import WorkbenchError
 from workbench_lab.template import new_run_notebook
@@ -121,6 +123,54 @@ class NotebooksHandler(WorkbenchHandler):
         self.reply({"path": path})
 
 
+# Headers that describe one connection, not the message, and the ones the relay sets itself.
+_NOT_RELAYED = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
+                "trailer", "transfer-encoding", "upgrade", "host", "content-length",
+                "accept-encoding", "content-encoding", "cookie", "authorization"}
+
+
+class TensorBoardProxyHandler(JupyterHandler):
+    """A run's TensorBoard, relayed from its loopback port to the browser through Jupyter.
+
+    Jupyter's authentication applies (token or login cookie). Its XSRF check does not: the
+    TensorBoard page posts its own data queries (read-only, each with the ``X-XSRF-Protected``
+    header TensorBoard itself demands), and it cannot know Jupyter's XSRF token.
+    """
+
+    def check_xsrf_cookie(self) -> None:
+        return None
+
+    @tornado.web.authenticated
+    async def get(self, run_id: str, path: str) -> None:
+        await self._relay(run_id)
+
+    @tornado.web.authenticated
+    async def post(self, run_id: str, path: str) -> None:
+        await self._relay(run_id)
+
+    async def _relay(self, run_id: str) -> None:
+        port = self.settings["workbench_tensorboards"].port(run_id)
+        if port is None:
+            raise tornado.web.HTTPError(404, reason=f"no TensorBoard runs for {run_id}; open it "
+                                                    "from the Runs panel (TensorBoard button)")
+        headers = {k: v for k, v in self.request.headers.get_all()
+                   if k.lower() not in _NOT_RELAYED}
+        request = HTTPRequest(
+            f"http://127.0.0.1:{port}{self.request.uri}", method=self.request.method,
+            headers=headers, body=self.request.body if self.request.method == "POST" else None,
+            follow_redirects=False, request_timeout=120)
+        reply = await AsyncHTTPClient().fetch(request, raise_error=False)
+        if reply.code == 599:  # no HTTP answer at all
+            raise tornado.web.HTTPError(502, reason=f"TensorBoard for {run_id} did not answer: "
+                                                    f"{reply.error}")
+        self.set_status(reply.code, reply.reason)
+        self.clear_header("Content-Type")
+        for k, v in reply.headers.get_all():
+            if k.lower() not in _NOT_RELAYED:
+                self.add_header(k, v)
+        self.finish(reply.body or b"")
+
+
 def _finite(value: Any) -> Any:
     """NaN and infinities (a diverged loss) become null: JSON has no spelling for them."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -132,7 +182,7 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def routes(base_url: str) -> list[tuple[str, type[WorkbenchHandler]]]:
+def routes(base_url: str) -> list[tuple[str, type[JupyterHandler]]]:
     api = url_path_join(base_url, "workbench", "api")
     run = rf"(?P<run_id>{RUN_ID_PATTERN})"
     return [
@@ -143,12 +193,14 @@ def routes(base_url: str) -> list[tuple[str, type[WorkbenchHandler]]]:
          ActionHandler),
         (url_path_join(api, "endpoints", rf"(?P<name>{RUN_ID_PATTERN})", "stop"), EndpointStopHandler),
         (url_path_join(api, "notebooks"), NotebooksHandler),
+        (url_path_join(base_url, "workbench", "tensorboard", run, "(?P<path>.*)"),
+         TensorBoardProxyHandler),
     ]
 
 
 def setup_handlers(server_app: Any) -> None:
     web_app = server_app.web_app
-    tensorboards = TensorBoards()
+    tensorboards = TensorBoards(web_app.settings["base_url"])
     web_app.settings["workbench_view"] = RunsView(server_app.root_dir)
     web_app.settings["workbench_tensorboards"] = tensorboards
     web_app.add_handlers(".*$", routes(web_app.settings["base_url"]))

@@ -1,7 +1,10 @@
 """TensorBoard for one run: started on demand on loopback, one process per run, stopped with the server.
 
 TensorBoard reads the run's ``tb/`` folder (written by the Trainer when ``tracking.tensorboard``
-is on). The process listens on 127.0.0.1 only; the panel opens its URL in a new browser tab.
+is on). The process listens on 127.0.0.1 only, under the path prefix
+``BASE_URL/workbench/tensorboard/RUN_ID``; the browser reaches it through the Jupyter server
+(``TensorBoardProxyHandler`` in handlers.py), so it works wherever Jupyter itself is reached
+(JupyterHub, an SSH tunnel to the notebook, HTTPS) and only for users Jupyter has let in.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from jupyter_server.utils import url_path_join
 
 from workbench.errors import WorkbenchError
 
@@ -28,40 +33,49 @@ def _free_port() -> int:
 class TensorBoards:
     """The TensorBoard processes this server started, by run id."""
 
-    def __init__(self) -> None:
-        self._procs: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
+    def __init__(self, base_url: str = "/") -> None:
+        self.base_url = base_url
+        self._procs: dict[str, tuple[subprocess.Popen[bytes], int]] = {}
+
+    def prefix(self, run_id: str) -> str:
+        """The path of a run's TensorBoard on the Jupyter server (no trailing slash)."""
+        return url_path_join(self.base_url, "workbench", "tensorboard", run_id)
+
+    def port(self, run_id: str) -> int | None:
+        """The loopback port of a run's running TensorBoard, or None."""
+        running = self._procs.get(run_id)
+        return running[1] if running is not None and running[0].poll() is None else None
 
     def url(self, run_id: str, logdir: Path, wait_s: float = 30.0) -> str:
-        running = self._procs.get(run_id)
-        if running is not None and running[0].poll() is None:
-            return running[1]
+        """Start (or reuse) the run's TensorBoard; its path on the Jupyter server."""
+        if self.port(run_id) is not None:
+            return self.prefix(run_id) + "/"
         if not logdir.is_dir():
             raise TensorBoardError(f"run {run_id} has no TensorBoard events yet ({logdir} is missing)")
         port = _free_port()
         proc = subprocess.Popen(
             [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir),
-             "--host", "127.0.0.1", "--port", str(port)],
+             "--host", "127.0.0.1", "--port", str(port), "--path_prefix", self.prefix(run_id)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         )
-        url = f"http://127.0.0.1:{port}/"
         deadline = time.time() + wait_s
         while time.time() < deadline:
             if proc.poll() is not None:
                 raise TensorBoardError(f"TensorBoard exited with code {proc.returncode} for run {run_id}")
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                self._procs[run_id] = (proc, url)
-                return url
+                self._procs[run_id] = (proc, port)
+                return self.prefix(run_id) + "/"
             except OSError:
                 time.sleep(0.3)
         proc.terminate()
         raise TensorBoardError(f"TensorBoard did not start within {wait_s:.0f} s for run {run_id}")
 
     def stop_all(self) -> None:
-        for proc, _url in self._procs.values():
+        for proc, _port in self._procs.values():
             if proc.poll() is None:
                 proc.terminate()
-        for proc, _url in self._procs.values():
+        for proc, _port in self._procs.values():
             try:
                 proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
