@@ -17,6 +17,8 @@ import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
 import workbench
+from workbench.serve import endpoints
+from workbench.targets import target_names
 
 from .conftest import ARTIFACTS, LabServer, wait_for
 
@@ -184,21 +186,50 @@ def test_run_from_a_notebook_shows_in_the_panel_grows_and_cancels(page, lab_serv
     _command(page, "apputils:change-theme", {"theme": "JupyterLab Light"})
 
 
-def test_tensorboard_opens_in_a_new_tab_through_jupyter(page, lab_server: LabServer) -> None:
-    job = workbench.launch({"name": "lab-tensorboard", "train": {"max_steps": 12}})
+@pytest.fixture(scope="module")
+def finished_run(lab_server: LabServer) -> workbench.Job:
+    job = workbench.launch({"name": "lab-finished", "train": {"max_steps": 12}})
     assert job.wait(timeout=240, progress=False) == "succeeded", job.logs()
+    return job
+
+
+def _card(page, lab_server: LabServer, job: workbench.Job):
     _open_lab(page, lab_server)
     page.locator(".jp-SideBar [data-id='workbench-runs']").click()
     card = page.locator(f".jp-WorkbenchRuns-run[data-run-id='{job.id}']")
     card.wait_for(timeout=30_000)
+    return card
+
+
+def test_tensorboard_opens_in_a_new_tab_through_jupyter(page, lab_server: LabServer,
+                                                        finished_run) -> None:
+    card = _card(page, lab_server, finished_run)
     with page.context.expect_page(timeout=90_000) as opened:
-        card.get_by_role("button", name="open TensorBoard for lab-tensorboard").click()
+        card.get_by_role("button", name="open TensorBoard for lab-finished").click()
     tab = opened.value
     tab.wait_for_load_state()
     # The same origin as JupyterLab, logged in by its cookie: no loopback port in the address.
-    assert tab.url.startswith(f"{lab_server.url}/workbench/tensorboard/{job.id}/")
+    assert tab.url.startswith(f"{lab_server.url}/workbench/tensorboard/{finished_run.id}/")
     # TensorBoard's page drew the run's loss card from data it fetched through the relay.
     tab.get_by_role("combobox", name="Filter tags (regex)").fill("train/loss")
     tab.locator("card-view", has_text="train/loss").first.wait_for(timeout=90_000)
     shot(tab, "07-tensorboard")
     tab.close()
+
+
+def test_deploy_asks_where_to_serve_starting_from_the_runs_target(page, lab_server: LabServer,
+                                                                   finished_run) -> None:
+    card = _card(page, lab_server, finished_run)
+    before = [e.name for e in endpoints()]
+    card.get_by_role("button", name="deploy lab-finished").click()
+    dialog = page.locator(".jp-Dialog")
+    dialog.get_by_text("Deploy lab-finished").wait_for()
+    choice = dialog.get_by_role("combobox", name="deploy target")
+    assert choice.input_value() == finished_run.target == "local"
+    offered = choice.locator("option").all_inner_texts()
+    assert offered == target_names()  # the server's list, local first
+    shot(page, "08-deploy-dialog")
+    dialog.get_by_role("button", name="Cancel").click()
+    dialog.wait_for(state="detached")
+    page.wait_for_timeout(1000)
+    assert [e.name for e in endpoints()] == before  # cancelled: nothing deployed

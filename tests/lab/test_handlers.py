@@ -8,6 +8,7 @@ import pytest
 import requests
 
 import workbench
+from workbench.targets import target_names
 
 from .conftest import LabServer, wait_for
 
@@ -87,6 +88,8 @@ def test_list_and_details_of_a_finished_run(lab_server: LabServer, short_run) ->
     assert body["capabilities"]["resume"] == callable(getattr(workbench.Job, "resume", None))
     assert body["capabilities"]["deploy"] == callable(getattr(workbench.Job, "deploy", None))
     assert set(body["capabilities"]) >= {"resume", "deploy", "snapshots", "endpoints", "tensorboard"}
+    # Where Deploy may serve: the same list a run form offers, local first.
+    assert body["targets"] == target_names() and body["targets"][0] == "local"
     row = next(r for r in body["runs"] if r["id"] == short_run.id)
     summary = short_run.summary()  # the same library call the server makes
     for key in ("state", "target", "step", "total_steps", "first_loss", "last_loss"):
@@ -135,7 +138,7 @@ def test_deploy_from_the_api_returns_at_once_and_the_endpoint_serves(lab_server:
 
     t0 = time.time()
     reply = requests.post(lab_server.api(f"runs/{short_run.id}/deploy"), headers=lab_server.auth,
-                          timeout=120)
+                          json={"target": "local"}, timeout=120)  # as the panel's dialog sends it
     assert reply.status_code == 200, reply.text
     row = reply.json()["endpoint"]
     # The request does not wait for vLLM (tens of seconds); the panel shows it starting.
@@ -155,6 +158,21 @@ def test_deploy_from_the_api_returns_at_once_and_the_endpoint_serves(lab_server:
                                 timeout=120)
     assert stopped.status_code == 200 and stopped.json()["state"] == "stopped"
     assert get_endpoint(name).record.state == "stopped"
+
+
+@pytest.mark.parametrize(("body", "status", "says"), [
+    ({"target": "nowhere"}, 409, "nowhere"),  # not in targets.yaml: the library's own error
+    ({"target": "../etc"}, 400, "is not a target name"),
+    ([1, 2], 400, "the body must be"),
+])
+def test_deploy_to_a_bad_target_is_refused_before_anything_starts(lab_server: LabServer, short_run,
+                                                                   body, status, says) -> None:
+    before = requests.get(lab_server.api("runs"), headers=lab_server.auth, timeout=30).json()
+    reply = requests.post(lab_server.api(f"runs/{short_run.id}/deploy"), headers=lab_server.auth,
+                          json=body, timeout=60)
+    assert reply.status_code == status and says in reply.reason, (reply.status_code, reply.reason)
+    after = requests.get(lab_server.api("runs"), headers=lab_server.auth, timeout=30).json()
+    assert after["endpoints"] == before["endpoints"]  # no endpoint was even recorded
 
 
 def test_resume_from_the_api_restarts_an_ended_run(lab_server: LabServer) -> None:

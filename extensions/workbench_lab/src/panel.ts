@@ -4,7 +4,7 @@
  * name, state, target, step / total, latest loss, cost, ETA, a mini loss curve and the actions
  * the server says the library supports.
  */
-import { showErrorMessage } from '@jupyterlab/apputils';
+import { Dialog, showDialog, showErrorMessage } from '@jupyterlab/apputils';
 import { Widget } from '@lumino/widgets';
 
 import { duration, money, number } from './format';
@@ -113,7 +113,7 @@ class RunCard {
       wanted.push(['Resume', `resume ${run.name}`, () => void this.panel.act(this.run, 'resume')]);
     }
     if (caps.deploy && state === 'succeeded') {
-      wanted.push(['Deploy', `deploy ${run.name}`, () => void this.panel.act(this.run, 'deploy')]);
+      wanted.push(['Deploy', `deploy ${run.name}`, () => void this.panel.deploy(this.run)]);
     }
     if (run.browse_path !== null) {
       wanted.push(['Folder', `open the run folder of ${run.name} in the file browser`, () =>
@@ -129,6 +129,35 @@ class RunCard {
     }
     this.actionsKey = key;
     this.actions.replaceChildren(...wanted.map(([label, aria, fn]) => button(label, aria, fn)));
+  }
+}
+
+/** The Deploy dialog's body: where to serve, preselected on the target the run trained on. */
+class TargetChooser extends Widget implements Dialog.IBodyWidget<string> {
+  private readonly select = document.createElement('select');
+
+  constructor(targets: string[], current: string) {
+    super();
+    this.addClass('jp-WorkbenchDeploy');
+    const label = document.createElement('label');
+    label.textContent = 'Serve on ';
+    this.select.setAttribute('aria-label', 'deploy target');
+    const names = targets.includes(current) ? targets : [...targets, current];
+    for (const name of names) {
+      const option = document.createElement('option');
+      option.value = option.textContent = name;
+      option.selected = name === current;
+      this.select.append(option);
+    }
+    label.append(this.select);
+    const hint = document.createElement('p');
+    hint.textContent =
+      'vLLM serves the run there (an OpenAI-compatible API); it appears under Endpoints.';
+    this.node.append(label, hint);
+  }
+
+  getValue(): string {
+    return this.select.value;
   }
 }
 
@@ -151,6 +180,7 @@ export class RunsPanel extends Widget {
   private intervalMs = 2000;
   private inFlight = false;
   private endpointsKey = '';
+  private targets: string[] = ['local'];
 
   constructor(
     private readonly service: WorkbenchService,
@@ -195,7 +225,9 @@ export class RunsPanel extends Widget {
     }
     this.inFlight = true;
     try {
-      this.render(await this.service.listRuns());
+      const reply = await this.service.listRuns();
+      this.targets = reply.targets?.length ? reply.targets : ['local'];
+      this.render(reply);
       this.statusNode.textContent = '';
     } catch (error) {
       this.statusNode.textContent = `Cannot read the runs: ${(error as Error).message}`;
@@ -204,10 +236,22 @@ export class RunsPanel extends Widget {
     }
   }
 
-  async act(run: IRun, action: RunAction): Promise<void> {
+  /** Ask where to serve (the run's own target first), then deploy there. */
+  async deploy(run: IRun): Promise<void> {
+    const result = await showDialog({
+      title: `Deploy ${run.name}`,
+      body: new TargetChooser(this.targets, run.target || 'local'),
+      buttons: [Dialog.cancelButton(), Dialog.okButton({ label: 'Deploy' })]
+    });
+    if (result.button.accept && result.value) {
+      await this.act(run, 'deploy', { target: result.value });
+    }
+  }
+
+  async act(run: IRun, action: RunAction, options?: Record<string, unknown>): Promise<void> {
     this.statusNode.textContent = `${action} ${run.name}…`;
     try {
-      const reply = await this.service.act(run.id, action);
+      const reply = await this.service.act(run.id, action, options);
       if (action === 'tensorboard' && typeof reply.url === 'string') {
         window.open(reply.url, '_blank', 'noopener');
       }

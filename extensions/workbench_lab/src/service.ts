@@ -77,6 +77,8 @@ export interface IRunsReply {
   capabilities: ICapabilities;
   runs: IRun[];
   endpoints: IEndpoint[];
+  /** Where runs can go and be served: "local" first, then targets.yaml (older servers: absent). */
+  targets?: string[];
 }
 
 export type RunAction = 'cancel' | 'resume' | 'deploy' | 'tensorboard';
@@ -118,9 +120,14 @@ export class WorkbenchService {
     return this.request(`runs/${encodeURIComponent(runId)}/logs?tail=${tail}${query}`);
   }
 
-  act(runId: string, action: RunAction): Promise<Record<string, unknown>> {
+  act(
+    runId: string,
+    action: RunAction,
+    options?: Record<string, unknown>
+  ): Promise<Record<string, unknown>> {
     return this.request(`runs/${encodeURIComponent(runId)}/${action}`, {
-      method: 'POST'
+      method: 'POST',
+      ...(options ? { body: JSON.stringify(options) } : {})
     });
   }
 

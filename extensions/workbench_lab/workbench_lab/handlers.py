@@ -9,6 +9,7 @@ to status codes with the error's message as the reason the panel shows.
     GET  /workbench/api/runs/RUN_ID             details: summary, loss points, log tail, snapshots
     GET  /workbench/api/runs/RUN_ID/logs        ?name=rank-0.log&tail=200
     POST /workbench/api/runs/RUN_ID/cancel|resume|deploy|tensorboard
+                                                deploy: optional {"target": "local|ssh:NAME|..."}
     POST /workbench/api/endpoints/NAME/stop     stop a deployed endpoint
     POST /workbench/api/notebooks               {"directory": "", "target": "local"} -> {"path"}
     GET|POST /workbench/tensorboard/RUN_ID/...  the run's TensorBoard (started by the POST above)
@@ -95,8 +96,13 @@ class ActionHandler(WorkbenchHandler):
             url = await self.call(self.tensorboards.url, run_id, job.run_dir.tb_dir)
             self.reply({"id": run_id, "url": url})
             return
-        method = {"cancel": self.view.cancel, "resume": self.view.resume,
-                  "deploy": self.view.deploy}[action]
+        if action == "deploy":
+            body = self.get_json_body() or {}
+            if not isinstance(body, dict):
+                raise tornado.web.HTTPError(400, reason='the body must be {"target": NAME} or empty')
+            self.reply(await self.call(self.view.deploy, run_id, body.get("target")))
+            return
+        method = {"cancel": self.view.cancel, "resume": self.view.resume}[action]
         self.reply(await self.call(method, run_id))
 
 

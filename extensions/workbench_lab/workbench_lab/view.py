@@ -24,6 +24,7 @@ from workbench.jobs import Job
 RUN_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}"
 _RUN_ID = re.compile(RUN_ID_PATTERN + r"\Z")
 _LOG_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}\Z")
+_TARGET = re.compile(r"[A-Za-z0-9][A-Za-z0-9:._-]{0,199}\Z")  # local, ssh:NAME, slurm:NAME
 CURVE_POINTS = 60  # points of a row's mini loss curve: enough for a shape, small on the wire
 PLOT_POINTS = 600  # points of the full loss plot in the details view
 
@@ -130,7 +131,13 @@ class RunsView:
             for fresh in workbench.jobs():
                 job = self._jobs.setdefault(fresh.id, fresh)
                 rows.append(self.row(job))
-        return {"capabilities": capabilities(), "runs": rows, "endpoints": self.endpoints()}
+        return {"capabilities": capabilities(), "runs": rows, "endpoints": self.endpoints(),
+                "targets": self.targets()}
+
+    def targets(self) -> list[str]:
+        """Where runs can go (and be served): ``local`` first, then the configured targets."""
+        names = getattr(importlib.import_module("workbench.targets"), "target_names", None)
+        return list(names()) if callable(names) else ["local"]
 
     def details(self, run_id: str, tail: int = 100) -> dict[str, Any]:
         with self._lock:
@@ -191,20 +198,28 @@ class RunsView:
             job = resumed
         return self.row(job)
 
-    def deploy(self, run_id: str) -> dict[str, Any]:
+    def deploy(self, run_id: str, target: str | None = None) -> dict[str, Any]:
         """Start serving the run and return at once: the endpoint shows up as 'starting'.
 
-        The server outlives this request (``keep=True``); the panel lists it under Endpoints.
+        ``target``: where to serve (``local``, ``ssh:NAME``, ``slurm:NAME``); by default where
+        the run trained. The server outlives this request (``keep=True``); the panel lists it
+        under Endpoints.
         """
         if not capabilities()["deploy"]:
             raise UnsupportedError("this workbench version cannot deploy runs (no workbench.serve)")
+        if target is not None and not (isinstance(target, str) and _TARGET.match(target)):
+            raise InvalidRequestError(f"{target!r} is not a target name (e.g. local, ssh:NAME)")
         job = self.job(run_id)
         deploy = getattr(job, "deploy", None)
         if not callable(deploy):
             deploy = functools.partial(_serve_module().deploy, job)  # type: ignore[union-attr]
-        wanted = {"keep": True, "wait": False, "progress": False}
+        wanted: dict[str, Any] = {"keep": True, "wait": False, "progress": False}
+        if target is not None:
+            wanted["target"] = target
         accepted = inspect.signature(deploy).parameters
         if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+            if target is not None and "target" not in accepted:
+                raise UnsupportedError("this workbench version serves only where the run trained")
             wanted = {k: v for k, v in wanted.items() if k in accepted}
         endpoint = deploy(**wanted)
         return {"endpoint": _endpoint_row(endpoint)}
