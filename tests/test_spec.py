@@ -59,6 +59,21 @@ def test_not_a_mapping_and_not_yaml_and_missing_file(tmp_path):
         RunSpec.from_yaml(tmp_path / "nope.yaml")
 
 
+def test_plan_and_launch_take_every_spec_form_and_refuse_others(tmp_path):
+    import workbench
+
+    mapping = {"train": {"max_steps": 7}}
+    (tmp_path / "run.yaml").write_text("train:\n  max_steps: 7\n")
+    forms = [mapping, RunSpec.parse(mapping), tmp_path / "run.yaml", str(tmp_path / "run.yaml")]
+    assert all(RunSpec.coerce(f) == RunSpec.parse(mapping) for f in forms)
+    assert RunSpec.coerce(None) == RunSpec()
+    # plan() took only a RunSpec and failed on a mapping with an AttributeError.
+    assert workbench.plan(mapping).steps == workbench.plan(RunSpec.parse(mapping)).steps == 7
+    for entry in (workbench.plan, workbench.launch):
+        with pytest.raises(SpecError, match="expected a RunSpec, a mapping or a YAML path, got int"):
+            entry(42)
+
+
 def test_qlora_implies_4bit_and_updated_applies_dotted_paths():
     spec = RunSpec(method={"kind": "qlora"})
     assert spec.model.quantization == "4bit"

@@ -64,12 +64,7 @@ def launch(spec: RunSpec | dict | str | Path | None = None, *, force: bool = Fal
     Nothing is left behind when a check fails: the run directory is only kept (and the run only
     registered) once the spec, model, resources, plan and data have all been accepted.
     """
-    if spec is None:
-        spec = RunSpec()
-    elif isinstance(spec, dict):
-        spec = RunSpec.parse(spec)
-    elif isinstance(spec, (str, Path)):
-        spec = RunSpec.from_yaml(spec)
+    spec = RunSpec.coerce(spec)
     registry = registry or Registry()
     backend = get_backend(spec.target)
     if spec.target != "local":  # a named target's defaults fill what the spec left unset

@@ -1040,12 +1040,16 @@ def _suggest(spec: RunSpec, p: Plan, gpu: GpuType, on_gpu: bool, shape: ModelSha
     return out
 
 
-def plan(spec: RunSpec, *, gpu_type: str | None = None) -> Plan:
+def plan(spec: RunSpec | dict | str | Path | None = None, *,
+         gpu_type: str | None = None) -> Plan:
     """Plan ``spec``: memory per GPU for every strategy, the choice, time, cost and verdict.
 
-    ``gpu_type`` overrides ``spec.resources.gpu_type`` (which defaults to the detected card).
-    Raises UnknownGPUError for a card not in the table, ModelNotFoundError for an unknown model.
+    ``spec`` takes the forms ``launch`` takes (a RunSpec, a mapping, a YAML path; None: the
+    embedded default). ``gpu_type`` overrides ``spec.resources.gpu_type`` (which defaults to the
+    detected card). Raises SpecError for an invalid spec, UnknownGPUError for a card not in the
+    table, ModelNotFoundError for an unknown model.
     """
+    spec = RunSpec.coerce(spec)
     gpu, on_gpu = _resolve_gpu(spec, gpu_type)
     m = spec.model
     shape = model_shape(m.id, m.revision, m.trust_remote_code)

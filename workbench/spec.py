@@ -197,6 +197,21 @@ class RunSpec(_Section):
             raise SpecError(_problems(exc), source) from None
 
     @classmethod
+    def coerce(cls, spec: Any) -> RunSpec:
+        """What every entry point accepts: a RunSpec, a mapping, YAML text or a YAML path, or
+        None (the embedded default)."""
+        if spec is None:
+            return cls()
+        if isinstance(spec, cls):
+            return spec
+        if isinstance(spec, dict):
+            return cls.parse(spec)
+        if isinstance(spec, (str, Path)):
+            return cls.from_yaml(spec)
+        raise SpecError([("", f"expected a RunSpec, a mapping or a YAML path, got "
+                              f"{type(spec).__name__}")])
+
+    @classmethod
     def from_yaml(cls, text_or_path: str | Path) -> RunSpec:
         """Load from YAML text or from a path to a YAML file."""
         source = None
