@@ -495,12 +495,7 @@ class Endpoint:
         return dict(resp.json())
 
     def healthy(self) -> bool:
-        import httpx
-
-        try:
-            return httpx.get(self.url + "/health", timeout=2.0).status_code == 200
-        except httpx.HTTPError:
-            return False
+        return _answers(self.url + "/health", timeout=2.0)
 
     def list_models(self) -> list[str]:
         """The model ids the server itself reports (GET /v1/models)."""
@@ -1017,11 +1012,12 @@ def _guard_main(argv: Sequence[str]) -> int:
     return 0
 
 
-def _answers(url: str) -> bool:
+def _answers(url: str, timeout: float = 1.0) -> bool:
+    """Whether GET ``url`` answers 200 (the health probe of the guard and of Endpoint.healthy)."""
     import urllib.request
 
     try:
-        with urllib.request.urlopen(url, timeout=1.0) as resp:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
             return bool(resp.status == 200)
     except OSError:
         return False
