@@ -101,6 +101,14 @@ def _wait_accepting_dialogs(page, locator, timeout_s: float) -> None:
     wait_for(seen, timeout_s, f"{locator} to appear")
 
 
+def _run_card(page, run_id: str):
+    """Open the Workbench side panel; the run's card, once it is listed."""
+    page.locator(".jp-SideBar [data-id='workbench-runs']").click()
+    card = page.locator(f".jp-WorkbenchRuns-run[data-run-id='{run_id}']")
+    card.wait_for(timeout=30_000)
+    return card
+
+
 def shot(page, name: str) -> None:
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / f"{name}.png"))
@@ -153,9 +161,7 @@ def test_run_from_a_notebook_shows_in_the_panel_grows_and_cancels(page, lab_serv
     assert "RUN" in output and "STATE" in output  # %workbench status: the magic was preloaded
     run_id = output.split("launched")[-1].split()[0]
 
-    page.locator(".jp-SideBar [data-id='workbench-runs']").click()
-    card = page.locator(f".jp-WorkbenchRuns-run[data-run-id='{run_id}']")
-    card.wait_for(timeout=30_000)
+    card = _run_card(page, run_id)
     spark = card.locator("svg.jp-WorkbenchSpark")
 
     def last_step() -> int:
@@ -195,10 +201,7 @@ def finished_run(lab_server: LabServer) -> workbench.Job:
 
 def _card(page, lab_server: LabServer, job: workbench.Job):
     _open_lab(page, lab_server)
-    page.locator(".jp-SideBar [data-id='workbench-runs']").click()
-    card = page.locator(f".jp-WorkbenchRuns-run[data-run-id='{job.id}']")
-    card.wait_for(timeout=30_000)
-    return card
+    return _run_card(page, job.id)
 
 
 def test_tensorboard_opens_in_a_new_tab_through_jupyter(page, lab_server: LabServer,
