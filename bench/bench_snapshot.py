@@ -7,8 +7,9 @@
                            - within a run: the steps run while the writer was busy, against
                              the quiet steps just after them (``lost_within_run``), with the
                              runs without snapshots read the same way as a control
-  stall per snapshot       what training waits for (the Trainer's save, then the next
-                           optimizer step's wait for the copy), same divisor
+  stall per snapshot       what training waits for (the Trainer's save, any wait there for
+                           the previous writer, the next optimizer step's wait for the
+                           copy), same divisor
   snapshot write speed     bytes / background write time, divided by a plain copy of the same
                            bytes (shutil.copytree of the committed snapshot), and by a copy plus
                            the sha256 the manifest needs
@@ -282,8 +283,9 @@ def main() -> None:
                "time lost within run: per snapshot, the steps run while its writer was busy "
                "minus as many of the quiet steps after them (median), median over snapshots; "
                "its control reads each run without snapshots the same way (should be ~0); "
-               "stall and write_s: medians over the snapshots; stall = the Trainer's save plus "
-               "the next optimizer step's wait for the copy; write_s runs from the start of "
+               "stall and write_s: medians over the snapshots; stall = the Trainer's save, any wait "
+               "there for the previous writer, and the next optimizer step's wait for the "
+               "copy; write_s runs from the start of "
                "the Trainer's save to the commit (copy, write, sha256, manifest, prune)",
         "snapshot_bytes": nbytes, "sync_torch_save_s": sync,
         "sync_torch_save_each_s": [round(t, 4) for t in sync_all], "copy_s": copy,
