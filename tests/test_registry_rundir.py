@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import time
+from pathlib import Path
 
 import pytest
 
 from workbench.errors import RunNotFoundError
 from workbench.registry import Registry, RunRecord
-from workbench.rundir import MetricsReader, RunDir
+from workbench.rundir import MetricsReader, RunDir, write_text_atomic
 from workbench.spec import RunSpec
 
 
@@ -41,6 +42,30 @@ def test_concurrent_writers_lose_nothing(tmp_path):
     runs = Registry(path).list_runs()
     assert len(runs) == 160
     assert {r.state for r in runs} == {"running"}
+
+
+def _rewrite(path: str, n: int) -> None:
+    for i in range(n):
+        write_text_atomic(Path(path), str(100000 + i))
+
+
+def test_a_polling_reader_never_sees_an_empty_or_partial_file(tmp_path):
+    """The serving guard's pid and address files are read by another process as soon as they
+    exist; a plain write_text let that reader see an empty file (CI: int('') in deploy)."""
+    path = tmp_path / "server.pid"
+    writer = mp.get_context("spawn").Process(target=_rewrite, args=(str(path), 3000))
+    writer.start()
+    seen = set()
+    while writer.is_alive() or not seen:
+        try:
+            seen.add(path.read_text())
+        except FileNotFoundError:
+            continue
+    writer.join(60)
+    assert writer.exitcode == 0
+    assert all(len(text) == 6 and text.isdigit() for text in seen), sorted(seen)[:5]
+    assert path.read_text() == "102999" and len(seen) > 1
+    assert [p.name for p in tmp_path.iterdir()] == ["server.pid"]  # no temporary file left
 
 
 def test_lookup_by_id_name_and_prefix(registry):

@@ -280,6 +280,7 @@ def test_guard_stops_the_server_when_the_deploying_process_ends(tmp_path):
     guard, server = target.start(command, {}, tmp_path, kernel.pid)
     record = SimpleNamespace(pid=guard, server_pid=server, endpoint_dir=str(tmp_path))
     assert _alive(server) and target.alive(record)
+    assert server == int((tmp_path / "server.pid").read_text())
     assert json.loads((tmp_path / "address.json").read_text())["port"] > 0  # --port 0: picked
     kernel.wait()
     deadline = time.time() + 15

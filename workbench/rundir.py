@@ -37,13 +37,19 @@ class RunDirError(WorkbenchError, ValueError):
     """A request reaches outside a run directory."""
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` by ``text`` (tmp + fsync + rename): a reader that polls for the file sees
+    nothing or all of it, never an empty or half-written file."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with tmp.open("w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=1, default=str)
+        fh.write(text)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    write_text_atomic(path, json.dumps(data, indent=1, default=str))
 
 
 class RunDir:

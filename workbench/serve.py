@@ -956,9 +956,11 @@ def _guard_main(argv: Sequence[str]) -> int:
     p.add_argument("--watch-pid", type=int, default=0)
     p.add_argument("--watch-stdin", action="store_true")
     p.add_argument("command", nargs=argparse.REMAINDER)
+    from workbench.rundir import write_json_atomic, write_text_atomic
+
     args = p.parse_args(argv)
     d: Path = args.guard
-    (d / "guard.pid").write_text(str(os.getpid()))
+    write_text_atomic(d / "guard.pid", str(os.getpid()))
     port = args.port or free_port(args.host)
     command = [str(port) if c == PORT_FROM_GUARD else c for c in (
         args.command[1:] if args.command[:1] == ["--"] else args.command)]
@@ -967,9 +969,9 @@ def _guard_main(argv: Sequence[str]) -> int:
     if (d / "api_key").is_file():
         env["VLLM_API_KEY"] = (d / "api_key").read_text().strip()
     server = subprocess.Popen(command, stdin=subprocess.DEVNULL, env=env)
-    (d / "server.pid").write_text(str(server.pid))
-    (d / "address.json").write_text(json.dumps({"node": socket.gethostname(), "host": args.host,
-                                                "port": port}))
+    write_text_atomic(d / "server.pid", str(server.pid))
+    write_json_atomic(d / "address.json", {"node": socket.gethostname(), "host": args.host,
+                                           "port": port})
     reason = {"value": "exited"}
     watched_gone = threading.Event()
 
@@ -996,7 +998,7 @@ def _guard_main(argv: Sequence[str]) -> int:
     while server.poll() is None:
         if not healthy and _answers(health):
             healthy = True
-            (d / "healthy.json").write_text(json.dumps({"time": time.time()}))
+            write_json_atomic(d / "healthy.json", {"time": time.time()})
         if (args.watch_pid and not _pid_alive(args.watch_pid)) or watched_gone.is_set():
             reason["value"] = "watched process ended"
             server.terminate()
@@ -1007,8 +1009,7 @@ def _guard_main(argv: Sequence[str]) -> int:
             break
         time.sleep(0.5)
     code = server.wait()
-    (d / "exit.json").write_text(json.dumps({"code": code, "reason": reason["value"],
-                                             "time": time.time()}))
+    write_json_atomic(d / "exit.json", {"code": code, "reason": reason["value"], "time": time.time()})
     return 0
 
 
