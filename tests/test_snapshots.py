@@ -6,6 +6,7 @@ S3-compatible server on loopback (moto's server, reached through s3fs like any S
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ import workbench
 from workbench.reproduce import compare_bundle, scrub, write_bundle
 from workbench.rundir import RunDir
 from workbench.snapshots import MANIFEST, newest_verified, snapshots, verify
+from workbench.widgets.job_view import JobView
 
 pytestmark = pytest.mark.slow
 
@@ -110,11 +112,18 @@ def test_budget_stop_then_resume_with_a_larger_budget():
     assert 0 < stopped_at < 100000
     assert status["cost"] <= 40.0 and status["currency"] == "CNY"
     assert newest_verified(job.run_dir).name == f"step-{stopped_at}"  # snapshotted on the way out
+    # Every view says where it stopped and how to go on: status.json, the summary, the job view.
+    note = status["note"]
+    assert f"of 40 CNY spent at step {stopped_at} of 100000" in note
+    assert f"workbench resume {job.id} --budget N" in note and "'budget.limit'" in note
+    assert job.summary()["note"] == note
+    assert html.escape(note) in JobView(job, autostart=False).error.value
     job.resume(**{"budget.limit": 1000.0, "train.max_steps": stopped_at + 10})
     assert job.wait(timeout=600, progress=False) == "succeeded", job.logs(tail=30)
     final = job.status()
     assert final["step"] == stopped_at + 10
     assert final["cost"] > status["cost"]  # billing carries over across attempts
+    assert final.get("note") is None  # the stop is over
     assert any(m.get("event") == "resume" for m in
                map(json.loads, job.run_dir.metrics_file.read_text().splitlines()))
     with pytest.raises(workbench.WorkbenchError, match="cannot change"):

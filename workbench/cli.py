@@ -44,7 +44,8 @@ def _launch(args: argparse.Namespace) -> Any:
         state = job.wait(progress=True)
         print(f"{job.id} {state}")
         if state != "succeeded":
-            print(job.summary().get("error") or "", file=sys.stderr)
+            s = job.summary()
+            print(s["error"] or s["note"] or "", file=sys.stderr)
     return job
 
 

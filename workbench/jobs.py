@@ -222,7 +222,8 @@ class Job:
             if bar is not None:
                 bar.close()
         if raise_on_failure and state != "succeeded":
-            raise JobFailedError(f"run {self.id} ended {state}: {status.get('error', '')}")
+            raise JobFailedError(f"run {self.id} ended {state}: "
+                                 f"{status.get('error') or status.get('note') or ''}")
         return state
 
     def resume(self, **changes: Any) -> Job:
@@ -250,7 +251,7 @@ class Job:
             RunSpec.from_yaml(self.run_dir.spec_file).updated(**merged)  # validate first
             self.run_dir.resume_file.write_text(yaml.safe_dump(merged), encoding="utf-8")
         spec = self.run_dir.spec()
-        self.run_dir.write_status(state=QUEUED, error=None, stop_reason=None, ended=None)
+        self.run_dir.write_status(state=QUEUED, error=None, stop_reason=None, note=None, ended=None)
         job_id = self.backend.submit(self.run_dir.path, spec)
         self.registry.update_run(self.id, backend_job_id=job_id, state=QUEUED)
         self.record = self.registry.get_run(self.id)
@@ -303,6 +304,7 @@ class Job:
             "upload": (status.get("upload") or {}).get("state"),
             "restarts": status.get("restarts"),
             "error": status.get("error"),
+            "note": status.get("note"),  # why a run stopped short, and how to go on (budget)
         }
 
     def _repr_html_(self) -> str:

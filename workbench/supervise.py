@@ -105,7 +105,7 @@ def supervise(run_dir: str, role: NodeRole = NodeRole()) -> int:
     cmd = torchrun_command(rd.path, spec.resources.procs_per_node, role)
     write = rd.write_status if role.writes_status else _node_log
     write(state=RUNNING, supervisor_pid=os.getpid(), host=socket.gethostname(), command=cmd,
-          stop_reason=None)
+          stop_reason=None, note=None)
     if role.writes_status:
         _fetch_from_storage(rd, spec.checkpoint.storage)
     cancel_at: list[float] = []

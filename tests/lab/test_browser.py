@@ -236,3 +236,17 @@ def test_deploy_asks_where_to_serve_starting_from_the_runs_target(page, lab_serv
     dialog.wait_for(state="detached")
     page.wait_for_timeout(1000)
     assert [e.name for e in endpoints()] == before  # cancelled: nothing deployed
+
+
+def test_a_budget_stopped_run_says_how_to_go_on(page, lab_server: LabServer) -> None:
+    # 3,600 per core-hour on 2 processes: 2 per second, so a limit of 30 stops within seconds.
+    job = workbench.launch({"name": "lab-budget", "train": {"max_steps": 100000},
+                            "checkpoint": {"keep": 1},
+                            "budget": {"price_per_cpu_core_hour": 3600.0, "limit": 30.0}})
+    assert job.wait(timeout=300, progress=False) == "budget_stopped", job.logs(tail=30)
+    card = _card(page, lab_server, job)
+    note = card.locator(".jp-WorkbenchRuns-error.jp-mod-note")
+    note.wait_for()
+    assert note.inner_text() == job.status()["note"]
+    assert f"workbench resume {job.id} --budget N" in note.inner_text()
+    shot(page, "09-budget-stopped")

@@ -277,7 +277,9 @@ def main(run_dir: str) -> int:
     trainer.writer.wait()  # the last snapshot is on disk (and committed) before we go on
     if snapshots.budget_stopped:
         if rank == 0:
-            rd.write_status(stop_reason="budget", cost=billing.cost())
+            note = billing.stop_note(rd.path.name, trainer.state.global_step,
+                                     trainer.state.max_steps)
+            rd.write_status(stop_reason="budget", cost=billing.cost(), note=note)
     elif eval_rows:
         trainer.evaluate()
     out = save_artefacts(trainer, tokenizer, spec, rd, source)

@@ -84,9 +84,10 @@ class JobView(W.VBox):
         ]
         self.stats.value = " &nbsp;·&nbsp; ".join(p for p in parts if p)
         self.cancel_button.disabled = state in TERMINAL
-        err = status.get("error")
-        self.error.value = (f"<pre style='color:#d62728;white-space:pre-wrap'>"
-                            f"{html.escape(err)}</pre>") if err else ""
+        err, note = status.get("error"), status.get("note")  # note: why a run stopped short
+        text, colour = (err, "#d62728") if err else (note, _STATE_COLOURS["budget_stopped"])
+        self.error.value = (f"<pre style='color:{colour};white-space:pre-wrap'>"
+                            f"{html.escape(text)}</pre>") if text else ""
         return status
 
     def _loop(self) -> None:

@@ -93,8 +93,10 @@ class RunCard {
       parts.push(`took ${duration(run.elapsed_s)}`);
     }
     this.metaNode.textContent = parts.join(' · ');
-    this.errorNode.textContent = run.error ? String(run.error).split('\n')[0] : '';
-    this.errorNode.hidden = !run.error;
+    const problem = run.error || run.note;
+    this.errorNode.textContent = problem ? String(problem).split('\n')[0] : '';
+    this.errorNode.classList.toggle('jp-mod-note', !run.error && !!run.note);
+    this.errorNode.hidden = !problem;
     drawSparkline(this.spark, run.curve);
     this.spark.setAttribute('aria-label', `loss curve of ${run.name}, ${run.curve.length} points`);
     this.renderActions(run, caps);

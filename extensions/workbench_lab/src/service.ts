@@ -32,6 +32,8 @@ export interface IRun {
   elapsed_s: number | null;
   eta_s: number | null;
   error: string | null;
+  /** Why a run stopped short and how to go on (a budget stop); absent from older servers. */
+  note?: string | null;
   created: number;
   cost: number | null;
   currency: string | null;
