@@ -63,6 +63,7 @@ browser: setup
 
 lint: setup
 	$(BIN)/ruff check workbench tests bench
+	$(BIN)/mypy workbench
 
 bench: setup
 	$(BIN)/python bench/bench_train.py

@@ -255,12 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("name", help="local, ssh:NAME or slurm:NAME")
     t.set_defaults(func=_targets_check)
 
-    try:
-        from workbench.data.commands import register as register_data
-    except ImportError:  # pragma: no cover - the data commands ship with the package
-        register_data = None
-    if register_data is not None:
-        register_data(sub)
+    from workbench.data.commands import register as register_data
+
+    register_data(sub)
     return p
 
 

@@ -71,7 +71,7 @@ def load_chat_model(source: Any) -> ChatModel:
             path / "workbench.json").is_file() else {}
         cfg = json.loads((path / "adapter_config.json").read_text())
         base = meta.get("base_model") or cfg["base_model_name_or_path"]
-        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(path))
+        model: Any = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(path))
         tok = AutoTokenizer.from_pretrained(str(path))
         name = str(path)
     else:

@@ -244,7 +244,7 @@ class Job:
         if changes:
             import yaml
 
-            previous = {}
+            previous: dict[str, Any] = {}
             if self.run_dir.resume_file.is_file():
                 previous = yaml.safe_load(self.run_dir.resume_file.read_text()) or {}
             merged = {**previous, **changes}

@@ -30,13 +30,16 @@ import json
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from workbench.errors import LaunchError
 from workbench.home import home
+
+if TYPE_CHECKING:
+    from workbench.spec import RunSpec
 
 
 class TargetError(LaunchError):
@@ -68,7 +71,7 @@ class SSHOptions(_Model):
     identity_file: str | None = None
     known_hosts: str | None = None
     strict_host_key_checking: bool = True
-    connect_timeout: int = Field(10, ge=1)
+    connect_timeout: int = Field(default=10, ge=1)
     ssh_options: dict[str, str] = Field(default_factory=dict)  # more ssh -o KEY=VALUE
 
 
@@ -205,7 +208,7 @@ def save_target(target: Target, path: Path | None = None) -> None:
     path.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
 
 
-def apply_defaults(spec: Any, target: Target) -> Any:
+def apply_defaults(spec: RunSpec, target: Target) -> RunSpec:
     """``spec`` with the target's defaults (dotted field paths) where the spec left them unset.
 
     A field counts as set when the spec's YAML or mapping named it (pydantic's

@@ -38,7 +38,7 @@ class DataSummary:
 def source_examples(source: DataSource) -> Iterator[dict[str, Any]]:
     """A source's rows as examples. "auto" is decided once, on the first row, so a later row
     missing a field is reported as missing it rather than as being of another format."""
-    fmt = source.format
+    fmt: str = source.format
     for where, row in read_rows(source):
         if fmt == "auto":
             fmt = detect_format(row, where)

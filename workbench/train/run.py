@@ -66,7 +66,7 @@ def load_model(spec: RunSpec, source: str) -> Any:
             bnb_4bit_compute_dtype=dtype,
         )
         kwargs["device_map"] = {"": int(os.environ.get("LOCAL_RANK", 0))}
-    model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    model: Any = AutoModelForCausalLM.from_pretrained(source, **kwargs)  # or its peft wrapper
     if spec.method.kind in ("lora", "qlora"):
         from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
@@ -182,8 +182,9 @@ def snapshotting_trainer_class() -> type:
             known = {k[len(prefix):]: self.writer.hashes.pop(k)
                      for k in list(self.writer.hashes) if k.startswith(prefix)}
             final = commit(self.rd, folder, step, self.keep, known)
-            info = {"step": step, "path": final.name, "stall_s": round(stall_s, 4),
-                    "write_s": round(time.time() - started, 4), "time": time.time()}
+            info: dict[str, Any] = {
+                "step": step, "path": final.name, "stall_s": round(stall_s, 4),
+                "write_s": round(time.time() - started, 4), "time": time.time()}
             self.rd.write_status(snapshot=info)
             self.rd.append_metrics({"event": "snapshot", **info})
             if self.billing is not None:
@@ -193,7 +194,7 @@ def snapshotting_trainer_class() -> type:
 
         def _save_checkpoint(self, model: Any, trial: Any) -> None:
             step = self.state.global_step
-            folder = Path(self.args.output_dir) / f"checkpoint-{step}"
+            folder = Path(str(self.args.output_dir)) / f"checkpoint-{step}"  # always set: ours
             started = time.time()
             if self.is_deepspeed_enabled:  # the engine writes its own shards: synchronous
                 super()._save_checkpoint(model, trial)

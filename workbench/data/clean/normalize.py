@@ -56,7 +56,7 @@ class Normalize(Step):
 
     def normalize(self, text: str) -> str:
         if self.form != "none" and not (text.isascii() and self.form in ("NFC", "NFD")):
-            text = unicodedata.normalize(self.form, text)
+            text = unicodedata.normalize(self.form, text)  # type: ignore[arg-type]  # checked above
         text = text.replace("\r\n", "\n").replace("\r", "\n")
         text = _INVISIBLE.sub("", text)
         # Each substitution runs only when its pattern can match (same result, much faster).
