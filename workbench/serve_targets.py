@@ -523,8 +523,25 @@ class SSHServeTarget(_Remote):
                 session.kill()
 
 
+# Runs a tunnel's ssh and ends it when its stdin closes: the process that opened the tunnel holds
+# the other end, so the tunnel ends with that process however it ends (kill -9 included), and a
+# kernel that ever chatted with an SSH endpoint leaves no ssh behind.
+_TUNNEL_WATCH = """\
+import signal, subprocess, sys, threading
+ssh = subprocess.Popen(sys.argv[1:], stdin=subprocess.DEVNULL)
+signal.signal(signal.SIGTERM, lambda *_: ssh.terminate())
+def watch():
+    sys.stdin.buffer.read()
+    ssh.terminate()
+threading.Thread(target=watch, daemon=True).start()
+sys.exit(ssh.wait())
+"""
+
+
 def open_tunnel(transport: Any, key: str, remote: str, timeout: float = 30.0) -> str:
-    """``ssh -N -L 127.0.0.1:LOCAL:REMOTE`` through ``transport``'s host; the local URL."""
+    """``ssh -N -L 127.0.0.1:LOCAL:REMOTE`` through ``transport``'s host; the local URL.
+
+    The tunnel lives as long as this process (or until ``close_tunnel``)."""
     known = _tunnels.get(key)
     if known is not None and known[0].poll() is None and known[1] == remote:
         return known[2]
@@ -536,7 +553,8 @@ def open_tunnel(transport: Any, key: str, remote: str, timeout: float = 30.0) ->
     argv = transport.ssh_argv()
     argv[1:1] = ["-N", "-L", f"127.0.0.1:{port}:{rhost.strip('[]')}:{rport}",
                  "-o", "ExitOnForwardFailure=yes"]
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _TUNNEL_WATCH, *argv],
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + timeout
@@ -553,7 +571,7 @@ def open_tunnel(transport: Any, key: str, remote: str, timeout: float = 30.0) ->
                 return url
         except OSError:
             time.sleep(0.1)
-    proc.kill()
+    _end_tunnel(proc)
     from workbench.serve import DeployError
 
     raise DeployError(f"the SSH tunnel to {remote} via {transport.where} did not open in "
@@ -562,12 +580,25 @@ def open_tunnel(transport: Any, key: str, remote: str, timeout: float = 30.0) ->
 
 def close_tunnel(key: str) -> None:
     known = _tunnels.pop(key, None)
-    if known is not None and known[0].poll() is None:
-        known[0].terminate()
+    if known is not None:
+        _end_tunnel(known[0])
+
+
+def _end_tunnel(proc: subprocess.Popen) -> None:
+    """Stop a tunnel's watcher and its ssh (one process group)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
-            known[0].wait(5)
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            break
+        try:
+            proc.wait(5)
+            break
         except subprocess.TimeoutExpired:
-            known[0].kill()
+            continue
+    for pipe in (proc.stdin, proc.stderr):
+        if pipe is not None:
+            pipe.close()
 
 
 # -- a Slurm job -----------------------------------------------------------------------------------

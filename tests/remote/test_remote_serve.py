@@ -23,6 +23,7 @@ from cluster import processes_with, squeue_job_names
 import workbench
 from workbench.assets.teaching import teaching_rows
 from workbench.serve import DeployError, ServingEnvironmentError, deploy, get_endpoint
+from workbench.serve_targets import close_tunnel
 
 pytestmark = pytest.mark.slow
 PROMPTS = [r["instruction"] for r in teaching_rows("heldout")][:12]
@@ -68,6 +69,7 @@ def test_ssh_endpoint_is_reached_through_a_tunnel_and_dies_with_its_kernel(train
         assert ep.state == "healthy" and ep.target == "ssh:one"
         assert ep.listen_url.startswith("http://wb-node0:")
         assert ep.url.startswith("http://127.0.0.1:") and ep.url != line.split()[1]
+        own_forward = f"-L 127.0.0.1:{ep.url.rsplit(':', 1)[1]}:"  # this process's tunnel
         server_dir = f"{targets['ssh']['one']['workdir']}/endpoints/ssh-ep"
         # The adapter was copied to the host; the base model path existed there and is used as is.
         adapter_path = ep.serves["adapters"][trained.spec.name]
@@ -80,6 +82,12 @@ def test_ssh_endpoint_is_reached_through_a_tunnel_and_dies_with_its_kernel(train
         kernel.wait()
     # Its ssh session's stdin closes with it; the guard on the host stops vLLM.
     assert _gone(server_dir), [p.cmdline() for p in processes_with(server_dir)]
+    # Its tunnel ends with it too; the tunnel this process opened stays until it is closed.
+    kernel_forward = f"-L 127.0.0.1:{line.split()[1].rsplit(':', 1)[1]}:"
+    assert _gone(kernel_forward), [p.cmdline() for p in processes_with(kernel_forward)]
+    assert processes_with(own_forward)
+    close_tunnel(ep.record.endpoint_dir)
+    assert not processes_with(own_forward)
     ended = json.loads(Path(server_dir, "exit.json").read_text())
     assert ended["reason"] == "watched process ended"
     assert get_endpoint("ssh-ep").record.state == "stopped"
