@@ -114,10 +114,13 @@ def test_budget_stop_then_resume_with_a_larger_budget():
     assert newest_verified(job.run_dir).name == f"step-{stopped_at}"  # snapshotted on the way out
     # Every view says where it stopped and how to go on: status.json, the summary, the job view.
     note = status["note"]
-    assert f"of 40 CNY spent at step {stopped_at} of 100000" in note
+    assert f"{status['cost']:.4g} of 40 CNY spent at step {stopped_at} of 100000" in note  # final bill
     assert f"workbench resume {job.id} --budget N" in note and "'budget.limit'" in note
     assert job.summary()["note"] == note
     assert html.escape(note) in JobView(job, autostart=False).error.value
+    with pytest.raises(workbench.WorkbenchError, match="would stop it again at once"):
+        job.resume(**{"budget.limit": status["cost"]})  # no larger than what was spent
+    assert job.state == "budget_stopped"
     job.resume(**{"budget.limit": 1000.0, "train.max_steps": stopped_at + 10})
     assert job.wait(timeout=600, progress=False) == "succeeded", job.logs(tail=30)
     final = job.status()

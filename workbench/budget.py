@@ -56,9 +56,9 @@ class Billing:
     def cost(self) -> float:
         return self.price_per_hour * self.seconds() / 3600.0
 
-    def stop_note(self, run_id: str, step: int, total_steps: int) -> str:
+    def stop_note(self, cost: float, run_id: str, step: int, total_steps: int) -> str:
         """What a person reads when the budget stopped the run: where it stopped, how to go on."""
-        return (f"budget limit reached: {self.cost():.4g} of {self.limit:g} {self.currency} spent "
+        return (f"budget limit reached: {cost:.4g} of {self.limit:g} {self.currency} spent "
                 f"at step {step} of {total_steps}; the run stopped with a snapshot. Continue it "
                 f"with a larger limit: job.resume(**{{'budget.limit': N}}) or "
                 f"`workbench resume {run_id} --budget N`")

@@ -23,7 +23,15 @@ from workbench.backends import Backend, get_backend
 from workbench.errors import JobFailedError, LaunchError, WorkbenchError
 from workbench.home import runs_dir
 from workbench.registry import Registry, RunRecord
-from workbench.rundir import PENDING, QUEUED, TERMINAL, MetricsReader, RunDir, write_json_atomic
+from workbench.rundir import (
+    BUDGET_STOPPED,
+    PENDING,
+    QUEUED,
+    TERMINAL,
+    MetricsReader,
+    RunDir,
+    write_json_atomic,
+)
 from workbench.spec import RunSpec
 
 
@@ -241,6 +249,11 @@ class Job:
         state = self.state
         if state not in TERMINAL:
             raise WorkbenchError(f"run {self.id} is {state}; cancel it first or wait for it")
+        spent = self.status().get("cost") or 0.0
+        limit = changes.get("budget.limit")
+        if state == BUDGET_STOPPED and isinstance(limit, (int, float)) and limit <= spent:
+            raise WorkbenchError(f"run {self.id} has spent {spent:.4g} already: a budget.limit "
+                                 f"of {limit:g} would stop it again at once; give a larger one")
         if changes:
             import yaml
 

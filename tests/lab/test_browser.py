@@ -14,6 +14,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+import yaml
 from nbformat.v4 import new_code_cell, new_notebook
 
 import workbench
@@ -250,3 +251,15 @@ def test_a_budget_stopped_run_says_how_to_go_on(page, lab_server: LabServer) -> 
     assert note.inner_text() == job.status()["note"]
     assert f"workbench resume {job.id} --budget N" in note.inner_text()
     shot(page, "09-budget-stopped")
+    # Resume asks for a larger limit (the same one would stop the run again at once).
+    card.get_by_role("button", name="resume lab-budget").click()
+    dialog = page.locator(".jp-Dialog")
+    dialog.get_by_text("Resume lab-budget with a larger budget").wait_for()
+    dialog.get_by_role("spinbutton", name="new budget limit").fill("1000")
+    shot(page, "10-resume-budget")
+    dialog.get_by_role("button", name="Resume").click()
+    try:
+        wait_for(lambda: job.state == "running", 180, "the run resumed with a larger budget")
+        assert yaml.safe_load(job.run_dir.resume_file.read_text()) == {"budget.limit": 1000.0}
+    finally:
+        job.cancel()

@@ -238,3 +238,19 @@ def test_tensorboard_of_a_run_not_opened_is_a_clear_404(lab_server: LabServer, s
     reply = requests.get(f"{lab_server.url}/workbench/tensorboard/no-such-run/", timeout=30,
                          headers=lab_server.auth)
     assert reply.status_code == 404 and "open it from the Runs panel" in reply.reason
+
+
+@pytest.mark.parametrize(("body", "says"), [
+    ({"budget_limit": "lots"}, "budget_limit must be a positive number"),
+    ({"budget_limit": -5}, "budget_limit must be a positive number"),
+    ({"budget_limit": True}, "budget_limit must be a positive number"),
+    ({"budget": 50}, 'the body must be {"budget_limit": ...}'),
+])
+def test_resume_with_a_bad_budget_is_refused_before_anything_starts(lab_server: LabServer,
+                                                                    short_run, body, says) -> None:
+    before = short_run.status()
+    reply = requests.post(lab_server.api(f"runs/{short_run.id}/resume"), headers=lab_server.auth,
+                          json=body, timeout=60)
+    assert reply.status_code == 400 and says in reply.reason, (reply.status_code, reply.reason)
+    assert short_run.status() == before  # not queued again
+    assert not short_run.run_dir.resume_file.exists()  # and nothing recorded for a resume

@@ -278,15 +278,17 @@ def main(run_dir: str) -> int:
     trainer.writer.wait()  # the last snapshot is on disk (and committed) before we go on
     if snapshots.budget_stopped:
         if rank == 0:
-            note = billing.stop_note(rd.path.name, trainer.state.global_step,
-                                     trainer.state.max_steps)
-            rd.write_status(stop_reason="budget", cost=billing.cost(), note=note)
+            rd.write_status(stop_reason="budget", cost=billing.cost())
     elif eval_rows:
         trainer.evaluate()
     out = save_artefacts(trainer, tokenizer, spec, rd, source)
     print(f"saved {out}", flush=True)
     if rank == 0:  # the final bill, saving included
-        rd.write_status(cost=billing.cost(), billed_s=billing.seconds())
+        bill: dict[str, Any] = {"cost": billing.cost(), "billed_s": billing.seconds()}
+        if snapshots.budget_stopped:  # what to do next, with the final figure
+            bill["note"] = billing.stop_note(bill["cost"], rd.path.name,
+                                             trainer.state.global_step, trainer.state.max_steps)
+        rd.write_status(**bill)
     if uploader is not None:
         uploader.close()
     _shutdown_distributed()

@@ -112,7 +112,12 @@ class RunCard {
       wanted.push(['Cancel', `cancel ${run.name}`, () => void this.panel.act(this.run, 'cancel')]);
     }
     if (caps.resume && done && state !== 'succeeded') {
-      wanted.push(['Resume', `resume ${run.name}`, () => void this.panel.act(this.run, 'resume')]);
+      // After a budget stop the same limit would stop it again at once: ask for a larger one.
+      const resume =
+        state === 'budget_stopped'
+          ? () => void this.panel.resumeWithBudget(this.run)
+          : () => void this.panel.act(this.run, 'resume');
+      wanted.push(['Resume', `resume ${run.name}`, resume]);
     }
     if (caps.deploy && state === 'succeeded') {
       wanted.push(['Deploy', `deploy ${run.name}`, () => void this.panel.deploy(this.run)]);
@@ -160,6 +165,31 @@ class TargetChooser extends Widget implements Dialog.IBodyWidget<string> {
 
   getValue(): string {
     return this.select.value;
+  }
+}
+
+/** The Resume dialog's body after a budget stop: the new limit, above what the run has spent. */
+class BudgetChooser extends Widget implements Dialog.IBodyWidget<string> {
+  private readonly input = document.createElement('input');
+
+  constructor(run: IRun) {
+    super();
+    this.addClass('jp-WorkbenchBudget');
+    const spent = run.cost ?? 0;
+    const label = document.createElement('label');
+    label.textContent = `New budget limit (${run.currency || 'CNY'}) `;
+    this.input.type = 'number';
+    this.input.min = String(spent);
+    this.input.step = 'any';
+    this.input.setAttribute('aria-label', 'new budget limit');
+    label.append(this.input);
+    const hint = document.createElement('p');
+    hint.textContent = `Spent so far: ${spent.toFixed(2)}. The run goes on from its last snapshot.`;
+    this.node.append(label, hint);
+  }
+
+  getValue(): string {
+    return this.input.value;
   }
 }
 
@@ -247,6 +277,18 @@ export class RunsPanel extends Widget {
     });
     if (result.button.accept && result.value) {
       await this.act(run, 'deploy', { target: result.value });
+    }
+  }
+
+  /** Ask for a larger budget, then resume the run with it. */
+  async resumeWithBudget(run: IRun): Promise<void> {
+    const result = await showDialog({
+      title: `Resume ${run.name} with a larger budget`,
+      body: new BudgetChooser(run),
+      buttons: [Dialog.cancelButton(), Dialog.okButton({ label: 'Resume' })]
+    });
+    if (result.button.accept && result.value) {
+      await this.act(run, 'resume', { budget_limit: Number(result.value) });
     }
   }
 

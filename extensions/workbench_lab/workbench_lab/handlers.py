@@ -10,6 +10,7 @@ to status codes with the error's message as the reason the panel shows.
     GET  /workbench/api/runs/RUN_ID/logs        ?name=rank-0.log&tail=200
     POST /workbench/api/runs/RUN_ID/cancel|resume|deploy|tensorboard
                                                 deploy: optional {"target": "local|ssh:NAME|..."}
+                                                resume: optional {"budget_limit": 100}
     POST /workbench/api/endpoints/NAME/stop     stop a deployed endpoint
     POST /workbench/api/notebooks               {"directory": "", "target": "local"} -> {"path"}
     GET|POST /workbench/tensorboard/RUN_ID/...  the run's TensorBoard (started by the POST above)
@@ -96,14 +97,15 @@ class ActionHandler(WorkbenchHandler):
             url = await self.call(self.tensorboards.url, run_id, job.run_dir.tb_dir)
             self.reply({"id": run_id, "url": url})
             return
-        if action == "deploy":
-            body = self.get_json_body() or {}
-            if not isinstance(body, dict):
-                raise tornado.web.HTTPError(400, reason='the body must be {"target": NAME} or empty')
-            self.reply(await self.call(self.view.deploy, run_id, body.get("target")))
+        if action == "cancel":
+            self.reply(await self.call(self.view.cancel, run_id))
             return
-        method = {"cancel": self.view.cancel, "resume": self.view.resume}[action]
-        self.reply(await self.call(method, run_id))
+        body = self.get_json_body() or {}
+        option = {"deploy": "target", "resume": "budget_limit"}[action]
+        if not isinstance(body, dict) or set(body) - {option}:
+            raise tornado.web.HTTPError(400, reason=f'the body must be {{"{option}": ...}} or empty')
+        method = {"deploy": self.view.deploy, "resume": self.view.resume}[action]
+        self.reply(await self.call(method, run_id, body.get(option)))
 
 
 class EndpointStopHandler(WorkbenchHandler):

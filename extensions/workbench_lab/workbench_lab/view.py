@@ -188,11 +188,19 @@ class RunsView:
         with self._lock:
             return self.row(job)
 
-    def resume(self, run_id: str) -> dict[str, Any]:
+    def resume(self, run_id: str, budget_limit: Any = None) -> dict[str, Any]:
+        """Restart an ended run; ``budget_limit``: a larger limit (after a budget stop)."""
         if not capabilities()["resume"]:
             raise UnsupportedError("this workbench version cannot resume runs")
+        changes = {}
+        if budget_limit is not None:
+            if isinstance(budget_limit, bool) or not isinstance(budget_limit, (int, float)) or (
+                    budget_limit <= 0):
+                raise InvalidRequestError(f"budget_limit must be a positive number, not "
+                                          f"{budget_limit!r}")
+            changes["budget.limit"] = float(budget_limit)
         job = self.job(run_id)
-        resumed = job.resume()  # type: ignore[attr-defined]
+        resumed = job.resume(**changes)  # type: ignore[attr-defined]
         if isinstance(resumed, Job):
             self._jobs[resumed.id] = resumed
             job = resumed
