@@ -61,6 +61,10 @@ class JobFailedError(WorkbenchError, RuntimeError):
     """Raised by ``Job.wait(raise_on_failure=True)`` when the run ended badly."""
 
 
+class PlanError(WorkbenchError, RuntimeError):
+    """A run cannot fit (or cannot be planned). The message says why and what to change."""
+
+
 # -- serving (workbench.serve) ---------------------------------------------------------------------
 class DeployError(WorkbenchError, RuntimeError):
     """An endpoint could not be deployed; the message says why and what to do."""
