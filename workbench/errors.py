@@ -61,6 +61,10 @@ class JobFailedError(WorkbenchError, RuntimeError):
     """Raised by ``Job.wait(raise_on_failure=True)`` when the run ended badly."""
 
 
+class TargetError(LaunchError):
+    """A target is unknown, misconfigured, unreachable, or refused the run (says what to do)."""
+
+
 class PlanError(WorkbenchError, RuntimeError):
     """A run cannot fit (or cannot be planned). The message says why and what to change."""
 
