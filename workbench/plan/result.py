@@ -1,8 +1,8 @@
 """The plan: what the planner decided and why, and its views (summary, chart, HTML, plan.json).
 
 :class:`Plan` holds the chosen strategy, its memory breakdown against the device's capacity, the
-steps, hours and cost, every candidate it compared and the :class:`Suggestion` s that would make a
-run fit or cost less. Nothing here computes an estimate; :mod:`workbench.plan.planner` does.
+steps, hours and cost, every candidate it compared, and the suggestions (:class:`Suggestion`) that
+would make a run fit or cost less. Nothing here computes an estimate; :mod:`workbench.plan.planner` does.
 """
 
 from __future__ import annotations
