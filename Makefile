@@ -64,6 +64,7 @@ browser: setup
 lint: setup
 	$(BIN)/ruff check workbench tests bench
 	$(BIN)/mypy workbench
+	$(BIN)/python tests/import_cycles.py workbench
 
 bench: setup
 	$(BIN)/python bench/bench_train.py

@@ -1,7 +1,8 @@
-"""The style guide's "ruff + mypy clean", kept true by the test command rather than by memory."""
+"""The style guide's "ruff + mypy clean, no import cycles", kept true by the test command."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,3 +23,40 @@ def test_ruff_finds_nothing():
 def test_mypy_finds_nothing_in_the_package():
     out = _run("mypy", "workbench")
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def _cycles(package: str, path: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(path)}
+    return subprocess.run([sys.executable, str(ROOT / "tests" / "import_cycles.py"), package],
+                          cwd=path, capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_no_import_cycles_in_the_package():
+    out = _cycles("workbench", ROOT)
+    assert out.returncode == 0 and not out.stdout, out.stdout + out.stderr
+
+
+def test_the_cycle_check_counts_lazy_imports_and_skips_type_checking_ones(tmp_path):
+    files = {
+        "__init__.py": "",
+        # A circle made only of an import inside a function: it counts.
+        "jobs.py": "def deploy():\n    from pkg.serve import start\n    return start\n",
+        "serve.py": "from pkg.jobs import deploy\n\n\ndef start():\n    return deploy\n",
+        # A circle closed only under TYPE_CHECKING: it never runs, so it does not count.
+        "spec.py": "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from pkg.plan import Plan\n",
+        "plan.py": "from pkg.spec import TYPE_CHECKING\n\n\nclass Plan:\n    pass\n",
+        # A module importing the package that re-exports it: a circle through __init__.
+        "room/__init__.py": "from pkg.room.door import knock\n\nKEY = 1\n",
+        "room/door.py": "def knock():\n    from pkg.room import KEY\n    return KEY\n",
+    }
+    for name, text in files.items():
+        (tmp_path / "pkg" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "pkg" / name).write_text(text)
+    out = _cycles("pkg", tmp_path)
+    assert out.returncode == 1, out.stdout + out.stderr
+    circles = sorted(line for line in out.stdout.splitlines() if line.startswith("import circle"))
+    assert circles == ["import circle in pkg: pkg.jobs -> pkg.serve -> pkg.jobs",
+                       "import circle in pkg: pkg.room -> pkg.room.door -> pkg.room"], out.stdout
+    # Each step names the import that makes it, so the circle can be cut where it is.
+    assert "pkg.jobs -> pkg.serve  (line 2:" in out.stdout, out.stdout
+    assert "from pkg.serve import start" in out.stdout, out.stdout

@@ -11,6 +11,7 @@ One config object (:class:`RunSpec`), one run directory, one registry, one launc
 import sys
 import types
 
+from workbench._version import __version__
 from workbench.errors import (
     DatasetError,
     DatasetFormatError,
@@ -30,8 +31,6 @@ from workbench.errors import (
 _LAZY = {"Job": "workbench.jobs", "get_job": "workbench.jobs", "jobs": "workbench.jobs",
          "launch": "workbench.jobs", "plan": "workbench.plan", "deploy": "workbench.serve",
          "RunSpec": "workbench.spec"}
-
-__version__ = "0.1.0"
 
 __all__ = [
     "DatasetError",

@@ -1,7 +1,9 @@
 """Typed errors. Every message says what went wrong *and* what to do next.
 
 All errors derive from :class:`WorkbenchError`, so a notebook can catch one type; each front end
-(widgets, CLI, magics, the lab panel) shows ``str(error)`` as it is.
+(widgets, CLI, magics, the lab panel) shows ``str(error)`` as it is. They live here, not beside the
+code that raises them, so that any module can raise or catch one without importing another room
+(the registry raises ``EndpointNotFoundError`` without importing ``workbench.serve``).
 """
 
 from __future__ import annotations
@@ -57,3 +59,44 @@ class LaunchError(WorkbenchError, RuntimeError):
 
 class JobFailedError(WorkbenchError, RuntimeError):
     """Raised by ``Job.wait(raise_on_failure=True)`` when the run ended badly."""
+
+
+class TargetError(LaunchError):
+    """A target is unknown, misconfigured, unreachable, or refused the run (says what to do)."""
+
+
+class PlanError(WorkbenchError, RuntimeError):
+    """A run cannot fit (or cannot be planned). The message says why and what to change."""
+
+
+# -- serving (workbench.serve) ---------------------------------------------------------------------
+class DeployError(WorkbenchError, RuntimeError):
+    """An endpoint could not be deployed; the message says why and what to do."""
+
+
+class AdapterNotFoundError(DeployError, FileNotFoundError):
+    """The adapter (or model) folder to serve does not exist or is not a peft adapter."""
+
+
+class LoraRankError(DeployError, ValueError):
+    """An adapter's LoRA rank is above what the server accepts (``max_lora_rank``)."""
+
+
+class PortInUseError(DeployError, OSError):
+    """The requested port is already bound on the target."""
+
+
+class ServingEnvironmentError(DeployError):
+    """The serving Python does not exist or has no vLLM."""
+
+
+class UnsupportedModelError(DeployError, ValueError):
+    """The model cannot be served by this backend (e.g. a head size vLLM's CPU backend lacks)."""
+
+
+class EndpointStartError(DeployError):
+    """The server started but died or never became healthy; the message holds its log tail."""
+
+
+class EndpointNotFoundError(WorkbenchError, LookupError):
+    """No endpoint in the registry has that name."""

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from workbench.errors import RunNotFoundError
+from workbench.errors import EndpointNotFoundError, RunNotFoundError
 from workbench.home import home
 
 _SCHEMA = """
@@ -161,8 +161,6 @@ class Registry:
                      fields)
 
     def get_endpoint(self, name: str) -> EndpointRecord:
-        from workbench.serve import EndpointNotFoundError
-
         with self._connect() as db:
             row = db.execute("SELECT * FROM endpoints WHERE name = ?", (name,)).fetchone()
         if row is None:

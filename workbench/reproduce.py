@@ -59,10 +59,10 @@ def scrub(text: str, secrets: list[str] | None = None) -> str:
 
 
 def code_version() -> dict[str, Any]:
-    import workbench
+    from workbench._version import __version__
 
-    src = Path(workbench.__file__).resolve().parent
-    info: dict[str, Any] = {"workbench": workbench.__version__, "python": sys.version.split()[0],
+    src = Path(__file__).resolve().parent  # the workbench package folder
+    info: dict[str, Any] = {"workbench": __version__, "python": sys.version.split()[0],
                             "platform": platform.platform()}
     try:
         commit = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True,

@@ -26,8 +26,10 @@ what is missing (``workbench targets check NAME`` prints it).
 
 from __future__ import annotations
 
+import importlib
 import json
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -35,15 +37,11 @@ from typing import TYPE_CHECKING, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from workbench.errors import LaunchError
+from workbench.errors import TargetError
 from workbench.home import home
 
 if TYPE_CHECKING:
     from workbench.spec import RunSpec
-
-
-class TargetError(LaunchError):
-    """A target is unknown, misconfigured, unreachable, or refused the run (says what to do)."""
 
 
 class _Model(BaseModel):
@@ -361,24 +359,31 @@ def probe_environment(transport: Any, target: Target, workdir: str, report: Targ
     return info
 
 
+# How to check each kind of target ("local", "ssh", "slurm"): the backend that runs a kind
+# registers its check when its module loads, so target definitions never import backend code (the
+# backends import these definitions). ``check_target`` loads a kind's backend module by name the
+# first time that kind is checked, as a plugin.
+TargetCheck = Callable[[Any, "TargetReport"], None]
+_CHECKS: dict[str, TargetCheck] = {}
+
+
+def register_check(kind: str, check: TargetCheck) -> None:
+    """Called by ``workbench.backends.KIND`` as it loads: ``check(target, report)`` probes one."""
+    _CHECKS[kind] = check
+
+
 def check_target(name: str) -> TargetReport:
     """Probe a target: reachability, Python env, torch, GPUs, free disk (and Slurm, partition)."""
+    target: Target
     if name == "local":
-        from workbench.backends.remote import LocalTransport
-
-        report = TargetReport("local")
-        local = SSHTarget(name="local", hosts=[HostSpec(host="localhost")],
-                          python=__import__("sys").executable, workdir=str(home() / "runs"))
-        probe_environment(LocalTransport(), local, local.workdir, report, "this machine")
-        return report
-    target = get_target(name)
-    report = TargetReport(name)
-    if isinstance(target, SSHTarget):
-        from workbench.backends.ssh import check_ssh_target
-
-        check_ssh_target(target, report)
+        kind = "local"
+        target = SSHTarget(name="local", hosts=[HostSpec(host="localhost")],
+                           python=__import__("sys").executable, workdir=str(home() / "runs"))
     else:
-        from workbench.backends.slurm import check_slurm_target
-
-        check_slurm_target(target, report)
+        target = get_target(name)
+        kind = target.kind
+    if kind not in _CHECKS:
+        importlib.import_module(f"workbench.backends.{kind}")
+    report = TargetReport(name)
+    _CHECKS[kind](target, report)
     return report

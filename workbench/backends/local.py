@@ -20,6 +20,7 @@ import psutil
 from workbench.errors import LaunchError, ResourceError
 from workbench.rundir import CANCELLED, FAILED, QUEUED, TERMINAL, RunDir
 from workbench.spec import RunSpec
+from workbench.targets import SSHTarget, TargetReport, probe_environment, register_check
 
 # Popen objects of supervisors this process started, so they are reaped (no zombies) once done.
 _children: dict[int, subprocess.Popen] = {}
@@ -138,3 +139,13 @@ class LocalBackend:
     def logs(self, run_dir: Path) -> dict[str, str]:
         return {p.name: p.read_text(encoding="utf-8", errors="replace")
                 for p in RunDir(run_dir).log_files()}
+
+
+def check_local_target(target: SSHTarget, report: TargetReport) -> None:
+    """``workbench targets check local``: this machine's Python, torch, GPUs and free disk."""
+    from workbench.backends.remote import LocalTransport
+
+    probe_environment(LocalTransport(), target, target.workdir, report, "this machine")
+
+
+register_check("local", check_local_target)

@@ -36,7 +36,14 @@ from workbench.backends.remote import (
 from workbench.home import runs_dir
 from workbench.rundir import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, TERMINAL, RunDir
 from workbench.spec import RunSpec
-from workbench.targets import SlurmTarget, TargetError, TargetReport, get_target, probe_environment
+from workbench.targets import (
+    SlurmTarget,
+    TargetError,
+    TargetReport,
+    get_target,
+    probe_environment,
+    register_check,
+)
 
 # Slurm job states, grouped by what they mean for the run.
 WAITING = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING", "RESIZING",
@@ -394,3 +401,6 @@ def check_slurm_target(target: SlurmTarget, report: TargetReport) -> None:
                                  str(runs_dir()))
     probe_environment(tr, target, workdir, report, where,
                       None)  # GPUs live on compute nodes; the partition row shows their gres
+
+
+register_check("slurm", check_slurm_target)

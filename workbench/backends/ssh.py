@@ -28,7 +28,14 @@ from workbench.backends.remote import (
 )
 from workbench.rundir import CANCELLED, FAILED, QUEUED, SUCCEEDED, TERMINAL, RunDir
 from workbench.spec import RunSpec
-from workbench.targets import SSHTarget, TargetError, TargetReport, get_target, probe_environment
+from workbench.targets import (
+    SSHTarget,
+    TargetError,
+    TargetReport,
+    get_target,
+    probe_environment,
+    register_check,
+)
 
 # Imports the supervisor's dependencies and picks a free port for the rendezvous, in one call.
 PREFLIGHT = ("import socket, workbench.supervise, torch; s = socket.socket(); "
@@ -264,3 +271,6 @@ def check_ssh_target(target: SSHTarget, report: TargetReport) -> None:
             continue
         report.add(f"reachable ({host.host})", True, f"ssh {host.destination} works")
         probe_environment(tr, target, host.workdir or target.workdir, report, host.host, gpus)
+
+
+register_check("ssh", check_ssh_target)

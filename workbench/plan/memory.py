@@ -1,0 +1,259 @@
+"""Memory: the peak bytes per GPU (or CPU process) of one training strategy, and the strategies.
+
+:func:`estimate_memory` adds up weights, gradients, optimizer states, activations, logits and
+fixed overheads for a :class:`Strategy` (method x data-parallel sharing x offload) on a
+:class:`_Setup` (model shape, batch, sequence length, world size); :func:`all_strategies` lists
+the combinations the planner compares. Sources and measured tolerances: ``docs/planning.md``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+from workbench.plan.shape import ModelShape
+from workbench.spec import ParallelSpec
+
+GiB = 2**30
+Method = Literal["lora", "qlora", "full"]
+Parallel = Literal["ddp", "zero1", "zero2", "zero3"]
+
+
+# bitsandbytes NF4 with double quantisation (QLoRA, Dettmers et al. 2023, sec. 3): 4 bits per
+# weight + 8-bit absmax per 64 weights + fp32 second-level constant per 256 blocks
+# = 4 + 8/64 + 32/(64*256) = 4.127 bits. LLM.int8: 8 bits + one fp32 scale per row (negligible).
+_QUANT_BYTES = {"4bit": 4.127 / 8, "8bit": 1.0}
+# CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers that torch's allocator does not count,
+# plus allocator fragmentation; measured ~0.5-0.9 GiB context on A100/H100 with torch 2.x.
+_GPU_FIXED_OVERHEAD_GIB = 0.9
+_FRAGMENTATION = 0.05
+# A CPU training process: python + torch + transformers + peft imported, before the model.
+_CPU_FIXED_OVERHEAD_GIB = 0.6
+# Bytes per (token x vocab entry) at the peak of the loss: fp32 log-softmax saved for backward
+# plus its incoming gradient and the gradient it produces (transformers' ForCausalLMLoss upcasts
+# the logits to fp32); the low-precision logits are freed before backward.
+_LOGIT_BYTES = 12
+# DeepSpeed bucket sizes the trainer's config uses (elements): reduce + all-gather for ZeRO-1/2.
+_DS_BUCKET = 2e8
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """How a run is trained: method and how the data-parallel replicas share model states."""
+
+    method: Method
+    parallel: Parallel
+    offload_optimizer: bool = False
+    offload_params: bool = False
+
+    @property
+    def label(self) -> str:
+        extra = []
+        if self.offload_optimizer:
+            extra.append("optimizer")
+        if self.offload_params:
+            extra.append("params")
+        off = f" + offload {' & '.join(extra)}" if extra else ""
+        return f"{self.method} + {self.parallel}{off}"
+
+    def parallel_spec(self) -> ParallelSpec:
+        return ParallelSpec(strategy=self.parallel, offload_optimizer=self.offload_optimizer,
+                            offload_params=self.offload_params)
+
+
+@dataclass
+class MemoryBreakdown:
+    """Peak memory of one GPU (or CPU process), GiB per component."""
+
+    weights: float  # model weights as held for compute (frozen base, or the working copy)
+    trainable: float  # separate copy of trainable params: LoRA adapters, fp32 master weights
+    gradients: float
+    optimizer: float  # AdamW moments
+    activations: float  # with or without gradient checkpointing, as the spec says
+    overhead: float  # CUDA context, workspaces, DeepSpeed buckets, fragmentation
+    activations_with_checkpointing: float = 0.0
+    activations_without_checkpointing: float = 0.0
+    host_offloaded: float = 0.0  # what offload moves to host RAM, per process
+
+    COMPONENTS = ("weights", "trainable", "gradients", "optimizer", "activations", "overhead")
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, c) for c in self.COMPONENTS)
+
+    @property
+    def model_states(self) -> float:
+        """Weights + trainable + gradients + optimizer: what DeepSpeed's estimators count."""
+        return self.weights + self.trainable + self.gradients + self.optimizer
+
+    def to_dict(self) -> dict[str, float]:
+        d = {k: round(v, 4) for k, v in asdict(self).items()}
+        d["total"] = round(self.total, 4)
+        return d
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """Everything besides the strategy that memory and time depend on."""
+
+    shape: ModelShape
+    compute_bytes: int  # 2 for bf16/fp16, 4 for fp32
+    micro_batch: int
+    seq_len: int
+    world: int
+    nodes: int
+    lora_r: int
+    targets: list[str] | str
+    checkpointing: bool
+    on_gpu: bool
+
+
+def _activation_bytes(s: _Setup, checkpointing: bool, logit_bytes: float = 0.0) -> float:
+    """Peak activation bytes of one micro-batch (flash/SDPA attention, no dropout).
+
+    Per layer and token, autograd keeps (in compute dtype b unless noted): the two RMSNorm inputs
+    in fp32 (transformers upcasts them), the attention block's norm output, q, k, v (k/v repeated
+    to full width for GQA), the attention output and the o_proj input (~6h), and the MLP's norm
+    output, gate, SiLU(gate), up and their product (h + 4f). This adapts Korthikanti et al. 2022
+    ("Reducing Activation Recomputation in Large Transformer Models", sec. 4.1, 34·s·b·h bytes per
+    layer for GPT) to Llama's SwiGLU MLP and fp32 norms, without the attention-score term that
+    flash attention removes.
+
+    The loss holds _LOGIT_BYTES per token x vocab entry at the start of backward, when (without
+    checkpointing) every layer's activations are still alive. With gradient checkpointing only
+    each layer's input (b·h) is kept; the loss buffers are freed before the first layer is
+    recomputed, so the peak is the larger of the two moments, not their sum. Backward through a
+    layer briefly adds gradient tensors (~3f + 2h per token).
+    """
+    tokens = s.micro_batch * s.seq_len
+    b = s.compute_bytes
+    h, f = s.shape.hidden, s.shape.intermediate
+    per_layer = tokens * (b * (7 * h + 4 * f) + 2 * 4 * h)
+    backward_transient = tokens * b * (3 * f + 2 * h)
+    logits = tokens * s.shape.vocab * logit_bytes
+    embeddings_and_final_norm = tokens * h * (b + 4)
+    if checkpointing:
+        kept = s.shape.layers * tokens * h * b
+        return kept + embeddings_and_final_norm + max(logits, per_layer + backward_transient)
+    kept = s.shape.layers * per_layer
+    return kept + embeddings_and_final_norm + max(logits, backward_transient)
+
+
+def estimate_memory(s: _Setup, st: Strategy, logit_bytes: float = _LOGIT_BYTES) -> MemoryBreakdown:
+    """Per-GPU peak memory of one strategy. Model-state formulas follow DeepSpeed's estimators
+    (``estimate_zero2_model_states_mem_needs``/``estimate_zero3_...``) for mixed precision:
+    2 B bf16 weights, 4 B fp32 master, 2 B bf16 + 4 B fp32 gradients, 8 B Adam moments per
+    trainable parameter; ZeRO-1 shards the optimizer (and master), ZeRO-2 also the gradients,
+    ZeRO-3 also the weights (Rajbhandari et al. 2020, "ZeRO", sec. 5).
+
+    ``logit_bytes`` is what the loss holds per token x vocab entry: 12 for transformers' fp32
+    cross-entropy; a chunked loss (torchtune's CEWithChunkedOutputLoss) holds far less."""
+    sh = s.shape
+    n = s.world
+    b = s.compute_bytes
+    p = sh.params
+    full = st.method == "full"
+    trainable_params = p if full else sh.lora_params(s.lora_r, s.targets)
+    zero = st.parallel != "ddp"
+    z3 = st.parallel == "zero3"
+
+    # Weights held for compute (bytes, as floats: quantised sizes are fractional).
+    frozen_bytes: float
+    weights: float
+    if st.method == "qlora":
+        quant = _QUANT_BYTES["4bit"]
+        frozen_bytes = sh.linear_weights * quant + (p - sh.linear_weights) * b
+    else:
+        frozen_bytes = p * b
+    if full and not zero:
+        # torch AMP over fp32 weights: the fp32 parameters are the weights; autocast keeps a bf16
+        # copy of each weight until backward has used it.
+        weights = p * 4 + (p * b if b < 4 else 0)
+    elif z3:
+        gathered = 2 * b * sh.largest_layer_params  # one layer's weights + their gradients
+        weights = (0 if st.offload_params else frozen_bytes / n) + gathered
+    else:
+        weights = frozen_bytes
+
+    # Trainable copy, gradients, optimizer.
+    trainable: float
+    grads: float
+    optim: float
+    host = 0.0
+    t = trainable_params
+    if not zero:
+        if full:
+            trainable = 0.0  # the fp32 weights above are the trainable parameters
+            grads = t * 4
+        else:
+            # peft keeps adapters in fp32 (autocast_adapter_dtype), so their grads are fp32 too.
+            trainable = t * 4
+            grads = t * 4
+        optim = t * 8
+    else:
+        shard = t / n
+        # DeepSpeed casts the module (adapters included) to bf16 and keeps an fp32 master copy.
+        adapter_working = 0.0 if full else (t * b / n if z3 else t * b)
+        master = shard * 4
+        optim = shard * 8
+        if st.parallel == "zero1":
+            grads = t * b + shard * 4
+        elif st.parallel == "zero2":
+            grads = shard * (b + 4)
+        else:
+            grads = shard * 4  # bf16 grads are reduce-scattered at once; see `gathered`
+        trainable = adapter_working + master
+        if st.offload_optimizer:
+            host += master + optim + shard * 4
+            trainable -= master
+            # DeepSpeed reduces gradients straight into pinned host buffers.
+            grads = t * b if st.parallel == "zero1" else 0.0
+            optim = 0.0
+        if z3 and st.offload_params:
+            host += frozen_bytes / n + adapter_working
+            trainable -= adapter_working
+
+    act_gc = _activation_bytes(s, True, logit_bytes)
+    act_no = _activation_bytes(s, False, logit_bytes)
+    act = act_gc if s.checkpointing else act_no
+
+    if zero and not z3:
+        buffers = 2 * min(t, _DS_BUCKET) * b
+    elif z3:
+        buffers = 0.9 * sh.hidden**2 * b  # stage3_prefetch_bucket_size = 0.9 h^2 ("auto")
+    else:
+        buffers = 0.0
+    if not zero and n > 1:
+        # DDP's reducer copies every gradient into flat all-reduce buckets (the Trainer does not
+        # set gradient_as_bucket_view), so gradient memory is held twice.
+        buffers += grads
+    dynamic = weights + trainable + grads + optim + act + buffers
+    fixed = _GPU_FIXED_OVERHEAD_GIB if s.on_gpu else _CPU_FIXED_OVERHEAD_GIB
+    overhead = buffers + fixed * GiB + (_FRAGMENTATION * dynamic if s.on_gpu else 0.0)
+    return MemoryBreakdown(
+        weights=weights / GiB, trainable=trainable / GiB, gradients=grads / GiB,
+        optimizer=optim / GiB, activations=act / GiB, overhead=overhead / GiB,
+        activations_with_checkpointing=act_gc / GiB,
+        activations_without_checkpointing=act_no / GiB,
+        host_offloaded=host / GiB,
+    )
+
+
+def safety_margin_gib(capacity_gib: float) -> float:
+    """Headroom kept free: 8% of the card, at least 2 GiB (6.4 GiB on an 80 GB card)."""
+    return max(2.0, 0.08 * capacity_gib)
+
+
+def all_strategies(world: int) -> list[Strategy]:
+    """Every valid combination, cheapest first within each method (ZeRO shards need world > 1,
+    offloading is what you pay for when nothing else fits)."""
+    out = []
+    for method in ("full", "lora", "qlora"):
+        out.append(Strategy(method, "ddp"))
+        if world > 1:
+            out += [Strategy(method, "zero1"), Strategy(method, "zero2"),
+                    Strategy(method, "zero3")]
+        out += [Strategy(method, "zero2", offload_optimizer=True),
+                Strategy(method, "zero3", offload_optimizer=True),
+                Strategy(method, "zero3", offload_optimizer=True, offload_params=True)]
+    return out

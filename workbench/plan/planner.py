@@ -1,0 +1,337 @@
+"""The planner: every strategy evaluated for a spec, the cheapest that fits chosen, suggestions.
+
+:func:`plan` resolves the GPU type, the model shape and the data estimate, evaluates every
+method x strategy x offload combination (memory, then time and cost), picks the cheapest that fits
+with a safety margin, and suggests concrete spec changes when nothing fits or a cheaper choice
+exists. Launch refuses a plan that does not fit (:func:`check_fits`); ``parallel.strategy: auto``
+asks :func:`choose_strategy`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from workbench.errors import PlanError, WorkbenchError
+from workbench.gpus import GpuType, get_gpu, gpu_table
+from workbench.plan.memory import (
+    MemoryBreakdown,
+    Strategy,
+    _Setup,
+    all_strategies,
+    estimate_memory,
+    safety_margin_gib,
+)
+from workbench.plan.result import Candidate, Plan, Suggestion
+from workbench.plan.shape import ModelShape, model_shape
+from workbench.plan.timing import DataEstimate, _Run, estimate_data, step_seconds
+from workbench.spec import ParallelSpec, RunSpec
+
+
+def _resolve_gpu(spec: RunSpec, gpu_type: str | None) -> tuple[GpuType, bool]:
+    table = gpu_table()
+    if spec.resources.gpus_per_node == 0:
+        return table["CPU"], False
+    name = gpu_type or spec.resources.gpu_type
+    if name is None:
+        from workbench.gpus import detect_gpu_type
+
+        name = detect_gpu_type()
+    if name is None:
+        raise PlanError(
+            "no GPU type to plan against: set resources.gpu_type (e.g. 'A100-80G'; known types: "
+            f"{', '.join(n for n in table if n != 'CPU')}) or run where a GPU is visible"
+        )
+    return get_gpu(name, table), True
+
+
+def _setup(spec: RunSpec, shape: ModelShape, on_gpu: bool, seq_len: int) -> _Setup:
+    dtype = spec.model.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if on_gpu else "float32"
+    return _Setup(
+        shape=shape,
+        compute_bytes=4 if dtype == "float32" else 2,
+        micro_batch=spec.train.batch_size,
+        seq_len=seq_len,
+        world=spec.resources.world_size,
+        nodes=spec.resources.nodes,
+        lora_r=spec.method.lora_r,
+        targets=spec.method.target_modules,
+        checkpointing=spec.train.gradient_checkpointing,
+        on_gpu=on_gpu,
+    )
+
+
+def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
+              data: DataEstimate) -> Plan:
+    res = spec.resources
+    s = _setup(spec, shape, on_gpu, spec.data.max_length)
+    if on_gpu:
+        capacity = gpu.memory_gib
+        n_devices = res.gpus_per_node * res.nodes
+        price = spec.budget.price_per_gpu_hour
+    else:
+        capacity = gpu.memory_gib / res.procs_per_node  # every process shares the host's RAM
+        n_devices = (os.cpu_count() or 1) * res.nodes
+        price = spec.budget.price_per_cpu_core_hour
+    if price is None:
+        price = gpu.price_per_hour
+    currency = spec.budget.currency
+    assumptions = []
+    if on_gpu and spec.budget.price_per_gpu_hour is None and gpu.price_per_hour is not None \
+            and gpu.currency != currency:
+        assumptions.append(f"prices in the GPU table are in {gpu.currency}, the budget in "
+                           f"{currency}: cost shown in {gpu.currency}")
+        currency = gpu.currency
+    margin = safety_margin_gib(capacity)
+    global_batch = spec.train.batch_size * spec.train.grad_accum * res.world_size
+    tokens_per_step = int(round(global_batch * data.tokens_per_example))
+    if spec.train.max_steps is not None:
+        steps: int | None = spec.train.max_steps
+    elif data.rows is not None:
+        per_epoch = max(1, math.ceil(data.rows / (spec.train.batch_size * res.world_size))
+                        // spec.train.grad_accum)
+        steps = max(1, math.ceil(spec.train.epochs * per_epoch))
+    else:
+        steps = None
+    run = _Run(tokens_per_step, steps, gpu, n_devices, on_gpu)
+    # Activations are planned at max_length (a padded batch can hit it); time at the estimate.
+    s_time = _setup(spec, shape, on_gpu, int(max(1, data.tokens_per_example)))
+
+    candidates = []
+    for st in all_strategies(res.world_size):
+        mem = estimate_memory(s, st)
+        secs, _ = step_seconds(s_time, st, run)
+        hours = secs * steps / 3600 if steps else None
+        cost = hours * n_devices * price if hours is not None and price is not None else None
+        candidates.append(Candidate(st, mem, mem.total <= capacity - margin, hours, cost))
+
+    wanted = spec.parallel
+    reasons: list[str] = []
+    mine = [c for c in candidates if c.strategy.method == spec.method.kind]
+    if wanted.strategy == "auto":
+        fitting = [c for c in mine if c.fits]
+        # Cheapest = fastest (cost is time x cards); among equals the simpler one (list order).
+        chosen = min(fitting, key=lambda c: c.hours or 0.0) if fitting else min(
+            mine, key=lambda c: c.memory.total)
+        reasons.append("parallel: auto -> " + (
+            f"{chosen.strategy.label} is the fastest strategy that fits"
+            if fitting else f"nothing fits; {chosen.strategy.label} needs the least memory"))
+    else:
+        target = Strategy(spec.method.kind, wanted.strategy, wanted.offload_optimizer,
+                          wanted.offload_params)
+        chosen = next((c for c in mine if c.strategy == target), None)  # type: ignore[assignment]
+        if chosen is None:
+            # e.g. ZeRO-1/2/3 without offload on one process, or ddp + offload: still evaluate.
+            mem = estimate_memory(s, target)
+            secs, _ = step_seconds(s_time, target, run)
+            hours = secs * steps / 3600 if steps else None
+            cost = hours * n_devices * price if hours is not None and price else None
+            chosen = Candidate(target, mem, mem.total <= capacity - margin, hours, cost)
+            if target.parallel == "ddp" and (target.offload_optimizer or target.offload_params):
+                chosen.fits = False
+                reasons.append("offloading needs DeepSpeed: use parallel.strategy zero2 or zero3")
+            if target.offload_params and target.parallel != "zero3":
+                chosen.fits = False
+                reasons.append("parallel.offload_params needs parallel.strategy: zero3")
+        reasons.append(f"parallel.strategy: {wanted.strategy} as the spec says")
+
+    mem = chosen.memory
+    unit = "GPU" if on_gpu else "process"
+    if chosen.fits:
+        reasons.append(f"peak {mem.total:.1f} GiB per {unit} leaves "
+                       f"{capacity - mem.total:.1f} GiB of {capacity:.1f} free "
+                       f"(margin {margin:.1f})")
+    else:
+        biggest = max(MemoryBreakdown.COMPONENTS, key=lambda c: getattr(mem, c))
+        reasons.append(f"peak {mem.total:.1f} GiB per {unit} exceeds {capacity - margin:.1f} GiB "
+                       f"usable of {capacity:.1f} ({gpu.name}, keeping {margin:.1f} free); "
+                       f"largest part: {biggest} {getattr(mem, biggest):.1f} GiB")
+    if mem.host_offloaded:
+        # Not part of `fits`: the target's host RAM is not known here (a remote node's may differ).
+        reasons.append(f"offloading needs ~{mem.host_offloaded * res.procs_per_node:.0f} GiB of "
+                       f"host RAM per node ({mem.host_offloaded:.1f} GiB per process)")
+    if steps is None:
+        reasons.append("time and cost unknown: the number of training rows is unknown; "
+                       "set train.max_steps")
+    if chosen.hours is not None and price is None:
+        reasons.append(f"no price for {gpu.name}: set budget.price_per_gpu_hour or edit gpus.yaml")
+
+    limit = spec.budget.limit
+    verdict: Literal["within budget", "over budget", "no limit", "unknown"]
+    if limit is None:
+        verdict = "no limit"
+    elif chosen.cost is None:
+        verdict = "unknown"
+    else:
+        verdict = "within budget" if chosen.cost <= limit else "over budget"
+
+    _, flops_step = step_seconds(s_time, chosen.strategy, run)
+    trainable = shape.params if spec.method.kind == "full" else shape.lora_params(
+        spec.method.lora_r, spec.method.target_modules)
+    if not on_gpu:
+        assumptions.append("CPU run: memory is host RAM shared by the processes; time at "
+                           f"{gpu.utilisation:.0%} of {gpu.bf16_tflops} TFLOP/s per core")
+    else:
+        assumptions.append(f"{gpu.name}: {gpu.bf16_tflops:g} TFLOP/s bf16 peak at "
+                           f"{gpu.utilisation:.0%} utilisation")
+    return Plan(
+        model_id=spec.model.id, model_source=shape.source, params=shape.params,
+        trainable_params=trainable, gpu_type=gpu.name, device="gpu" if on_gpu else "cpu",
+        devices_per_node=res.gpus_per_node if on_gpu else res.procs_per_node, nodes=res.nodes,
+        world_size=res.world_size, memory=mem, capacity_gib=capacity, safety_margin_gib=margin,
+        fits=chosen.fits, strategy=chosen.strategy, reasons=reasons, candidates=candidates,
+        tokens_per_step=tokens_per_step, steps=steps,
+        total_tokens=tokens_per_step * steps if steps else None,
+        flops=flops_step * steps if steps else None, hours=chosen.hours, cost=chosen.cost,
+        currency=currency, price_per_hour=price, budget_limit=limit, budget_verdict=verdict,
+        suggestions=[], data_note=data.note, assumptions=assumptions,
+    )
+
+
+def _suggest(spec: RunSpec, p: Plan, gpu: GpuType, on_gpu: bool, shape: ModelShape,
+             data: DataEstimate) -> list[Suggestion]:
+    """Concrete changes, each checked by re-planning the changed spec."""
+    out: list[Suggestion] = []
+
+    def check(changes: dict[str, Any], gpu_over: GpuType | None = None) -> Plan | None:
+        try:
+            variant = spec.updated(**changes)
+        except WorkbenchError:
+            return None
+        return _evaluate(variant, gpu_over or gpu, on_gpu, shape, data)
+
+    if not p.fits:
+        if spec.parallel.strategy != "auto":
+            q = check({"parallel.strategy": "auto", "parallel.offload_optimizer": False,
+                       "parallel.offload_params": False})
+            if q and q.fits:
+                ps = q.strategy.parallel_spec()
+                out.append(Suggestion(
+                    f"use {q.strategy.label} (parallel.strategy: {ps.strategy}"
+                    + (", offload_optimizer: true" if ps.offload_optimizer else "")
+                    + (", offload_params: true" if ps.offload_params else "") + ")",
+                    {"parallel.strategy": ps.strategy,
+                     "parallel.offload_optimizer": ps.offload_optimizer,
+                     "parallel.offload_params": ps.offload_params}))
+        if not spec.train.gradient_checkpointing:
+            q = check({"train.gradient_checkpointing": True})
+            if q and q.fits:
+                out.append(Suggestion("turn on gradient checkpointing "
+                                      "(train.gradient_checkpointing: true; ~30% slower)",
+                                      {"train.gradient_checkpointing": True}))
+        bs = spec.train.batch_size
+        if bs > 1:
+            for smaller in sorted({bs // 2, bs // 4, 1} - {0}, reverse=True):
+                accum = spec.train.grad_accum * bs // smaller
+                q = check({"train.batch_size": smaller, "train.grad_accum": accum})
+                if q and q.fits:
+                    out.append(Suggestion(
+                        f"train.batch_size {smaller} with train.grad_accum {accum} "
+                        "(same global batch, less activation memory)",
+                        {"train.batch_size": smaller, "train.grad_accum": accum}))
+                    break
+        for kind, label in (("lora", "use LoRA"), ("qlora", "use QLoRA")):
+            if kind == spec.method.kind or (spec.method.kind == "qlora" and kind == "lora"):
+                continue
+            ch: dict[str, Any] = {"method.kind": kind, "parallel.strategy": "auto"}
+            ch["model.quantization"] = "4bit" if kind == "qlora" else "none"
+            q = check(ch)
+            if q and q.fits:
+                out.append(Suggestion(f"{label} (method.kind: {kind}): "
+                                      f"{q.memory.total:.1f} GiB per GPU", ch))
+                break
+        if on_gpu:
+            res = spec.resources
+            for n in (2, 4, 8):
+                if n <= res.gpus_per_node:
+                    continue
+                ch = {"resources.gpus_per_node": n, "parallel.strategy": "auto"}
+                if res.processes_per_node is not None:
+                    ch["resources.processes_per_node"] = n
+                q = check(ch)
+                if q and q.fits:
+                    out.append(Suggestion(f"{n} GPUs (resources.gpus_per_node: {n}) with "
+                                          f"{q.strategy.label}", ch))
+                    break
+            table = gpu_table()
+            bigger = sorted((g for g in table.values() if g.name not in ("CPU", gpu.name)
+                             and g.memory_gib > gpu.memory_gib),
+                            key=lambda g: (g.price_per_hour is None, g.price_per_hour or 0,
+                                           g.memory_gib))
+            for g in bigger:
+                q = check({"resources.gpu_type": g.name, "parallel.strategy": "auto"}, g)
+                if q and q.fits:
+                    out.append(Suggestion(f"a bigger card: resources.gpu_type {g.name} "
+                                          f"({g.memory_gib:.0f} GiB) with {q.strategy.label}",
+                                          {"resources.gpu_type": g.name,
+                                           "parallel.strategy": "auto"}))
+                    break
+        if not out:
+            out.append(Suggestion(
+                "nothing tried fits: use a smaller model, a shorter data.max_length, or more "
+                "GPUs/nodes"))
+    if p.budget_verdict == "over budget" and p.cost and p.steps and p.budget_limit:
+        per_step = p.cost / p.steps
+        steps = int(p.budget_limit / per_step)
+        if steps >= 1:
+            out.append(Suggestion(f"train.max_steps {steps:,} stays within the budget of "
+                                  f"{p.budget_limit:,.2f} {p.currency}",
+                                  {"train.max_steps": steps}))
+        if spec.method.kind == "full":
+            q = check({"method.kind": "lora", "parallel.strategy": "auto"})
+            if q and q.cost is not None and q.fits and q.cost <= p.budget_limit:
+                out.append(Suggestion(f"use LoRA: {q.cost:,.2f} {q.currency}",
+                                      {"method.kind": "lora", "parallel.strategy": "auto"}))
+        if on_gpu:
+            for g in gpu_table().values():
+                if g.name in ("CPU", gpu.name) or g.price_per_hour is None:
+                    continue
+                q = check({"resources.gpu_type": g.name, "parallel.strategy": "auto"}, g)
+                if q and q.fits and q.cost is not None and q.cost <= p.budget_limit:
+                    out.append(Suggestion(f"resources.gpu_type {g.name}: {q.cost:,.2f} "
+                                          f"{q.currency}", {"resources.gpu_type": g.name,
+                                                            "parallel.strategy": "auto"}))
+                    break
+    if p.steps is None:
+        out.append(Suggestion("set train.max_steps so time and cost can be estimated"))
+    return out
+
+
+def plan(spec: RunSpec | dict | str | Path | None = None, *,
+         gpu_type: str | None = None) -> Plan:
+    """Plan ``spec``: memory per GPU for every strategy, the choice, time, cost and verdict.
+
+    ``spec`` takes the forms ``launch`` takes (a RunSpec, a mapping, a YAML path; None: the
+    embedded default). ``gpu_type`` overrides ``spec.resources.gpu_type`` (which defaults to the
+    detected card). Raises SpecError for an invalid spec, UnknownGPUError for a card not in the
+    table, ModelNotFoundError for an unknown model.
+    """
+    spec = RunSpec.coerce(spec)
+    gpu, on_gpu = _resolve_gpu(spec, gpu_type)
+    m = spec.model
+    shape = model_shape(m.id, m.revision, m.trust_remote_code)
+    data = estimate_data(spec)
+    p = _evaluate(spec, gpu, on_gpu, shape, data)
+    p.suggestions = _suggest(spec, p, gpu, on_gpu, shape, data)
+    return p
+
+
+def choose_strategy(spec: RunSpec, *, gpu_type: str | None = None) -> ParallelSpec:
+    """The ParallelSpec ``parallel: auto`` resolves to: the fastest strategy that fits (or the
+    least memory-hungry one when none does; :func:`check_fits` then refuses the run)."""
+    auto = spec.updated(**{"parallel.strategy": "auto"})
+    return plan(auto, gpu_type=gpu_type).strategy.parallel_spec()
+
+
+def check_fits(p: Plan) -> None:
+    """Raise PlanError, saying why and what to change, unless the plan fits."""
+    if p.fits:
+        return
+    why = "; ".join(r for r in p.reasons if "exceeds" in r or "needs" in r) or "; ".join(p.reasons)
+    fixes = "\n".join(f"  * {s.text}" for s in p.suggestions)
+    raise PlanError(f"this run does not fit: {why}.\nTo make it fit:\n{fixes}\n"
+                    "(launch with force=True to start it anyway)")

@@ -1,0 +1,170 @@
+"""Model shape: what the planner needs to know about a model, counted without downloading it.
+
+:func:`model_shape` reads the model's config (a built-in, a local folder, the hub, or, offline, a
+table of well-known configs) and instantiates it on the meta device to count parameters, linear
+layers and the largest module. Every later estimate (memory, time, cost) starts from this.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from workbench.errors import ModelNotFoundError
+
+# Offline defaults only: config fields (not parameter counts) of well-known models, copied from
+# each model's config.json on the Hugging Face hub. Used when the hub is unreachable; the counts
+# are still computed by instantiating these configs on the meta device.
+OFFLINE_CONFIGS: dict[str, dict[str, Any]] = {
+    # https://huggingface.co/meta-llama/Llama-2-7b-hf/blob/main/config.json
+    "meta-llama/Llama-2-7b-hf": dict(
+        model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+        max_position_embeddings=4096, tie_word_embeddings=False),
+    # https://huggingface.co/meta-llama/Llama-3.1-8B/blob/main/config.json
+    "meta-llama/Llama-3.1-8B": dict(
+        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        max_position_embeddings=131072, tie_word_embeddings=False),
+    # https://huggingface.co/Qwen/Qwen2.5-0.5B/blob/main/config.json
+    "Qwen/Qwen2.5-0.5B": dict(
+        model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+        num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+        max_position_embeddings=32768, tie_word_embeddings=True),
+    # https://huggingface.co/Qwen/Qwen2.5-1.5B/blob/main/config.json
+    "Qwen/Qwen2.5-1.5B": dict(
+        model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+        num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+        max_position_embeddings=131072, tie_word_embeddings=True),
+    # https://huggingface.co/Qwen/Qwen2.5-7B/blob/main/config.json
+    "Qwen/Qwen2.5-7B": dict(
+        model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+        num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+        max_position_embeddings=131072, tie_word_embeddings=False),
+    # https://huggingface.co/mistralai/Mistral-7B-v0.1/blob/main/config.json
+    "mistralai/Mistral-7B-v0.1": dict(
+        model_type="mistral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        max_position_embeddings=32768, tie_word_embeddings=False),
+}
+# Same architecture under other names (instruct variants share the base's shape).
+_OFFLINE_ALIASES = {
+    "meta-llama/Meta-Llama-3.1-8B": "meta-llama/Llama-3.1-8B",
+    "meta-llama/Llama-3.1-8B-Instruct": "meta-llama/Llama-3.1-8B",
+    "meta-llama/Meta-Llama-3.1-8B-Instruct": "meta-llama/Llama-3.1-8B",
+    "meta-llama/Llama-2-7b-chat-hf": "meta-llama/Llama-2-7b-hf",
+    "Qwen/Qwen2.5-0.5B-Instruct": "Qwen/Qwen2.5-0.5B",
+    "Qwen/Qwen2.5-1.5B-Instruct": "Qwen/Qwen2.5-1.5B",
+    "Qwen/Qwen2.5-7B-Instruct": "Qwen/Qwen2.5-7B",
+    "mistralai/Mistral-7B-Instruct-v0.1": "mistralai/Mistral-7B-v0.1",
+    "mistralai/Mistral-7B-Instruct-v0.2": "mistralai/Mistral-7B-v0.1",
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs to know about a model, counted from its meta-device instance."""
+
+    model_id: str
+    params: int  # unique parameters (tied embeddings counted once)
+    linear_weights: int  # every nn.Linear weight except lm_head: what 4/8-bit quantisation packs
+    lm_head_weights: int  # matmul FLOPs of the output layer (also when tied to the embeddings)
+    largest_layer_params: int  # biggest single module (ZeRO-3 gathers one at a time)
+    linears: tuple[tuple[str, int, int], ...]  # (name, in, out) LoRA could target
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    source: str  # "config" or "offline table"
+
+    def lora_params(self, r: int, targets: list[str] | str) -> int:
+        """Adapter parameters: r x (in + out) per targeted linear, matched like peft does."""
+        total = 0
+        for name, fan_in, fan_out in self.linears:
+            if targets == "all-linear" or any(
+                name == t or name.endswith("." + t) for t in targets
+            ):
+                total += r * (fan_in + fan_out)
+        return total
+
+
+def _hub_reachable(timeout: float = 1.5) -> bool:
+    # A failed AutoConfig download retries for ~30 s; a live plan in a form cannot wait that long.
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        return False
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    host = endpoint.split("://", 1)[-1].split("/", 1)[0]
+    host, _, port = host.partition(":")
+    try:
+        with socket.create_connection((host, int(port or 443)), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _config_for(model_id: str, revision: str | None, trust_remote_code: bool) -> tuple[Any, str]:
+    from transformers import AutoConfig
+
+    from workbench.models import load_config, resolve_model
+
+    offline_key = _OFFLINE_ALIASES.get(model_id, model_id)
+    source = resolve_model(model_id)
+    is_hub = source == model_id and not Path(os.path.expanduser(model_id)).exists()
+    if is_hub and offline_key in OFFLINE_CONFIGS and not _hub_reachable():
+        fields = dict(OFFLINE_CONFIGS[offline_key])
+        return AutoConfig.for_model(fields.pop("model_type"), **fields), "offline table"
+    try:
+        return load_config(model_id, revision, trust_remote_code), "config"
+    except ModelNotFoundError:
+        if offline_key not in OFFLINE_CONFIGS:
+            raise
+        fields = dict(OFFLINE_CONFIGS[offline_key])
+        return AutoConfig.for_model(fields.pop("model_type"), **fields), "offline table"
+
+
+@functools.lru_cache(maxsize=32)
+def model_shape(model_id: str, revision: str | None = None,
+                trust_remote_code: bool = False) -> ModelShape:
+    """Count parameters and LoRA-able layers of ``model_id`` without downloading weights."""
+    import torch
+    from torch import nn
+    from transformers import AutoModelForCausalLM
+
+    cfg, source = _config_for(model_id, revision, trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=trust_remote_code)
+    out_emb = model.get_output_embeddings()
+    linears: list[tuple[str, int, int]] = []
+    linear_weights = 0
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and module is not out_emb:
+            # peft's "all-linear" also skips the output layer.
+            linears.append((name, module.in_features, module.out_features))
+            linear_weights += module.weight.numel()
+    largest = max(
+        (sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0
+    )
+    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    heads = int(getattr(text_cfg, "num_attention_heads", 1))
+    hidden = int(getattr(text_cfg, "hidden_size", 0))
+    return ModelShape(
+        model_id=model_id,
+        params=sum(p.numel() for p in model.parameters()),
+        linear_weights=linear_weights,
+        lm_head_weights=out_emb.weight.numel() if out_emb is not None else 0,
+        largest_layer_params=largest,
+        linears=tuple(linears),
+        hidden=hidden,
+        layers=int(getattr(text_cfg, "num_hidden_layers", 1)),
+        heads=heads,
+        kv_heads=int(getattr(text_cfg, "num_key_value_heads", None) or heads),
+        intermediate=int(getattr(text_cfg, "intermediate_size", 4 * hidden)),
+        vocab=int(getattr(text_cfg, "vocab_size", 0)),
+        source=source,
+    )

@@ -1,0 +1,168 @@
+"""Time: how many training examples and tokens a run sees, and how long one optimizer step takes.
+
+:func:`estimate_data` counts (or samples) the data sources to estimate rows and tokens per example;
+:func:`step_seconds` turns a strategy's FLOPs, gradient communication and offload copies into
+seconds per step at the GPU type's assumed utilisation. The plan prices these hours.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from workbench.gpus import GpuType
+from workbench.plan.memory import Strategy, _Setup
+from workbench.plan.shape import ModelShape
+from workbench.spec import RunSpec
+
+_CHARS_PER_TOKEN = 3.6  # English BPE average (OpenAI's rule of thumb: ~4 chars per token)
+_TEMPLATE_TOKENS = 12  # chat template / role markers around each example
+
+
+def _text_chars(row: dict[str, Any]) -> int:
+    total = 0
+    for value in row.values():
+        if isinstance(value, str):
+            total += len(value)
+        elif isinstance(value, list):  # messages / conversations
+            total += sum(len(str(m.get("content", m.get("value", ""))))
+                         if isinstance(m, dict) else len(str(m)) for m in value)
+    return total
+
+
+def _source_rows(path: str) -> tuple[int | None, list[dict[str, Any]]]:
+    """(row count, a sample of rows) of one data source; count None when not cheaply known."""
+    if path == "builtin:teaching":
+        from workbench.assets.teaching import teaching_rows
+
+        rows = list(teaching_rows("train"))
+        return len(rows), rows[:512]
+    p = Path(os.path.expanduser(path))
+    if p.is_file() and p.suffix == ".jsonl":
+        sample: list[dict[str, Any]] = []
+        count = 0
+        with p.open("rb") as fh:
+            for line in fh:
+                if not line.strip():
+                    continue
+                count += 1
+                if len(sample) < 512:
+                    try:
+                        obj = json.loads(line)
+                    except ValueError:
+                        continue
+                    if isinstance(obj, dict):
+                        sample.append(obj)
+        return count, sample
+    if p.is_file() and p.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(p).metadata.num_rows, []
+    return None, []
+
+
+@dataclass
+class DataEstimate:
+    rows: int | None  # training rows after the validation split; None when unknown
+    tokens_per_example: float  # average tokens one example costs (padding included)
+    note: str
+
+
+def estimate_data(spec: RunSpec) -> DataEstimate:
+    total: int | None = 0
+    sample: list[dict[str, Any]] = []
+    unknown = []
+    for src in spec.data.sources:
+        count, rows = _source_rows(src.path)
+        if count is None:
+            unknown.append(src.path)
+        else:
+            if src.max_rows is not None:
+                count = min(count, src.max_rows)
+            total = (total or 0) + count
+        sample += rows
+    if unknown:
+        total = None
+    elif total is not None:
+        total = max(1, int(total * (1 - spec.data.validation_fraction)))
+    L = spec.data.max_length
+    lengths = [min(L, _text_chars(r) / _CHARS_PER_TOKEN + _TEMPLATE_TOKENS) for r in sample]
+    per_example: float
+    if spec.data.packing:
+        per_example = L  # packed blocks are full by construction
+        note = "packed: every sequence is max_length tokens"
+    elif lengths:
+        # Each batch is padded to its longest example: average the per-batch maximum.
+        bs = spec.train.batch_size
+        batches = [lengths[i:i + bs] for i in range(0, len(lengths), bs)]
+        per_example = sum(max(b_) for b_ in batches) / len(batches)
+        note = (f"not packed: ~{per_example:.0f} tokens per example after padding, estimated "
+                f"from {len(lengths)} sampled rows at {_CHARS_PER_TOKEN} characters per token")
+    else:
+        per_example = L
+        note = "not packed and the data could not be sampled: assumed max_length per example"
+    if unknown:
+        note += f"; row count unknown for {', '.join(unknown)} (set train.max_steps)"
+    if spec.data.packing and total is not None and lengths:
+        # Packing turns rows into max_length blocks: estimate blocks from sampled text length.
+        avg = sum(lengths) / len(lengths)
+        total = max(1, int(total * avg / L))
+        note += f"; ~{total:,} packed blocks"
+    return DataEstimate(total, per_example, note)
+
+
+def _forward_flops_per_token(sh: ModelShape, seq_len: int) -> float:
+    # 2 FLOPs per multiply-add of every linear layer (lm_head included), plus attention scores and
+    # their weighting, 2·n_layer·n_ctx·d (Kaplan et al. 2020, table 1; causal masking halves the
+    # 4·n_ctx·d of QK^T + AV).
+    return 2 * (sh.linear_weights + sh.lm_head_weights) + 2 * sh.layers * seq_len * sh.hidden
+
+
+# QLoRA trains ~1.66x slower than LoRA (dequantising every weight in forward and backward):
+# Google Cloud's Vertex AI tuning recommendations ("LoRA is about 66% faster than QLoRA").
+_QLORA_SLOWDOWN = 1.66
+_INTER_NODE_GBPS = 12.5  # 100 Gb/s InfiniBand/RoCE, the common cluster fabric
+_PCIE_GBPS = 16.0  # effective host<->device copy bandwidth (PCIe 4.0 x16 pinned)
+_CPU_ADAM_PARAMS_PER_S = 1e9  # DeepSpeed CPUAdam on a many-core host (ZeRO-Offload paper)
+
+
+@dataclass(frozen=True)
+class _Run:
+    tokens_per_step: int  # processed tokens (padding included) per optimizer step, all ranks
+    steps: int | None
+    gpu: GpuType
+    n_devices: int  # GPUs in total, or CPU cores in total for CPU runs
+    on_gpu: bool
+
+
+def step_seconds(s: _Setup, st: Strategy, r: _Run) -> tuple[float, float]:
+    """(seconds per optimizer step, FLOPs per step) at the GPU type's assumed utilisation."""
+    sh = s.shape
+    fwd = _forward_flops_per_token(sh, s.seq_len)
+    lora = sh.lora_params(s.lora_r, s.targets)
+    # Full: backward = 2x forward (gradients for activations and for weights). LoRA: frozen
+    # weights need no weight gradient, so backward computes only activation gradients.
+    per_token = 3 * fwd if st.method == "full" else 2 * fwd + 6 * lora
+    if s.checkpointing:
+        per_token += fwd  # one more forward to recompute
+    flops = per_token * r.tokens_per_step
+    peak = r.gpu.bf16_tflops * 1e12 * r.n_devices * r.gpu.utilisation
+    seconds = flops / peak
+    if st.method == "qlora":
+        seconds *= _QLORA_SLOWDOWN
+    # Gradient all-reduce (ring: 2(n-1)/n of the gradient bytes), half hidden behind backward.
+    t = sh.params if st.method == "full" else lora
+    if s.world > 1:
+        bw = (_INTER_NODE_GBPS if s.nodes > 1 else r.gpu.interconnect_gbps) * 1e9
+        comm = 2 * (s.world - 1) / s.world * t * s.compute_bytes / bw
+        if st.parallel == "zero3":
+            comm *= 1.5  # + parameter all-gathers in forward and backward (ZeRO paper, sec. 7)
+        seconds += 0.5 * comm
+    if st.offload_optimizer:
+        seconds += t / s.world / _CPU_ADAM_PARAMS_PER_S + 2 * 4 * t / s.world / (_PCIE_GBPS * 1e9)
+    if st.offload_params:
+        seconds += 2 * s.compute_bytes * sh.params / s.world / (_PCIE_GBPS * 1e9)
+    return seconds, flops

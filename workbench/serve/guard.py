@@ -1,0 +1,125 @@
+"""The guard process: runs one vLLM server, stops it when told to, and records how it ended.
+
+Started on the server's machine as ``python -m workbench.serve --guard DIR ...`` (see
+:func:`workbench.serve.server.guard_command`); everything it says, it writes as files in the
+endpoint folder, so any process (this kernel, a later one, the lab panel) reads the same state.
+It imports nothing heavy: it starts on every deploy.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from workbench.serve.server import PORT_FROM_GUARD, _url_host, free_port
+
+
+def _guard_main(argv: Sequence[str]) -> int:
+    """Run the server command in DIR; stop it when told to; record how it ended.
+
+    Writes DIR/guard.pid, DIR/server.pid, DIR/address.json (node, bind host, port: ``--port 0``
+    picks a free one, substituted for PORT_FROM_GUARD in the command), DIR/healthy.json once the
+    server answers /health (so any process sees it is up, with no tunnel to it) and, at the end,
+    DIR/exit.json. DIR/api_key, when present, reaches the server as VLLM_API_KEY. The guard
+    leads its process group, so stopping the group stops the server with it. It stops the server
+    when the process ``--watch-pid`` ends, or when its stdin closes (``--watch-stdin``: the SSH
+    session of the kernel that deployed it).
+    """
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m workbench.serve")
+    p.add_argument("--guard", required=True, type=Path)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--watch-pid", type=int, default=0)
+    p.add_argument("--watch-stdin", action="store_true")
+    p.add_argument("command", nargs=argparse.REMAINDER)
+    from workbench.rundir import write_json_atomic, write_text_atomic
+
+    args = p.parse_args(argv)
+    d: Path = args.guard
+    write_text_atomic(d / "guard.pid", str(os.getpid()))
+    port = args.port or free_port(args.host)
+    command = [str(port) if c == PORT_FROM_GUARD else c for c in (
+        args.command[1:] if args.command[:1] == ["--"] else args.command)]
+    env = dict(os.environ)
+    env.pop("VLLM_API_KEY", None)
+    if (d / "api_key").is_file():
+        env["VLLM_API_KEY"] = (d / "api_key").read_text().strip()
+    server = subprocess.Popen(command, stdin=subprocess.DEVNULL, env=env)
+    write_text_atomic(d / "server.pid", str(server.pid))
+    write_json_atomic(d / "address.json", {"node": socket.gethostname(), "host": args.host,
+                                           "port": port})
+    reason = {"value": "exited"}
+    watched_gone = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        reason["value"] = "signal"
+        server.terminate()
+
+    def read_stdin_to_eof() -> None:
+        try:
+            while sys.stdin.buffer.read(4096):
+                pass
+        except (OSError, ValueError):
+            pass
+        watched_gone.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, on_signal)
+    if args.watch_stdin:
+        threading.Thread(target=read_stdin_to_eof, daemon=True).start()
+    local = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(args.host, args.host)
+    health = f"http://{_url_host(local)}:{port}/health"
+    healthy = False
+    while server.poll() is None:
+        if not healthy and _answers(health):
+            healthy = True
+            write_json_atomic(d / "healthy.json", {"time": time.time()})
+        if (args.watch_pid and not _pid_alive(args.watch_pid)) or watched_gone.is_set():
+            reason["value"] = "watched process ended"
+            server.terminate()
+            try:
+                server.wait(20)
+            except subprocess.TimeoutExpired:
+                server.kill()
+            break
+        time.sleep(0.5)
+    code = server.wait()
+    write_json_atomic(d / "exit.json", {"code": code, "reason": reason["value"], "time": time.time()})
+    return 0
+
+
+def _answers(url: str, timeout: float = 1.0) -> bool:
+    """Whether GET ``url`` answers 200 (the health probe of the guard and of Endpoint.healthy)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return bool(resp.status == 200)
+    except OSError:
+        return False
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (exited, not yet reaped by its parent) counts as ended.
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
