@@ -171,7 +171,8 @@ def run_workbench(docs: list[str], threshold: float) -> dict:
             removed[row - 1] = (match.kept_row - 1, match.similarity, match.method)
     return {"removed": removed, "wall_s": time.perf_counter() - t,
             "cpu_s": time.process_time() - c, "bands": step.bands, "rows": step.rows,
-            "candidates_verified": index.verified, "candidates_rejected": index.rejected}
+            "candidates_verified": index.verified, "candidates_rejected": index.rejected,
+            "index_bytes_per_kept_doc": round(index.nbytes / max(len(index), 1))}
 
 
 def run_banding_only(docs: list[str]) -> dict:
@@ -306,7 +307,8 @@ def main() -> None:
             "docs_per_s_per_core_best": round(max(walls)),
             "docs_per_cpu_s": round(statistics.median(cpus)),
             **{k: v for k, v in first.items() if k in ("bands", "rows", "candidates_verified",
-                                                       "candidates_rejected")},
+                                                       "candidates_rejected",
+                                                       "index_bytes_per_kept_doc")},
             "same_decisions_every_round": all(x["removed"].keys() == first["removed"].keys()
                                               for x in rs)}
     out = {

@@ -195,3 +195,50 @@ def test_raising_the_threshold_never_removes_more() -> None:
 def test_bad_options_name_the_field(options: dict, message: str) -> None:
     with pytest.raises(SpecError, match=rf"data\.clean\.options\.near_dedup: {message}"):
         build_steps(["near_dedup"], {"near_dedup": options})
+
+
+def test_index_finds_every_kept_document_after_growing() -> None:
+    import numpy as np
+
+    from workbench.data.clean.near_index import NearDupIndex
+
+    rng = random.Random(0)
+    index = NearDupIndex(threshold=0.9, sketch_size=16, capacity=16)
+    docs = []
+    for row in range(1, 3001):
+        # Random band keys plus one key shared by a hundred documents (a busy bucket), and a
+        # sketch that no other document has.
+        key = ([rng.getrandbits(64) for _ in range(6)] + [row // 100 + 1],
+               np.array([3 * row, 3 * row + 1], dtype=np.uint32), True)
+        assert index.check(key, row) is None
+        docs.append(key)
+    for row, (bands, sketch, whole) in enumerate(docs, start=1):
+        match = index.best_match((bands[:6], sketch, whole))
+        assert match is not None and (match.kept_row, match.similarity) == (row, 1.0)
+    assert len(index) == 3000
+
+
+def test_index_similarity_is_the_set_jaccard_exact_or_close() -> None:
+    import numpy as np
+
+    from workbench.data.clean.near_index import NearDupIndex
+
+    rng = random.Random(5)
+    for size, k in ((60, 256), (3000, 256)):  # whole sets (exact), then bottom-k sketches
+        base = set(rng.sample(range(1, 2**32), size))
+        index = NearDupIndex(threshold=0.01, sketch_size=k)
+        others = []
+        for row in range(1, 6):  # kept documents overlapping the base set more and more
+            keep = set(rng.sample(sorted(base), size * row // 6))
+            other = keep | set(rng.sample(range(1, 2**32), size - len(keep)))
+            others.append(other)
+            arr = np.array(sorted(other), dtype=np.uint32)
+            index.add(([row], arr[:k], arr.size <= k), row)
+        arr = np.array(sorted(base), dtype=np.uint32)
+        match = index.best_match((list(range(1, 6)), arr[:k], arr.size <= k))
+        true = [len(base & o) / len(base | o) for o in others]
+        assert match is not None and match.kept_row == 5
+        if size <= k:
+            assert (match.method, match.similarity) == ("exact", true[4])
+        else:
+            assert match.method == "estimated" and abs(match.similarity - true[4]) < 0.1

@@ -115,18 +115,39 @@ class NearDupIndex(DedupIndex):
         """The most similar kept document at or above the threshold (the earliest on a tie),
         or None. Changes nothing."""
         bands, sketch, whole = key
-        best: NearMatch | None = None
+        found = self._candidates(bands)
+        if not found:
+            return None
+        ids = np.array(sorted(found), dtype=np.int64)
+        sims = np.empty(ids.size)
+        exact = self._whole.data[ids] & whole
+        if exact.any():
+            sims[exact] = self._exact_similarities(sketch, ids[exact])
         starts, store = self._start.data, self._sketch.data
-        for d in sorted(self._candidates(bands)):
-            other = store[starts[d]:starts[d + 1]]
-            sim, method = sketch_similarity(sketch, whole, other, bool(self._whole.data[d]),
-                                            self.k)
-            self.verified += 1
-            if sim < self.threshold:
-                self.rejected += 1
-            elif best is None or sim > best.similarity:
-                best = NearMatch(int(self._row.data[d]), sim, method)
-        return best
+        for i in np.flatnonzero(~exact).tolist():
+            d = ids[i]
+            sims[i] = sketch_similarity(sketch, whole, store[starts[d]:starts[d + 1]],
+                                        bool(self._whole.data[d]), self.k)[0]
+        self.verified += ids.size
+        ok = sims >= self.threshold
+        self.rejected += ids.size - int(ok.sum())
+        if not ok.any():
+            return None
+        i = int(np.argmax(np.where(ok, sims, -1.0)))  # the first of equal maxima: the earliest
+        return NearMatch(int(self._row.data[ids[i]]), float(sims[i]),
+                         "exact" if exact[i] else "estimated")
+
+    def _exact_similarities(self, sketch: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """Exact Jaccard of the whole set ``sketch`` with each of the documents ``ids`` (whole
+        sets too), in one pass over their concatenated sketches: a busy LSH bucket (many
+        documents from one template) costs numpy work, not a Python loop per candidate."""
+        begin, end = self._start.data[ids], self._start.data[ids + 1]
+        lens = end - begin
+        offsets = np.cumsum(lens) - lens
+        values = self._sketch.data[np.arange(int(lens.sum())) + np.repeat(begin - offsets, lens)]
+        pos = np.minimum(np.searchsorted(sketch, values), sketch.size - 1)
+        inter = np.add.reduceat((sketch[pos] == values).astype(np.int64), offsets)
+        return inter / (sketch.size + lens - inter)
 
     def add(self, key: NearKey, row: int) -> None:
         """Remember a kept document (``row``: its 1-based position in the input)."""
@@ -162,9 +183,20 @@ class NearDupIndex(DedupIndex):
 
     def _grow(self) -> None:
         used = self._keys != 0
-        old_keys, old_ids = self._keys[used].tolist(), self._ids[used].tolist()
+        keys, ids = self._keys[used], self._ids[used]
         self._keys = np.zeros(self._keys.size * 2, dtype=np.uint64)
         self._ids = np.zeros(self._keys.size, dtype=np.uint32)
-        self._used = 0
-        for k, d in zip(old_keys, old_ids, strict=True):
-            self._put(k, d)
+        self._used = int(keys.size)
+        mask = self._keys.size - 1
+        pos = (keys & np.uint64(mask)).astype(np.int64)
+        # Linear probing in bulk: each round fills every free slot asked for with one of the
+        # keys asking for it; the others move one slot on, past a slot that is now taken.
+        while keys.size:
+            free = np.flatnonzero(self._keys[pos] == 0)
+            _, first = np.unique(pos[free], return_index=True)
+            placed = free[first]
+            self._keys[pos[placed]] = keys[placed]
+            self._ids[pos[placed]] = ids[placed]
+            rest = np.ones(keys.size, dtype=bool)
+            rest[placed] = False
+            keys, ids, pos = keys[rest], ids[rest], (pos[rest] + 1) & mask
