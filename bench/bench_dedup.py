@@ -18,7 +18,7 @@ installed by this script into a cache folder when missing. The banding-only deci
 ``near_dedup`` made before verification (14 bands x 8 rows) is scored too. Writes
 bench/results/dedup.json.
 
-    python bench/bench_dedup.py [--docs 4000] [--threshold 0.75] [--rounds 5]
+    python bench/bench_dedup.py [--docs 4000] [--threshold 0.75] [--rounds 5] [--out PATH]
 """
 
 from __future__ import annotations
@@ -272,6 +272,7 @@ def main() -> None:
     ap.add_argument("--threshold", type=float, default=0.75)
     ap.add_argument("--rounds", type=int, default=5, help="timed runs of each contender")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "dedup.json")
     args = ap.parse_args()
     t = args.threshold
     corpus = Corpus(args.docs, args.seed)
@@ -326,7 +327,7 @@ def main() -> None:
             results["workbench"]["docs_per_s_per_core"]
             / results["datasketch"]["docs_per_s_per_core"], 2),
     }
-    path = Path(__file__).parent / "results" / "dedup.json"
+    path = args.out
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(out, indent=2) + "\n")
     c = out["corpus"]
