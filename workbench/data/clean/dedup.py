@@ -267,7 +267,6 @@ class MinHasher:
         return self.band_keys(self.signature(text))
 
 
-
 def jaccard(a: set[str], b: set[str]) -> float:
     """Exact Jaccard similarity of two sets (used by tests and the benchmark to check MinHash)."""
     return len(a & b) / len(a | b) if a or b else 1.0
@@ -289,7 +288,7 @@ class NearDedup(DedupStep):
     Jaccard of the two shingle sets when both have at most ``sketch_size`` distinct shingles
     (about 1,300 characters of English), else by the Jaccard estimated from their bottom-k
     sketches (:mod:`workbench.data.clean.near_index`). Memory per kept document: at most
-    4 x ``sketch_size`` bytes plus ~24 bytes per band.
+    4 x ``sketch_size`` bytes plus 24-48 bytes per band (about 1.9 KB at the defaults).
     """
 
     name: ClassVar[str] = "near_dedup"
@@ -305,8 +304,8 @@ class NearDedup(DedupStep):
         check(self.shingle_size >= 1, "shingle_size must be >= 1")
         check(1 <= self.num_perm <= 1024, "num_perm must be between 1 and 1024")
         check(isinstance(self.threshold, (int, float)) and 0.0 < self.threshold < 1.0,
-              "threshold must be between 0 and 1 (e.g. 0.75: documents sharing 75% of their "
-              "shingles are near-duplicates)")
+              "threshold must be between 0 and 1 (the Jaccard similarity of two documents' "
+              "shingle sets at which they count as near-duplicates, e.g. 0.75)")
         if self.bands is None:
             self.bands, _ = candidate_bands(self.threshold, self.num_perm)
         check(1 <= self.bands <= self.num_perm, "bands must be between 1 and num_perm "

@@ -1,11 +1,11 @@
 """The cleaning pipeline: runs the steps over a stream of records on every core, in input order.
 
 Records are read in batches; each batch's text fields go to a worker process that runs every
-per-document step and computes the dedup keys (:func:`_process_one`). The parent consumes the
-results in input order, asks each dedup step's index whether the key was seen before (so the first
+per-document step and computes the dedup keys (:func:`_process_one`). The parent consumes the results
+in input order, asks each dedup step's index whether the key was seen before (so the first
 occurrence is kept, whatever worker saw it; the near-dedup index also names the kept document and
-the similarity that made a document a near-duplicate), writes the kept rows out and updates the report. At
-most a few batches per worker are in flight, so memory stays bounded on any corpus size.
+the similarity that made a document a near-duplicate), writes the kept rows out and updates the
+report. At most a few batches per worker are in flight, so memory stays bounded on any corpus size.
 
 The per-document decision is exactly the one a sequential run would make: a worker stops at the
 first per-document step that removes a document and reports the dedup keys of the dedup steps
