@@ -1,9 +1,11 @@
-"""Exact and near-duplicate (MinHash LSH) document dedup, with vectorised numpy hashing.
+"""Exact and near-duplicate (MinHash LSH, verified) document dedup, with vectorised numpy hashing.
 
 Both steps keep the first occurrence in input order. Per-document hashing (the expensive part)
 runs in worker processes; the "seen before?" sets live in the parent (:class:`U64Set`, a
 numpy open-addressing table of 64-bit keys, ~16-32 bytes per key instead of ~80 for a Python
-``set`` of ints), so dedup is correct across workers and memory stays small per document.
+``set`` of ints; for near dedup :class:`~workbench.data.clean.near_index.NearDupIndex`, which
+also verifies each LSH candidate), so dedup is correct across workers and memory stays small per
+document.
 
 MinHash: words come from :func:`workbench.data.clean.tokens.words` (one word per CJK character,
 so Chinese gets character shingles), each word gets a stable 64-bit id (blake2b, cached per
@@ -15,13 +17,13 @@ integers, evaluated for all shingles x all permutations as one numpy matrix.
 from __future__ import annotations
 
 import hashlib
-import math
 import re
 from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 
+from workbench.data.clean.near_index import NearDupIndex, NearKey
 from workbench.data.clean.step import DedupIndex, DedupStep, Doc, check
 from workbench.data.clean.tokens import CJK_RANGES
 
@@ -142,19 +144,20 @@ class ExactDedup(DedupStep):
         return U64Set()
 
 
-def optimal_bands(threshold: float, num_perm: int) -> tuple[int, int]:
-    """(bands, rows) with bands*rows <= num_perm minimising false positives + false negatives
-    around ``threshold`` (the same criterion as datasketch's MinHashLSH, equal weights)."""
-    xs = np.linspace(0.0, 1.0, 201)
-    best, best_err = (1, num_perm), math.inf
-    for b in range(1, num_perm + 1):
-        for r in range(1, num_perm // b + 1):
-            p = 1.0 - (1.0 - xs**r) ** b  # probability that a pair becomes a candidate
-            fp = np.trapezoid(np.where(xs < threshold, p, 0.0), xs)
-            fn = np.trapezoid(np.where(xs >= threshold, 1.0 - p, 0.0), xs)
-            if fp + fn < best_err:
-                best, best_err = (b, r), fp + fn
-    return best
+def candidate_bands(threshold: float, num_perm: int, min_recall: float = 0.995
+                    ) -> tuple[int, int]:
+    """(bands, rows) for LSH candidates that are verified afterwards: the most rows per band
+    (the fewest dissimilar candidates to verify) such that a pair at exactly ``threshold``
+    still becomes a candidate with probability >= ``min_recall``.
+
+    >>> candidate_bands(0.75, 112)
+    (22, 5)
+    """
+    for rows in range(num_perm, 0, -1):
+        bands = num_perm // rows
+        if 1.0 - (1.0 - threshold**rows) ** bands >= min_recall:
+            return bands, rows
+    return num_perm, 1
 
 
 class MinHasher:
@@ -231,7 +234,10 @@ class MinHasher:
 
     def signature(self, text: str) -> np.ndarray:
         """``num_perm`` minimum hash values (uint64 holding 32-bit values)."""
-        x = self.shingles(text)
+        return self.minhash(self.shingles(text))
+
+    def minhash(self, x: np.ndarray) -> np.ndarray:
+        """The signature of the shingle ids ``x`` (as returned by :meth:`shingles`)."""
         # The (shingles x num_perm) hash matrix is made _BLOCK rows at a time so that it stays
         # in cache (about 1.5x faster on 2 KB documents); the minimum of the blocks' minima is
         # the minimum of the whole matrix.
@@ -268,50 +274,76 @@ def jaccard(a: set[str], b: set[str]) -> float:
 
 @dataclass
 class NearDedup(DedupStep):
-    """Drop documents that share an LSH band with an earlier kept document (MinHash LSH).
+    """Drop documents whose shingle-set Jaccard similarity with an earlier kept document is at
+    least ``threshold``; MinHash LSH finds the candidates, and each one is verified.
 
-    Defaults follow FineWeb's MinHash dedup (Penedo et al. 2024; datatrove ``MinhashConfig``):
-    ``shingle_size=5`` word 5-grams (a CJK character counts as a word, so Chinese gets character
-    5-grams), ``num_perm=112`` hashes split into ``bands=14`` bands of 8 rows, which flags pairs
-    with Jaccard similarity around 0.75 and above (50% detection at (1/14)^(1/8) = 0.72; 0.8
-    similar pairs are caught with probability 0.92, 0.7 with 0.4). Set ``threshold`` (e.g. 0.8)
-    to choose bands/rows for ``num_perm`` by datasketch's criterion instead. Like datatrove,
-    a band match is the decision (no pairwise re-check), which keeps only 14 x 8 bytes per
-    kept document in memory.
+    Shingles follow FineWeb's MinHash dedup (Penedo et al. 2024; datatrove ``MinhashConfig``):
+    ``shingle_size=5`` word 5-grams (a CJK character counts as a word, so Chinese gets
+    character 5-grams), ``num_perm=112`` hashes, and ``threshold=0.75``, the similarity FineWeb
+    targets. Unlike datatrove, a band match is not the decision: on a corpus where many pairs
+    share a paragraph or a template, banding alone removes many documents that are not
+    near-duplicates. So ``bands`` (None: chosen by :func:`candidate_bands`, 22 bands x 5 rows
+    for 0.75) is set low enough that a pair at the threshold becomes a candidate with
+    probability >= 0.995, and every candidate is checked against the threshold by the exact
+    Jaccard of the two shingle sets when both have at most ``sketch_size`` distinct shingles
+    (about 1,300 characters of English), else by the Jaccard estimated from their bottom-k
+    sketches (:mod:`workbench.data.clean.near_index`). Memory per kept document: at most
+    4 x ``sketch_size`` bytes plus 24-48 bytes per band (about 1.9 KB at the defaults).
     """
 
     name: ClassVar[str] = "near_dedup"
 
     shingle_size: int = 5
     num_perm: int = 112
-    bands: int = 14
-    threshold: float | None = None
+    threshold: float = 0.75
+    bands: int | None = None
+    sketch_size: int = 256
     seed: int = 1
 
     def __post_init__(self) -> None:
         check(self.shingle_size >= 1, "shingle_size must be >= 1")
         check(1 <= self.num_perm <= 1024, "num_perm must be between 1 and 1024")
-        if self.threshold is not None:
-            check(0.0 < self.threshold < 1.0, "threshold must be between 0 and 1")
-            self.bands, _ = optimal_bands(self.threshold, self.num_perm)
-        check(1 <= self.bands <= self.num_perm, "bands must be between 1 and num_perm")
+        check(isinstance(self.threshold, (int, float)) and 0.0 < self.threshold < 1.0,
+              "threshold must be between 0 and 1 (the Jaccard similarity of two documents' "
+              "shingle sets at which they count as near-duplicates, e.g. 0.75)")
+        if self.bands is None:
+            self.bands, _ = candidate_bands(self.threshold, self.num_perm)
+        check(1 <= self.bands <= self.num_perm, "bands must be between 1 and num_perm "
+              "(or leave it out to choose it from threshold)")
+        check(16 <= self.sketch_size <= 1 << 16, "sketch_size must be between 16 and 65536")
         self._hasher: MinHasher | None = None
 
     @property
     def rows(self) -> int:
-        return self.num_perm // self.bands
+        return self.num_perm // self.band_count
+
+    @property
+    def band_count(self) -> int:
+        assert self.bands is not None  # set by __post_init__
+        return self.bands
 
     def hasher(self) -> MinHasher:
         if self._hasher is None:
-            self._hasher = MinHasher(self.num_perm, self.bands, self.shingle_size, self.seed)
+            self._hasher = MinHasher(self.num_perm, self.band_count, self.shingle_size,
+                                     self.seed)
         return self._hasher
 
     def __getstate__(self) -> dict:
         # Workers rebuild the hasher (and its word-id cache) themselves.
         return {**self.__dict__, "_hasher": None}
 
-    def key(self, doc: Doc) -> list[int]:
-        return self.hasher().keys(doc.text)
+    def key(self, doc: Doc) -> NearKey:
+        h = self.hasher()
+        x = np.sort(h.shingles(doc.text))
+        # Distinct shingles, sorted, so the first k are the bottom-k sketch (3-4x faster than
+        # np.unique on ~200 values); the signature of the distinct ones is the same.
+        first = np.empty(x.size, dtype=bool)
+        first[0] = True
+        np.not_equal(x[1:], x[:-1], out=first[1:])
+        distinct = x[first]
+        k = self.sketch_size
+        return (h.band_keys(h.minhash(distinct)), distinct[:k].astype(np.uint32),
+                distinct.size <= k)
 
-    def new_index(self) -> U64Set:
-        return U64Set()
+    def new_index(self) -> NearDupIndex:
+        return NearDupIndex(self.threshold, self.sketch_size)

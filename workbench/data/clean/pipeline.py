@@ -1,10 +1,11 @@
 """The cleaning pipeline: runs the steps over a stream of records on every core, in input order.
 
 Records are read in batches; each batch's text fields go to a worker process that runs every
-per-document step and computes the dedup keys (:func:`_process_one`). The parent consumes the
-results in input order, asks each dedup step's index whether the key was seen before (so the first
-occurrence is kept, whatever worker saw it), writes the kept rows out and updates the report. At
-most a few batches per worker are in flight, so memory stays bounded on any corpus size.
+per-document step and computes the dedup keys (:func:`_process_one`). The parent consumes the results
+in input order, asks each dedup step's index whether the key was seen before (so the first
+occurrence is kept, whatever worker saw it; the near-dedup index also names the kept document and
+the similarity that made a document a near-duplicate), writes the kept rows out and updates the
+report. At most a few batches per worker are in flight, so memory stays bounded on any corpus size.
 
 The per-document decision is exactly the one a sequential run would make: a worker stops at the
 first per-document step that removes a document and reports the dedup keys of the dedup steps
@@ -25,6 +26,7 @@ from typing import Any
 from workbench.data.clean.dedup import ExactDedup, NearDedup
 from workbench.data.clean.langid import LanguageFilter
 from workbench.data.clean.length import LengthFilter
+from workbench.data.clean.near_index import NearDupIndex, NearMatch
 from workbench.data.clean.normalize import Normalize
 from workbench.data.clean.pii import PIIScrubber
 from workbench.data.clean.quality import QualityFilter
@@ -224,21 +226,35 @@ class CleanPipeline:
                            if isinstance(s, LanguageFilter) and s.field), None)
         started = time.perf_counter()
         bar = tqdm(desc="cleaning", unit=" docs", disable=not self.progress, mininterval=0.5)
+        n = 0
         try:
             for rows, results in self._results(self._batches(records, text_fields)):
                 for row, res in zip(rows, results, strict=True):
+                    n += 1
                     new, failed, reason, detail, keys, lang, modified, counters = res
                     removed_at = failed
-                    for i, key in keys:
-                        if indexes[i].seen(key):
-                            removed_at, reason = i, "duplicate"
-                            detail = "same as an earlier document" if isinstance(
-                                self.steps[i], ExactDedup) else "near-duplicate of an earlier one"
-                            break
                     text = "\n\n".join(row[f] for f in text_fields)
+                    match: NearMatch | None = None
+                    for i, key in keys:
+                        index = indexes[i]
+                        if isinstance(index, NearDupIndex):
+                            match = index.check(key, n)
+                            if match is None:
+                                report.record_indexed(i, n, text)
+                                continue
+                            detail = (f"near-duplicate of row {match.kept_row} (Jaccard "
+                                      f"{match.similarity:.2f}, {match.method})")
+                        elif index.seen(key):
+                            detail = "same as an earlier document" if isinstance(
+                                self.steps[i], ExactDedup) else "duplicate of an earlier one"
+                        else:
+                            continue
+                        removed_at, reason = i, "duplicate"
+                        break
                     if removed_at >= 0:
                         report.record_removed(removed_at, str(reason), detail, text, lang,
-                                              [m for m in modified if m < removed_at])
+                                              [m for m in modified if m < removed_at],
+                                              row=n, match=match)
                         continue
                     out = dict(row)
                     if new is not None:

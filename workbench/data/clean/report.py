@@ -1,5 +1,8 @@
 """What a cleaning run removed and why: per-step counts, reasons, examples, length histograms and
 the language mix, as JSON on disk, a text summary, a matplotlib figure and a notebook widget.
+For near-duplicates it names, for every removed document, the kept document it duplicates and
+their Jaccard similarity (``StepReport.duplicates``); the widget shows example pairs side by side
+and the figure a histogram of those similarities.
 
     >>> r = CleanReport.start([], ["text"], "demo", workers=1, examples=2)
     >>> r.record_kept("hello", "hello", "en", [], {}); r.finish(0.1)
@@ -15,8 +18,14 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+if TYPE_CHECKING:
+    from workbench.data.clean.near_index import NearMatch
+
+#: Kept documents whose first characters are remembered so that an example near-duplicate can be
+#: shown next to the document it duplicates (only until the examples are complete).
+KEPT_TEXT_LIMIT = 20_000
 #: Length histogram bins: bin 0 holds empty texts, bin k holds lengths in [2^(k-1), 2^k),
 #: the last bin everything from 2^20 characters up.
 N_BINS = 22
@@ -33,7 +42,12 @@ def bin_labels() -> list[str]:
 
 @dataclass
 class StepReport:
-    """Counts for one step: documents removed (by reason), rewritten, and example removals."""
+    """Counts for one step: documents removed (by reason), rewritten, and example removals.
+
+    ``duplicates`` (near dedup) holds one ``(row, kept_row, similarity, method)`` per removed
+    document: input rows are 1-based positions in the input, ``method`` is "exact" or
+    "estimated" (see :mod:`workbench.data.clean.near_index`).
+    """
 
     name: str
     params: dict[str, Any]
@@ -42,11 +56,18 @@ class StepReport:
     reasons: Counter = field(default_factory=Counter)
     replacements: Counter = field(default_factory=Counter)
     examples: list[dict[str, Any]] = field(default_factory=list)
+    duplicates: list[tuple[int, int, float, str]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "params": self.params, "removed": self.removed,
                 "modified": self.modified, "reasons": dict(self.reasons),
-                "replacements": dict(self.replacements), "examples": self.examples}
+                "replacements": dict(self.replacements), "examples": self.examples,
+                "duplicates": [{"row": r, "kept_row": k, "similarity": sim, "method": m}
+                               for r, k, sim, m in self.duplicates]}
+
+    def similarities(self) -> list[float]:
+        """Similarity of each removed near-duplicate to the kept document it duplicates."""
+        return [d[2] for d in self.duplicates]
 
 
 class CleanReport:
@@ -67,6 +88,7 @@ class CleanReport:
         self.languages_out: Counter = Counter()
         self.seconds = 0.0
         self.complete = False
+        self._kept_text: dict[int, str] = {}
 
     @classmethod
     def start(cls, steps: Sequence[Any], text_fields: list[str], source: str, workers: int,
@@ -83,17 +105,37 @@ class CleanReport:
         if lang is not None:
             self.languages_in[lang] += 1
 
+    def _wants_examples(self, s: StepReport, reason: str) -> bool:
+        return sum(e["reason"] == reason for e in s.examples) < self.max_examples
+
+    def record_indexed(self, step: int, row: int, text: str) -> None:
+        """A document passed the near-dedup step ``step``: remember its start while examples
+        of that step may still need it as the kept side of a pair."""
+        if (self._wants_examples(self.steps[step], "duplicate")
+                and len(self._kept_text) < KEPT_TEXT_LIMIT):
+            self._kept_text[row] = _snippet(text)
+
     def record_removed(self, step: int, reason: str, detail: str, text: str, lang: str | None,
-                       modified: Sequence[int]) -> None:
+                       modified: Sequence[int], row: int | None = None,
+                       match: NearMatch | None = None) -> None:
         self._count_in(text, lang)
         for m in modified:
             self.steps[m].modified += 1
         s = self.steps[step]
         s.removed += 1
         s.reasons[reason] += 1
-        if sum(e["reason"] == reason for e in s.examples) < self.max_examples:
-            s.examples.append({"reason": reason, "detail": detail, "lang": lang,
-                               "text": text[:300] + ("…" if len(text) > 300 else "")})
+        if match is not None and row is not None:
+            s.duplicates.append((row, match.kept_row, round(match.similarity, 4), match.method))
+        if self._wants_examples(s, reason):
+            example: dict[str, Any] = {"reason": reason, "detail": detail, "lang": lang,
+                                       "text": _snippet(text)}
+            if match is not None:
+                example.update(row=row, kept_row=match.kept_row,
+                               similarity=round(match.similarity, 4), method=match.method,
+                               kept_text=self._kept_text.get(match.kept_row))
+            s.examples.append(example)
+            if match is not None and not self._wants_examples(s, reason):
+                self._kept_text.clear()  # the examples are complete: free the snippets
 
     def record_kept(self, text_in: str, text_out: str, lang: str | None,
                     modified: Sequence[int], replacements: dict[str, int]) -> None:
@@ -153,7 +195,9 @@ class CleanReport:
     def from_dict(cls, d: dict[str, Any]) -> CleanReport:
         steps = [StepReport(s["name"], s["params"], s["removed"], s["modified"],
                             Counter(s["reasons"]), Counter(s.get("replacements", {})),
-                            s["examples"]) for s in d["steps"]]
+                            s["examples"],
+                            [(x["row"], x["kept_row"], x["similarity"], x["method"])
+                             for x in s.get("duplicates", [])]) for s in d["steps"]]
         r = cls(steps, d["text_fields"], d["source"], d["workers"], 0)
         r.documents_in, r.documents_out = d["documents_in"], d["documents_out"]
         r.chars_in, r.chars_out = d["chars_in"], d["chars_out"]
@@ -179,6 +223,12 @@ class CleanReport:
                 extra += f" ({kinds})"
             why = f"  [{why}]" if why else ""
             lines.append(f"  {s.name:<12} removed {s.removed:>7}{extra}{why}")
+            if s.duplicates:
+                sims = sorted(s.similarities())
+                methods = Counter(d[3] for d in s.duplicates)
+                lines.append(f"  {'':<12} Jaccard with the kept document: min {sims[0]:.2f}, "
+                             f"median {sims[len(sims) // 2]:.2f} ("
+                             + ", ".join(f"{k} {v}" for k, v in sorted(methods.items())) + ")")
         if self.languages_in:
             lines.append("  languages: " + ", ".join(
                 f"{k} {v}" for k, v in self.languages_in.most_common(6)))
@@ -188,10 +238,12 @@ class CleanReport:
         return f"<CleanReport {self.documents_in} in, {self.documents_out} kept>"
 
     def plot(self) -> Any:
-        """A matplotlib figure: removals per step, length histograms in/out, language mix."""
+        """A matplotlib figure: removals per step, length histograms in/out, language mix and,
+        when near-duplicates were removed, a histogram of their similarities."""
         import matplotlib.pyplot as plt
 
-        fig, axes = plt.subplots(1, 3, figsize=(14, 3.6))
+        sims = [x for s in self.steps for x in s.similarities()]
+        fig, axes = plt.subplots(1, 4 if sims else 3, figsize=(18 if sims else 14, 3.6))
         ax = axes[0]
         names = [s.name for s in self.steps]
         ax.barh(names[::-1], [s.removed for s in self.steps][::-1], color="#c0504d")
@@ -216,6 +268,12 @@ class CleanReport:
         ax.set_title("language mix")
         if langs:
             ax.legend()
+        if sims:
+            ax = axes[3]
+            ax.hist(sims, bins=[i / 40 for i in range(41)], color="#4f81bd")
+            ax.set_xlim(min(0.5, min(sims) - 0.05), 1.0)
+            ax.set_xlabel("Jaccard similarity with the kept document")
+            ax.set_title(f"near-duplicates removed ({len(sims)})")
         fig.tight_layout()
         return fig
 
@@ -249,8 +307,37 @@ class CleanReport:
         examples = w.Accordion(children=pages)
         for i, s in enumerate(self.steps):
             examples.set_title(i, f"{s.name}: {s.removed} removed")
-        return w.VBox([w.HTML(self._repr_html_()), plot_out,
-                       w.HTML("<b>Examples of removed documents</b>"), examples])
+        parts = [w.HTML(self._repr_html_()), plot_out,
+                 w.HTML("<b>Examples of removed documents</b>"), examples]
+        pairs = self.pairs_html()
+        if pairs:
+            parts += [w.HTML("<b>Near-duplicates next to the document they duplicate</b>"),
+                      w.HTML(pairs)]
+        return w.VBox(parts)
+
+    def pairs_html(self) -> str:
+        """Example near-duplicate pairs side by side (removed | kept) with their similarity;
+        empty when no near-duplicate was removed."""
+        cell = "style='vertical-align:top;text-align:left;width:50%;color:#333'"
+        rows = []
+        for s in self.steps:
+            for e in s.examples:
+                if "kept_row" not in e:
+                    continue
+                kept = e.get("kept_text") or "(not kept in memory: see that row of the input)"
+                rows.append(
+                    f"<tr><th colspan=2 style='text-align:left'>row {e['row']} removed as a "
+                    f"near-duplicate of row {e['kept_row']}: Jaccard {e['similarity']:.2f} "
+                    f"({html.escape(e['method'])})</th></tr>"
+                    f"<tr><td {cell}>{html.escape(e['text'])}</td>"
+                    f"<td {cell}>{html.escape(kept)}</td></tr>")
+        if not rows:
+            return ""
+        return ("<table><tr><th>removed</th><th>kept</th></tr>" + "".join(rows) + "</table>")
+
+
+def _snippet(text: str, n: int = 300) -> str:
+    return text[:n] + ("…" if len(text) > n else "")
 
 
 def _jsonable(value: Any) -> Any:
