@@ -330,3 +330,22 @@ def test_old_run_dirs_without_tokenized_data_still_load(tmp_path, tokenizer):
     rows = load_split(rd, "train", tokenizer, spec)
     n = len((rd.data_dir / "train.jsonl").read_text().splitlines())
     assert len(rows) == n and any(lab != IGNORE for lab in rows[0]["labels"])
+
+
+def test_run_form_preview_shows_token_lengths_against_max_length(tmp_path):
+    from workbench.widgets import RunForm
+    from workbench.widgets.run_form import length_figure
+
+    rows = [{"instruction": f"Add {i} and {i}.", "output": str(2 * i)} for i in range(20)]
+    rows += [{"instruction": "word " * 300, "output": "yes"}]
+    path = _write_jsonl(tmp_path / "d.jsonl", rows)
+    form = RunForm(RunSpec(data={"sources": [{"path": str(path)}], "max_length": 64,
+                                 "validation_fraction": 0.0}))
+    text = "".join(o.get("text", "") for o in form.lengths.outputs)
+    assert "train: 21 examples" in text and "1 truncated, 0 dropped" in text
+    assert any(o.get("output_type") == "display_data" for o in form.lengths.outputs)
+    stats = form.update_lengths()
+    fig = length_figure(stats)
+    ax = fig.axes[0]
+    assert ax.lines[0].get_xdata()[0] == 64  # the max_length marker
+    assert sum(p.get_height() for p in ax.patches) == 21
