@@ -167,3 +167,185 @@ def test_model_sources_builtin_folder_hub_and_missing(tiny_model, tmp_path):
 def test_hub_dataset_path_is_real_and_fails_clearly_offline():
     with pytest.raises(DatasetError, match="could not load dataset 'no-such-org/no-such-data'"):
         list(read_rows(DataSource(path="no-such-org/no-such-data")))
+
+
+# -- chat masks, truncation, statistics (tokenise once) ---------------------------------------
+
+CONVERSATION = [
+    {"role": "system", "content": "You answer in one word."},
+    {"role": "user", "content": "What does a cow say?"},
+    {"role": "assistant", "content": "moo"},
+    {"role": "user", "content": "And a dog?"},
+    {"role": "assistant", "content": "woof  twice\n\nloudly"},  # inner blank line is trained
+    {"role": "user", "content": "A cat?"},
+    {"role": "assistant", "content": "meow"},
+]
+
+# A layout unlike the built-in one: no BOS, role names inside the start marker, and a system turn
+# that becomes a default when missing.
+CHATML = (
+    "{% for m in messages %}"
+    "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# Strips contents: splicing contents into a rendered layout would be wrong, so it must not be used.
+TRIMMING = (
+    "{% for m in messages %}"
+    "{{ '[' + m['role'] + '] ' + (m['content'] | trim) + ' [/' + m['role'] + ']' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '[assistant] ' }}{% endif %}"
+)
+
+
+def _trained_runs(enc, tokenizer) -> list[str]:
+    """The decoded text of each contiguous run of trained tokens."""
+    runs, current = [], []
+    for tok, lab in zip(enc.input_ids, enc.labels):
+        if lab == IGNORE:
+            if current:
+                runs.append(current)
+            current = []
+        else:
+            assert lab == tok
+            current.append(tok)
+    if current:
+        runs.append(current)
+    return [tokenizer.decode(r) for r in runs]
+
+
+@pytest.fixture
+def chatml_tokenizer(tiny_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = CHATML
+    tok.eos_token = "<|im_end|>"
+    return tok
+
+
+@pytest.mark.parametrize("layout", ["builtin", "chatml", "trimming"])
+def test_multi_turn_trains_every_assistant_turn_and_nothing_else(layout, tokenizer,
+                                                                 chatml_tokenizer):
+    from workbench.data.tokenize import ChatRenderer, encode_batch
+
+    tok = chatml_tokenizer if layout == "chatml" else tokenizer
+    if layout == "trimming":
+        tok.chat_template = TRIMMING
+    end = {"builtin": "<|end|>", "chatml": "<|im_end|>", "trimming": " [/assistant]"}[layout]
+    # This BPE merges the space before a word into it: that template's space before the answer
+    # comes with the answer's first token.
+    lead = " " if layout == "trimming" else ""
+    answers = ["moo", "woof  twice\n\nloudly", "meow"]
+    convo = [dict(m) for m in CONVERSATION]
+    if layout == "trimming":  # padded contents: a spliced render would keep the padding
+        convo = [{**m, "content": f"  {m['content']} "} for m in convo]
+    renderer = ChatRenderer(tok)
+    for _ in range(6):  # past the checked renders, onto the fast path where there is one
+        enc = encode_batch([{"messages": convo}], tok, 512, renderer=renderer)[0]
+        assert _trained_runs(enc, tok) == [lead + a + end for a in answers]
+        assert not enc.truncated and enc.trainable == len([x for x in enc.labels if x != IGNORE])
+    prompt_end = tok.decode(enc.input_ids[:enc.prompt_tokens])
+    assert prompt_end.endswith({"builtin": "<|assistant|>\n", "chatml": "<|im_start|>assistant\n",
+                                "trimming": "[assistant]"}[layout])
+
+
+LONG_PROMPT = {"messages": [{"role": "system", "content": "Answer yes or no."},
+                            {"role": "user", "content": "Is this long? " + "word " * 200},
+                            {"role": "assistant", "content": "yes"}]}
+
+
+def test_keep_response_truncation_keeps_the_answer_and_right_loses_it(tokenizer):
+    from workbench.data.tokenize import encode_batch
+
+    kept = encode_batch([LONG_PROMPT], tokenizer, 64, "keep_response")[0]
+    assert len(kept.input_ids) == 64 and kept.truncated
+    assert _trained_runs(kept, tokenizer) == ["yes<|end|>"]
+    text = tokenizer.decode(kept.input_ids)
+    assert text.startswith("<|bos|> word") and text.endswith("word <|end|>\n<|assistant|>\nyes<|end|>\n")
+    answer = tokenizer("yes<|end|>\n", add_special_tokens=False)["input_ids"]
+    assert kept.prompt_tokens > 200 and kept.response_tokens == len(answer)
+    lost = encode_batch([LONG_PROMPT], tokenizer, 64, "right")[0]
+    assert len(lost.input_ids) == 64 and lost.trainable == 0
+    # A response longer than the budget keeps its start, and at least half of max_length.
+    long_answer = {"messages": [{"role": "user", "content": "word " * 100},
+                                {"role": "assistant", "content": "yes " * 100}]}
+    both = encode_batch([long_answer], tokenizer, 64)[0]
+    assert len(both.input_ids) == 64 and both.trainable == 32
+    assert tokenizer.decode([t for t, lab in zip(both.input_ids, both.labels)
+                             if lab != IGNORE]).startswith("yes yes")
+
+
+def test_token_stats_count_truncated_and_dropped_and_refuse_too_many(tmp_path, tokenizer):
+    from workbench.data.tokenized import check_trainable, token_stats
+    from workbench.errors import DataTruncationError
+
+    short = [{"instruction": f"Add {i} and {i}.", "output": str(2 * i)} for i in range(195)]
+    long = [{"system": "Answer yes or no.", "instruction": f"Case {i}: " + "word " * 200,
+             "output": "yes"} for i in range(5)]
+    path = _write_jsonl(tmp_path / "mixed.jsonl", short + long)
+    base = {"sources": [{"path": str(path)}], "max_length": 64, "validation_fraction": 0.0}
+    kept = token_stats(RunSpec(data=base), tokenizer)
+    train = kept.splits["train"]
+    assert (train.examples, train.truncated, train.dropped) == (200, 5, 0)
+    assert train.tokens["max"] > 200 and train.prompt_tokens["max"] > 200
+    assert train.response_tokens["min"] >= 2  # the answer digits and <|end|>
+    # Every example trains its answer and end token, and no prompt token is trained.
+    assert 2 * 200 <= kept.trainable_tokens_per_epoch <= (
+        sum(train.lengths) - 200 * train.prompt_tokens["min"])
+    hist = kept.histogram()
+    assert sum(hist["counts"]) == 200 and hist["edges"][-1] >= train.tokens["max"]
+    check_trainable(kept, RunSpec(data=base))  # nothing lost: accepted
+    right = RunSpec(data={**base, "truncation": "right"})
+    lost = token_stats(right, tokenizer)
+    assert (lost.splits["train"].truncated, lost.splits["train"].dropped) == (0, 5)
+    with pytest.raises(DataTruncationError) as info:
+        check_trainable(lost, right)  # 2.5% lost, above the default 1%
+    msg = str(info.value)
+    assert "5 lose every response token" in msg and "of 200" in msg and "max_length" in msg
+    check_trainable(lost, RunSpec(data={**base, "truncation": "right",
+                                        "max_dropped_fraction": 0.05}))
+
+
+def test_eval_sample_is_bounded_and_deterministic():
+    from workbench.data.tokenized import eval_sample
+
+    rows = [{"i": i} for i in range(1000)]
+    a, b = eval_sample(rows, 256, seed=3), eval_sample(rows, 256, seed=3)
+    assert a == b and len(a) == 256 and len({r["i"] for r in a}) == 256
+    assert a != eval_sample(rows, 256, seed=4)
+    assert eval_sample(rows, 0, 3) == rows and eval_sample(rows, None, 3) == rows
+    assert eval_sample(rows[:10], 256, 3) == rows[:10]
+
+
+def test_old_run_dirs_without_tokenized_data_still_load(tmp_path, tokenizer):
+    from workbench.rundir import RunDir
+    from workbench.train.run import load_split
+
+    rd = RunDir(tmp_path / "old-run")
+    spec = RunSpec()
+    rd.create(spec)
+    prepare_data(spec, rd.data_dir)  # what launch wrote before tokenise-once: jsonl only
+    rows = load_split(rd, "train", tokenizer, spec)
+    n = len((rd.data_dir / "train.jsonl").read_text().splitlines())
+    assert len(rows) == n and any(lab != IGNORE for lab in rows[0]["labels"])
+
+
+def test_run_form_preview_shows_token_lengths_against_max_length(tmp_path):
+    from workbench.widgets import RunForm
+    from workbench.widgets.run_form import length_figure
+
+    rows = [{"instruction": f"Add {i} and {i}.", "output": str(2 * i)} for i in range(20)]
+    rows += [{"instruction": "word " * 300, "output": "yes"}]
+    path = _write_jsonl(tmp_path / "d.jsonl", rows)
+    form = RunForm(RunSpec(data={"sources": [{"path": str(path)}], "max_length": 64,
+                                 "validation_fraction": 0.0}))
+    text = "".join(o.get("text", "") for o in form.lengths.outputs)
+    assert "train: 21 examples" in text and "1 truncated, 0 dropped" in text
+    assert any(o.get("output_type") == "display_data" for o in form.lengths.outputs)
+    stats = form.update_lengths()
+    fig = length_figure(stats)
+    ax = fig.axes[0]
+    assert ax.lines[0].get_xdata()[0] == 64  # the max_length marker
+    assert sum(p.get_height() for p in ax.patches) == 21

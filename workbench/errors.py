@@ -45,6 +45,10 @@ class EmptyDatasetError(DatasetError):
     """A dataset (or what is left of it after cleaning or splitting) has no rows."""
 
 
+class DataTruncationError(DatasetError):
+    """Truncation to data.max_length would leave too few examples with anything to train on."""
+
+
 class ResourceError(WorkbenchError, RuntimeError):
     """The requested resources (GPUs, processes) are not available on the target."""
 

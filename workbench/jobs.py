@@ -65,6 +65,25 @@ def _plan(spec: RunSpec, force: bool) -> dict[str, Any]:
     return result.to_dict()
 
 
+def _prepare_data(spec: RunSpec, rd: RunDir) -> None:
+    """Read, clean and split the data, then tokenise it once for every rank (see
+    workbench.data.tokenized); refuses data that truncation would leave with too little to train."""
+    from workbench.data.prepare import prepare_data
+    from workbench.data.tokenized import check_trainable, prepare_tokenized
+
+    summary = prepare_data(spec, rd.data_dir)
+    rd.write_status(data=summary.counts)
+    from workbench.models import resolve_model
+    from workbench.train.run import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(spec, resolve_model(spec.model.id))
+    except (OSError, ValueError) as exc:  # the tokenizer lives only on the target: ranks tokenise
+        rd.write_status(prepare={"skipped": f"tokenizer not loadable here: {exc}"})
+        return
+    check_trainable(prepare_tokenized(spec, rd, tokenizer), spec)
+
+
 def launch(spec: RunSpec | dict | str | Path | None = None, *, force: bool = False,
            registry: Registry | None = None) -> Job:
     """Start a run and return its Job. ``spec`` may be a RunSpec, a mapping, or a YAML path.
@@ -91,18 +110,18 @@ def launch(spec: RunSpec | dict | str | Path | None = None, *, force: bool = Fal
     run_id = _new_run_id(spec.name)
     rd = RunDir(runs_dir() / run_id)
     rd.create(spec)
-    try:
-        write_json_atomic(rd.plan_file, plan)
-        from workbench.data.prepare import prepare_data
-
-        summary = prepare_data(spec, rd.data_dir)
-        rd.write_status(data=summary.counts)
-    except BaseException:
-        shutil.rmtree(rd.path, ignore_errors=True)
-        raise
     now = time.time()
+    # Registered before the data step so `workbench status` and the panel show it preparing;
+    # removed again (with its run dir) if the data is refused.
     registry.add_run(RunRecord(id=run_id, name=spec.name, target=spec.target, backend_job_id=None,
                                run_dir=str(rd.path), state=PENDING, created=now, updated=now))
+    try:
+        write_json_atomic(rd.plan_file, plan)
+        _prepare_data(spec, rd)
+    except BaseException:
+        registry.delete_run(run_id)
+        shutil.rmtree(rd.path, ignore_errors=True)
+        raise
     job_id = backend.submit(rd.path, spec)
     registry.update_run(run_id, backend_job_id=job_id, state=QUEUED)
     return Job(registry.get_run(run_id), registry=registry, backend=backend)
@@ -318,6 +337,7 @@ class Job:
             "restarts": status.get("restarts"),
             "error": status.get("error"),
             "note": status.get("note"),  # why a run stopped short, and how to go on (budget)
+            "phase": _phase(status),  # e.g. "preparing train 40000/200000" during launch
         }
 
     def _repr_html_(self) -> str:
@@ -334,6 +354,14 @@ class Job:
         if art is None:
             raise WorkbenchError(f"run {self.id} has no adapter/ or model/ (state {self.state})")
         return art
+
+
+def _phase(status: dict[str, Any]) -> str | None:
+    if not status.get("phase"):
+        return None
+    p = status.get("prepare") or {}
+    done = f" {p.get('split')} {p.get('done', 0)}/{p.get('total', '?')}" if p.get("split") else ""
+    return f"{status['phase']}{done}"
 
 
 def _fmt(v: Any) -> str:

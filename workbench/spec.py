@@ -58,7 +58,12 @@ class DataSpec(_Section):
     sources: list[DataSource] = Field(default_factory=lambda: [DataSource()], min_length=1)
     validation_fraction: float = Field(0.1, ge=0.0, lt=1.0)  # held out by content hash
     max_length: int = Field(256, ge=16)  # tokens per example; longer ones are truncated
+    # keep_response: a long example loses the start of its prompt first (the response keeps at
+    #   least half of max_length); right: cut the end, which may cut the whole response away.
+    truncation: Literal["keep_response", "right"] = "keep_response"
+    max_dropped_fraction: float = Field(0.01, ge=0.0, le=1.0)  # launch refuses above this share
     packing: bool = False  # concatenate examples into max_length blocks (faster, same loss mask)
+    eval_samples: int | None = Field(256, ge=0)  # validation examples evaluated; 0/None: all
     clean: CleanSpec = Field(default_factory=CleanSpec)
 
 

@@ -1,13 +1,25 @@
-"""Tokenise prepared examples for causal-LM training: chat template, loss on responses only, packing.
+"""Turn prepared examples into training tokens: chat template, loss on responses only, truncation.
 
 Labels are -100 everywhere except on the assistant turns (including the end-of-turn token, so the
 model learns to stop). Spans are found on the rendered text and mapped to tokens through the fast
 tokenizer's offsets, which works for any chat template without knowing its markers.
+
+Truncation keeps what is trained. ``keep_response`` (the default) gives the response at least half
+of ``max_length`` (all of it if it fits), and the prompt keeps its *end* (the part next to the
+answer, with the assistant marker) plus a leading BOS; ``right`` cuts the end, as tokenizers do,
+and may cut the whole response away. An example with no trained token left is reported as
+dropped by :mod:`workbench.data.tokenized`, never silently lost.
+
+    >>> enc = encode_batch([{"text": "hello"}], tokenizer, 64)[0]  # doctest: +SKIP
+    >>> enc.labels == enc.input_ids
+    True
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from bisect import bisect_left, bisect_right
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 IGNORE = -100
@@ -29,39 +41,179 @@ def ensure_chat_template(tokenizer: Any) -> None:
         tokenizer.pad_token = tokenizer.eos_token
 
 
+@dataclass
+class Encoded:
+    """One tokenised example, with its lengths *before* truncation (for statistics)."""
+
+    input_ids: list[int]
+    labels: list[int]
+    prompt_tokens: int  # tokens before the first trained token
+    response_tokens: int  # tokens from the first trained token to the end
+    truncated: bool
+
+    @property
+    def trainable(self) -> int:
+        return sum(1 for lab in self.labels if lab != IGNORE)
+
+
 def _render(tokenizer: Any, messages: list[dict[str, str]], **kw: Any) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, **kw)
 
 
-def tokenize_example(example: dict[str, Any], tokenizer: Any, max_length: int) -> dict[str, list[int]]:
-    if "text" in example:
-        enc = tokenizer(example["text"] + tokenizer.eos_token, add_special_tokens=True,
-                        truncation=True, max_length=max_length)
-        ids = list(enc["input_ids"])
-        return {"input_ids": ids, "labels": list(ids)}
-    messages = example["messages"]
-    full = _render(tokenizer, messages)
-    spans = []
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        start = len(_render(tokenizer, messages[:i], add_generation_prompt=True))
-        end = len(_render(tokenizer, messages[: i + 1]))
-        spans.append((start, end))
-    # The template already carries BOS where the model wants it.
-    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True,
-                    truncation=True, max_length=max_length)
-    ids = list(enc["input_ids"])
-    labels = []
-    for tok, (a, b) in zip(ids, enc["offset_mapping"]):
-        inside = any(s <= a < e and b > a for s, e in spans)
-        labels.append(tok if inside and not _is_trailing_space(full, a, b) else IGNORE)
-    return {"input_ids": ids, "labels": labels}
+class ChatRenderer:
+    """Renders conversations and the character spans of their assistant turns.
+
+    Rendering a Jinja template three times per example is most of the cost on a large set, so
+    the template is rendered once per sequence of roles with placeholder contents, and real
+    contents are spliced in. That is only exact when the template inserts contents verbatim: the
+    placeholders carry edge whitespace (so a template that strips or trims loses them and is
+    detected), and the first examples of each role sequence are checked against a real render;
+    any mismatch sends that role sequence to the plain (slow, always exact) path.
+    """
+
+    _CHECKS = 4
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tok = tokenizer
+        self._layouts: dict[tuple[str, ...], Any] = {}
+        self._checked: dict[tuple[str, ...], int] = {}
+
+    def render(self, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
+        roles = tuple(m["role"] for m in messages)
+        if roles not in self._layouts:
+            self._layouts[roles] = self._layout(roles)
+        layout = self._layouts[roles]
+        if layout is None:
+            return self._slow(messages)
+        text, spans = self._splice(layout, [m["content"] for m in messages])
+        if self._checked.get(roles, 0) < self._CHECKS:
+            self._checked[roles] = self._checked.get(roles, 0) + 1
+            if (text, spans) != self._slow(messages):
+                self._layouts[roles] = None
+                return self._slow(messages)
+        return text, spans
+
+    def _slow(self, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
+        full = _render(self.tok, messages)
+        spans = []
+        for i, m in enumerate(messages):
+            if m["role"] == "assistant":
+                start = len(_render(self.tok, messages[:i], add_generation_prompt=True))
+                spans.append((start, len(_render(self.tok, messages[: i + 1]))))
+        return full, spans
+
+    def _layout(self, roles: tuple[str, ...]) -> Any:
+        marks = [f" \n\u2063wb{i}\u2063\n " for i in range(len(roles))]
+        msgs = [{"role": r, "content": s} for r, s in zip(roles, marks)]
+        try:
+            full, spans = self._slow(msgs)
+        except Exception:  # a template that rejects the placeholder: the plain path will say why
+            return None
+        pieces, at = [], 0
+        for mark in marks:
+            k = full.find(mark, at)
+            if k < 0 or full.count(mark) != 1:
+                return None
+            pieces.append((at, k))
+            at = k + len(mark)
+        pieces.append((at, len(full)))
+        bounds = [b for span in spans for b in span]
+        # A span boundary inside a placeholder means the template cuts contents: not spliceable.
+        if any(a < b < a + len(mark) for b in bounds for (_, a), mark in zip(pieces, marks)):
+            return None
+        return full, pieces, marks, spans
+
+    @staticmethod
+    def _splice(layout: Any, contents: list[str]) -> tuple[str, list[tuple[int, int]]]:
+        full, pieces, marks, spans = layout
+        out, shift_at = [], []  # shift_at: (position in the layout, length change after it)
+        shift = 0
+        for (a, b), content, mark in zip(pieces, contents, marks):
+            out += [full[a:b], content]
+            shift += len(content) - len(mark)
+            shift_at.append((b + len(mark), shift))
+        a, b = pieces[-1]
+        out.append(full[a:b])
+
+        def moved(pos: int) -> int:
+            delta = 0
+            for end, total in shift_at:
+                if pos >= end:
+                    delta = total
+            return pos + delta
+
+        return "".join(out), [(moved(s), moved(e)) for s, e in spans]
 
 
-def _is_trailing_space(text: str, a: int, b: int) -> bool:
-    # The newline a template puts after the end-of-turn token is formatting, not an answer.
-    return text[a:b].strip() == ""
+def encode_batch(examples: Sequence[dict[str, Any]], tokenizer: Any, max_length: int,
+                 truncation: str = "keep_response",
+                 renderer: ChatRenderer | None = None) -> list[Encoded]:
+    """Tokenise a batch (one call into the Rust tokenizer per batch) and truncate each example."""
+    renderer = renderer or ChatRenderer(tokenizer)
+    out: list[Encoded | None] = [None] * len(examples)
+    chats = [(i, *renderer.render(ex["messages"])) for i, ex in enumerate(examples)
+             if "text" not in ex]
+    texts = [(i, ex["text"] + tokenizer.eos_token) for i, ex in enumerate(examples) if "text" in ex]
+    if texts:
+        for (i, _), (ids, _o) in zip(texts, _encode(tokenizer, [t for _, t in texts], True)):
+            out[i] = _truncate(ids, list(ids), 0, max_length, truncation, None)
+    if chats:
+        # The template already carries BOS where the model wants it.
+        encoded = _encode(tokenizer, [t for _, t, _ in chats], False)
+        for (i, text, spans), (ids, offsets) in zip(chats, encoded):
+            labels = _labels(ids, offsets, text, spans)
+            first = next((k for k, lab in enumerate(labels) if lab != IGNORE), len(ids))
+            out[i] = _truncate(ids, labels, first, max_length, truncation,
+                               tokenizer.bos_token_id)
+    return [e for e in out if e is not None]
+
+
+def _encode(tokenizer: Any, texts: list[str], special: bool) -> list[tuple[list[int], Any]]:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:  # the Rust tokenizer directly: transformers' wrapping costs as much
+        return [(e.ids, e.offsets) for e in backend.encode_batch(texts, add_special_tokens=special)]
+    enc = tokenizer(texts, add_special_tokens=special, return_offsets_mapping=True)
+    return [(list(i), o) for i, o in zip(enc["input_ids"], enc["offset_mapping"])]
+
+
+def _labels(ids: list[int], offsets: Sequence[Sequence[int]], text: str,
+            spans: list[tuple[int, int]]) -> list[int]:
+    labels = [IGNORE] * len(ids)
+    starts = [a for a, _ in offsets]
+    ends = [b for _, b in offsets]
+    for s, e in spans:
+        # From the first token that ends inside the span: a byte-level BPE merges the space a
+        # template puts before the answer into the answer's first token, which must be trained.
+        i, j = bisect_right(ends, s), bisect_left(starts, e)
+        # The newline a template puts after the end-of-turn token is formatting, not an answer.
+        while j > i and text[offsets[j - 1][0]:offsets[j - 1][1]].strip() == "":
+            j -= 1
+        for k in range(i, j):
+            if offsets[k][1] > offsets[k][0]:
+                labels[k] = ids[k]
+    return labels
+
+
+def _truncate(ids: list[int], labels: list[int], first: int, limit: int, mode: str,
+              bos: int | None) -> Encoded:
+    n = len(ids)
+    prompt, response = first, n - first
+    if n <= limit:
+        return Encoded(ids, labels, prompt, response, False)
+    if mode == "right" or first == 0:
+        return Encoded(ids[:limit], labels[:limit], prompt, response, True)
+    keep_response = min(response, max(limit - prompt, limit // 2))
+    keep_prompt = limit - keep_response
+    head = 1 if (bos is not None and ids[0] == bos and keep_prompt > 0) else 0
+    tail = range(first - (keep_prompt - head), first)
+    idx = list(range(head)) + list(tail) + list(range(first, first + keep_response))
+    return Encoded([ids[k] for k in idx], [labels[k] for k in idx], prompt, response, True)
+
+
+def tokenize_example(example: dict[str, Any], tokenizer: Any, max_length: int,
+                     truncation: str = "keep_response") -> dict[str, list[int]]:
+    enc = encode_batch([example], tokenizer, max_length, truncation)[0]
+    return {"input_ids": enc.input_ids, "labels": enc.labels}
 
 
 def pack(examples: Iterable[dict[str, list[int]]], block: int) -> list[dict[str, list[int]]]:

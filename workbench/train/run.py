@@ -84,17 +84,27 @@ def load_model(spec: RunSpec, source: str) -> Any:
     return model
 
 
-def load_split(rd: RunDir, split: str, tokenizer: Any, spec: RunSpec) -> list[dict[str, Any]]:
-    from workbench.data.tokenize import pack, tokenize_example
+def load_split(rd: RunDir, split: str, tokenizer: Any, spec: RunSpec) -> Any:
+    """The split's tokenised rows: the Arrow files launch wrote (memory-mapped, shared by every
+    rank), or, for run dirs made before tokenise-once, the jsonl tokenised here. Validation is
+    cut to data.eval_samples (the same deterministic sample on every rank)."""
+    from workbench.data.tokenized import eval_sample, load_tokenized, tokenize_split
 
-    path = rd.data_dir / f"{split}.jsonl"
-    if not path.is_file():
-        return []
-    with path.open(encoding="utf-8") as fh:
-        rows = [tokenize_example(json.loads(line), tokenizer, spec.data.max_length)
-                for line in fh if line.strip()]
-    rows = [r for r in rows if any(label != -100 for label in r["labels"])]
-    return pack(rows, spec.data.max_length) if spec.data.packing else rows
+    rows = load_tokenized(rd.data_dir, split)
+    if rows is not None:
+        files = sorted(p.name for p in (rd.data_dir / "tokenized" / split).glob("*.arrow"))
+        print(f"data: {split} loaded {len(rows)} rows memory-mapped from "
+              f"{rd.data_dir / 'tokenized' / split} {files}", flush=True)
+    else:
+        import datasets
+
+        path = rd.data_dir / f"{split}.jsonl"
+        table, _stats = tokenize_split(path, spec, tokenizer, split=split)
+        rows = datasets.Dataset(table)
+        print(f"data: {split} tokenised {len(rows)} rows from {path} in this rank", flush=True)
+    if split == "validation":
+        rows = eval_sample(rows, spec.data.eval_samples, spec.train.seed)
+    return rows
 
 
 def training_arguments(spec: RunSpec, rd: RunDir, has_eval: bool) -> Any:
@@ -257,7 +267,7 @@ def main(run_dir: str) -> int:
     model = load_model(spec, source)
     train_rows = load_split(rd, "train", tokenizer, spec)
     eval_rows = load_split(rd, "validation", tokenizer, spec)
-    args = training_arguments(spec, rd, has_eval=bool(eval_rows))
+    args = training_arguments(spec, rd, has_eval=len(eval_rows) > 0)
     billing = Billing(spec, billed_before_s=float(rd.status().get("billed_s") or 0.0))
     uploader = None
     if rank == 0 and spec.checkpoint.storage:
@@ -267,7 +277,7 @@ def main(run_dir: str) -> int:
         model=model,
         args=args,
         train_dataset=train_rows,
-        eval_dataset=eval_rows or None,
+        eval_dataset=eval_rows if len(eval_rows) else None,
         data_collator=Collator(tokenizer.pad_token_id),
         callbacks=[RunDirCallback(rd, world, billing), snapshots],
         run_dir=rd, keep=spec.checkpoint.keep, uploader=uploader, billing=billing,
@@ -279,7 +289,7 @@ def main(run_dir: str) -> int:
     if snapshots.budget_stopped:
         if rank == 0:
             rd.write_status(stop_reason="budget", cost=billing.cost())
-    elif eval_rows:
+    elif len(eval_rows):
         trainer.evaluate()
     out = save_artefacts(trainer, tokenizer, spec, rd, source)
     print(f"saved {out}", flush=True)

@@ -69,7 +69,10 @@ class JobView(W.VBox):
         train = [m for m in metrics if "loss" in m]
         evals = [m for m in metrics if "eval_loss" in m]
         speed = train[-1].get("tokens_per_s") if train else None
+        prep = status.get("prepare") or {}
         parts = [
+            (f"preparing data: {prep.get('split', '')} {prep.get('done', 0):,}/"
+             f"{prep.get('total', '?')}" if status.get("phase") == "preparing" else ""),
             f"step <b>{step}</b> / {status.get('total_steps') or '?'}",
             f"loss <b>{train[-1]['loss']:.4f}</b>" if train else "loss –",
             f"eval loss {evals[-1]['eval_loss']:.4f}" if evals else "",

@@ -32,6 +32,32 @@ def _preview_html(rows: list[dict[str, Any]]) -> str:
     return "".join(out) + "</table>"
 
 
+def length_figure(stats: Any, split: str = "train") -> Any:
+    """Example lengths (tokens, before truncation) against max_length: a plotly FigureWidget when
+    plotly is installed, else a matplotlib Figure."""
+    hist = stats.histogram(split)
+    edges, counts, limit = hist["edges"], hist["counts"], stats.max_length
+    title = (f"{split}: token lengths vs max_length {limit} "
+             f"({stats.splits[split].truncated} truncated, {stats.splits[split].dropped} dropped)")
+    try:
+        import plotly.graph_objects as go
+    except ImportError:
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(5.2, 2.2), dpi=100, layout="constrained")
+        ax = fig.add_subplot()
+        ax.bar(edges[:-1], counts, width=edges[1] - edges[0], align="edge", color="#1f77b4")
+        ax.axvline(limit, color="#d62728", linestyle="--", label="max_length")
+        ax.set_xlabel("tokens per example")
+        ax.set_ylabel("examples")
+        ax.set_title(title, fontsize=8)
+        return fig
+    fig = go.FigureWidget(go.Bar(x=edges[:-1], y=counts, width=edges[1] - edges[0], offset=0))
+    fig.add_vline(x=limit, line_dash="dash", line_color="#d62728")
+    fig.update_layout(title=title, height=240, width=520, xaxis_title="tokens per example")
+    return fig
+
+
 def _gpu_names() -> list[tuple[str, str | None]]:
     from workbench.gpus import gpu_table
 
@@ -56,6 +82,7 @@ class RunForm(W.VBox):
         self.format = W.Dropdown(options=["auto", "alpaca", "sharegpt", "messages", "text"],
                                  value=src.format, description="Format", style=_STYLE)
         self.preview = W.HTML()
+        self.lengths = W.Output(layout=W.Layout(width="540px"))
         self.method = W.ToggleButtons(options=["lora", "qlora", "full"], value=spec.method.kind,
                                       description="Method", style=_STYLE)
         self.lora_r = W.IntSlider(spec.method.lora_r, min=1, max=128, description="LoRA rank",
@@ -93,7 +120,7 @@ class RunForm(W.VBox):
         self.target.observe(self._target_changed, names="value")
         super().__init__([
             W.HTML("<b>Fine-tuning run</b>"), self.name, self.model, self.dataset, self.format,
-            self.preview, self.method, self.lora_r, self.lr, self.epochs, self.batch, self.gpus,
+            self.preview, self.lengths, self.method, self.lora_r, self.lr, self.epochs, self.batch, self.gpus,
             self.procs, self.gpu_type, self.target, W.HTML("<b>Plan</b>"), self.plan_text,
             self.plan_plot, self.force, self.message, self.launch_button, self.output,
         ])
@@ -174,6 +201,28 @@ class RunForm(W.VBox):
             self.preview.value = _preview_html(rows)
         except WorkbenchError as exc:
             self.preview.value = f"<span style='color:#d62728'>{html.escape(str(exc))}</span>"
+            return
+        self.update_lengths()
+
+    def update_lengths(self, sample: int = 500) -> Any:
+        """Token statistics of the first ``sample`` rows, with a length histogram."""
+        from workbench.data.tokenized import token_stats
+
+        self.lengths.clear_output()
+        try:
+            stats = token_stats(self.spec, max_rows=sample)
+        except (WorkbenchError, OSError, ValueError) as exc:  # e.g. a tokenizer out of reach
+            self.lengths.append_stdout(f"token statistics unavailable: {exc}\n")
+            return None
+        # append_* rather than `with output:` so the chart shows whether or not a kernel runs.
+        self.lengths.append_stdout(f"first {sample} rows: {stats.summary()}\n")
+        fig = length_figure(stats)
+        if hasattr(fig, "savefig"):  # matplotlib: a PNG shows in every front end
+            from workbench.widgets.plots import figure_png
+
+            fig = W.Image(value=figure_png(fig), format="png")
+        self.lengths.append_display_data(fig)
+        return stats
 
     def launch(self, force: bool = False) -> Any:
         from workbench.jobs import launch

@@ -1,0 +1,277 @@
+"""Tokenise a run's prepared data once, at launch: Arrow files, a cache, statistics, a verdict.
+
+The launching process tokenises ``RUN_DIR/data/{train,validation}.jsonl`` with the model's own
+tokenizer and chat template, writes ``RUN_DIR/data/tokenized/SPLIT`` (``datasets`` Arrow, which
+every rank memory-maps with ``load_from_disk``) and ``RUN_DIR/data/stats.json``, and refuses the
+launch (:class:`~workbench.errors.DataTruncationError`) when truncation leaves nothing, or too
+much, untrainable. The result is cached under ``WORKBENCH_HOME/cache/tokenized/FINGERPRINT`` (the
+data files' content, tokenizer, chat template, max_length, truncation and packing), so a later
+run on the same data links the cached files instead of tokenising again; resumes, requeues and
+restarts read the run's own copy.
+
+    >>> stats = prepare_tokenized(spec, run_dir, tokenizer)  # doctest: +SKIP
+    >>> stats.splits["train"].dropped, stats.trainable_tokens_per_epoch
+    (0, 4180)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from workbench.data.stats import SplitStats, TokenStats
+from workbench.data.tokenize import ChatRenderer, encode_batch, pack
+from workbench.errors import DataTruncationError
+from workbench.spec import RunSpec
+
+SPLITS = ("train", "validation")
+_VERSION = "1"  # bump when tokenisation changes, so cached results are not reused
+_BATCH = 1000
+
+Progress = Callable[[str, int, int], None]
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    h = hashlib.sha256(type(tokenizer).__name__.encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    h.update(backend.to_str().encode() if backend is not None else
+             json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    for part in (tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token,
+                 tokenizer.pad_token):
+        h.update(b"\0" + str(part).encode())
+    return h.hexdigest()
+
+
+def fingerprint(spec: RunSpec, data_dir: Path, tokenizer: Any) -> str:
+    h = hashlib.sha256(f"v{_VERSION}".encode())
+    for split in SPLITS:
+        path = data_dir / f"{split}.jsonl"
+        h.update(f"\0{split}\0".encode())
+        if path.is_file():
+            with path.open("rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(chunk)
+    d = spec.data
+    h.update(json.dumps([tokenizer_fingerprint(tokenizer), d.max_length, d.truncation,
+                         d.packing]).encode())
+    return h.hexdigest()[:24]
+
+
+def cache_root() -> Path:
+    from workbench.home import home
+
+    return home() / "cache" / "tokenized"
+
+
+def _count_lines(path: Path) -> int:
+    with path.open("rb") as fh:
+        return sum(1 for line in fh if line.strip())
+
+
+def tokenize_split(path: Path, spec: RunSpec, tokenizer: Any,
+                   progress: Progress | None = None, split: str = "train",
+                   limit: int | None = None) -> tuple[Any, SplitStats]:
+    """(pyarrow Table of input_ids/labels, statistics) for one prepared jsonl split."""
+    import pyarrow as pa
+    from tqdm.auto import tqdm
+
+    d = spec.data
+    stats = SplitStats()
+    renderer = ChatRenderer(tokenizer)
+    total = _count_lines(path) if path.is_file() else 0
+    if limit is not None:
+        total = min(total, limit)
+    batches: list[Any] = []
+    kept: list[dict[str, list[int]]] = []
+    bar = tqdm(total=total, desc=f"tokenising {split}", unit="ex", disable=total < 2 * _BATCH)
+    done = 0
+    with (path.open(encoding="utf-8") if path.is_file() else open(os.devnull)) as fh:
+        while done < total:
+            chunk = []
+            for line in fh:
+                if line.strip():
+                    chunk.append(json.loads(line))
+                    if len(chunk) >= min(_BATCH, total - done):
+                        break
+            if not chunk:
+                break
+            rows = []
+            for enc in encode_batch(chunk, tokenizer, d.max_length, d.truncation, renderer):
+                stats.add(enc)
+                if enc.trainable:
+                    rows.append({"input_ids": enc.input_ids, "labels": enc.labels})
+            if d.packing:
+                kept += rows
+            elif rows:
+                batches.append(_table(rows))
+            done += len(chunk)
+            bar.update(len(chunk))
+            if progress is not None:
+                progress(split, done, total)
+    bar.close()
+    stats.summarised()
+    if d.packing:
+        batches = [_table(pack(kept, d.max_length))] if kept else []
+    schema = pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32()))])
+    table = pa.concat_tables(batches) if batches else schema.empty_table()
+    return table, stats
+
+
+def _table(rows: list[dict[str, list[int]]]) -> Any:
+    import pyarrow as pa
+
+    return pa.table({
+        "input_ids": pa.array([r["input_ids"] for r in rows], type=pa.list_(pa.int32())),
+        "labels": pa.array([r["labels"] for r in rows], type=pa.list_(pa.int32())),
+    })
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    """Hard-link (or copy, across filesystems) every file of ``src`` into ``dst``."""
+    for path in sorted(src.rglob("*")):
+        target = dst / path.relative_to(src)
+        if path.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(path, target)
+        except OSError:
+            shutil.copy2(path, target)
+
+
+def prepare_tokenized(spec: RunSpec, run_dir: Any, tokenizer: Any,
+                      progress: Progress | None = None) -> TokenStats:
+    """Tokenise (or reuse the cache for) a run's prepared data; write tokenized/ and stats.json.
+
+    ``run_dir`` is a RunDir; while this works its status.json says ``phase: preparing`` with
+    how far it got, so the job view and ``workbench status`` show it.
+    """
+    import datasets
+
+    data_dir: Path = run_dir.data_dir
+    started = time.time()
+    fp = fingerprint(spec, data_dir, tokenizer)
+    cached = cache_root() / fp
+    out = data_dir / "tokenized"
+    last = [0.0]
+
+    def report(split: str, done: int, total: int) -> None:
+        if progress is not None:
+            progress(split, done, total)
+        if time.time() - last[0] > 0.5 or done == total:
+            last[0] = time.time()
+            run_dir.write_status(phase="preparing",
+                                 prepare={"split": split, "done": done, "total": total})
+
+    run_dir.write_status(phase="preparing", prepare={"split": "train", "done": 0})
+    hit = (cached / "stats.json").is_file()
+    if hit:
+        _link_tree(cached, out)
+        stats = TokenStats.from_dict(json.loads((cached / "stats.json").read_text()))
+    else:
+        splits = {}
+        for split in SPLITS:
+            table, split_stats = tokenize_split(data_dir / f"{split}.jsonl", spec, tokenizer,
+                                                report, split)
+            datasets.Dataset(table).save_to_disk(str(out / split))
+            splits[split] = split_stats
+        stats = TokenStats(splits=splits, max_length=spec.data.max_length,
+                           truncation=spec.data.truncation, packing=spec.data.packing,
+                           fingerprint=fp)
+        (out / "stats.json").write_text(json.dumps(stats.to_dict(), indent=1), encoding="utf-8")
+        _store_in_cache(out, cached)
+    (data_dir / "stats.json").write_text(json.dumps(stats.to_dict(), indent=1), encoding="utf-8")
+    run_dir.write_status(phase=None, prepare={
+        "fingerprint": fp, "cache_hit": hit, "seconds": round(time.time() - started, 3),
+        "path": str(out)})
+    return stats
+
+
+def _store_in_cache(out: Path, cached: Path) -> None:
+    tmp = cached.with_name(f"{cached.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        _link_tree(out, tmp)
+        tmp.rename(cached)  # atomic: a reader sees a complete entry or none
+    except OSError:  # another launch stored the same fingerprint first: theirs is identical
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_trainable(stats: TokenStats, spec: RunSpec) -> None:
+    """Refuse data that truncation would (mostly) untrain, saying how many and what to do."""
+    train = stats.splits["train"]
+    share = train.dropped / train.examples if train.examples else 0.0
+    limit = spec.data.max_dropped_fraction
+    if train.kept and share <= limit:
+        return
+    why = ("no training example has a response token left" if not train.kept else
+           f"{share:.1%} of training examples would be lost, above "
+           f"data.max_dropped_fraction = {limit:g}")
+    raise DataTruncationError(
+        f"{why} after truncation to data.max_length = {spec.data.max_length} tokens "
+        f"(data.truncation: {spec.data.truncation}): {train.truncated} of {train.examples} "
+        f"training examples are truncated and {train.dropped} lose every response token "
+        f"(longest example: {train.tokens.get('max')} tokens, p95 {train.tokens.get('p95')}). "
+        "Raise data.max_length, use data.truncation: keep_response, shorten the prompts, or "
+        "raise data.max_dropped_fraction to train on the rest"
+    )
+
+
+def load_tokenized(data_dir: Path, split: str) -> Any:
+    """The run's tokenised split, memory-mapped (None for run dirs made before tokenise-once)."""
+    path = data_dir / "tokenized" / split
+    if not (path / "dataset_info.json").is_file():
+        return None
+    import datasets
+
+    return datasets.load_from_disk(str(path))
+
+
+def eval_sample(rows: Any, n: int | None, seed: int) -> Any:
+    """A deterministic sample of ``n`` validation rows (all of them when n is 0/None or larger)."""
+    import random
+
+    if not n or len(rows) <= n:
+        return rows
+    picked = sorted(random.Random(seed).sample(range(len(rows)), n))
+    if hasattr(rows, "select"):
+        return rows.select(picked)
+    return [rows[i] for i in picked]
+
+
+def token_stats(spec: RunSpec, tokenizer: Any = None, max_rows: int | None = None) -> TokenStats:
+    """Token statistics for a spec's data without launching (for the planner and the form).
+
+    ``max_rows`` reads only the first rows of each source (a quick preview). A full-data result
+    comes from the cache when a run on the same data and settings has been prepared before.
+    """
+    import tempfile
+
+    from workbench.data.prepare import prepare_data
+
+    if tokenizer is None:
+        from workbench.models import resolve_model
+        from workbench.train.run import load_tokenizer
+
+        tokenizer = load_tokenizer(spec, resolve_model(spec.model.id))
+    if max_rows is not None:
+        spec = spec.model_copy(deep=True)
+        for source in spec.data.sources:
+            source.max_rows = min(source.max_rows or max_rows, max_rows)
+    with tempfile.TemporaryDirectory(prefix="workbench-stats-") as tmp:
+        data_dir = Path(tmp)
+        prepare_data(spec, data_dir)
+        cached = cache_root() / fingerprint(spec, data_dir, tokenizer) / "stats.json"
+        if cached.is_file():
+            return TokenStats.from_dict(json.loads(cached.read_text()))
+        splits = {s: tokenize_split(data_dir / f"{s}.jsonl", spec, tokenizer, split=s)[1]
+                  for s in SPLITS}
+    return TokenStats(splits=splits, max_length=spec.data.max_length,
+                      truncation=spec.data.truncation, packing=spec.data.packing)
