@@ -10,12 +10,16 @@ each other, and a reader still cannot understand one without the other. Only imp
 ``if TYPE_CHECKING:`` are left out, since they never run and only give a type checker names.
 Submodules importing their own package's ``__init__`` count too (``from workbench.serve import x``
 inside ``workbench/serve/``), so a package re-exporting its modules' names imports them, never the
-other way round. The import graph is grimp's, the library behind import-linter.
+other way round. The import graph is grimp's, the library behind import-linter. grimp leaves out
+folders without ``__init__.py`` (namespace packages) without a word, so such a folder is reported
+as an error of its own: a circle through it would otherwise pass unseen.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import sys
+from pathlib import Path
 
 import grimp
 
@@ -75,8 +79,22 @@ def _line(graph: grimp.ImportGraph, importer: str, imported: str) -> str:
     return f"  {importer} -> {imported}  ({where})"
 
 
+def _folders_without_init(package: str) -> list[Path]:
+    spec = importlib.util.find_spec(package)
+    roots = [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
+    return sorted(d for root in roots for d in [root, *root.rglob("*")]
+                  if d.is_dir() and d.name != "__pycache__" and any(d.glob("*.py"))
+                  and not (d / "__init__.py").is_file())
+
+
 def main(argv: list[str]) -> int:
     package = argv[0] if argv else "workbench"
+    unseen = _folders_without_init(package)
+    for folder in unseen:
+        print(f"{folder} has Python modules but no __init__.py: the import graph cannot see "
+              "them; add an __init__.py with a docstring saying what the folder holds")
+    if unseen:
+        return 1
     graph = grimp.build_graph(package, exclude_type_checking_imports=True, cache_dir=None)
     groups = _groups(graph)
     for group in groups:

@@ -60,3 +60,16 @@ def test_the_cycle_check_counts_lazy_imports_and_skips_type_checking_ones(tmp_pa
     # Each step names the import that makes it, so the circle can be cut where it is.
     assert "pkg.jobs -> pkg.serve  (line 2:" in out.stdout, out.stdout
     assert "from pkg.serve import start" in out.stdout, out.stdout
+
+
+def test_the_cycle_check_refuses_a_folder_it_cannot_see(tmp_path):
+    # A folder without __init__.py is a namespace package, which the import graph leaves out:
+    # the circle below would go unreported if the check did not refuse the folder itself.
+    files = {"__init__.py": "", "plan.py": "def f():\n    from pkg.train.run import g\n",
+             "train/run.py": "from pkg.plan import f\n\n\ndef g():\n    return f\n"}
+    for name, text in files.items():
+        (tmp_path / "pkg" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "pkg" / name).write_text(text)
+    out = _cycles("pkg", tmp_path)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "pkg/train has Python modules but no __init__.py" in out.stdout, out.stdout

@@ -332,6 +332,32 @@ def test_local_jsonl_rows_are_counted(tmp_path):
     assert p.steps == math.ceil(100 / (5 * 2))
 
 
+def test_the_plan_counts_tokens_truncation_and_lost_examples_before_launch(tmp_path):
+    # 30 short rows and 10 whose instruction alone is ~300 words: with max_length 64 and the
+    # tokenizer's own right truncation those 10 lose their answer, and the plan must say so
+    # (and not count them as trained steps) before anything is launched.
+    long_prompt = " ".join(["the quarterly report lists every shipment by region"] * 40)
+    rows = [{"instruction": f"what is {i} plus {i}?", "output": str(2 * i)} for i in range(30)]
+    rows += [{"instruction": f"{long_prompt} (case {i})", "output": "yes"} for i in range(10)]
+    data = tmp_path / "mixed.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = {"data": {"sources": [{"path": str(data)}], "validation_fraction": 0.0,
+                     "max_length": 64},
+            "train": {"batch_size": 5}}
+    right = plan(RunSpec.parse({**base, "data": {**base["data"], "truncation": "right"}}))
+    train = right.data_tokens["splits"]["train"]
+    assert right.data_tokens["sampled"] is True
+    assert (train["examples"], train["dropped"], train["truncated"]) == (40, 10, 0)
+    assert train["tokens"]["max"] > 64  # lengths are reported before truncation
+    assert right.steps == math.ceil(30 / (5 * 2))  # only the 30 that still train make steps
+    assert "10 dropped" in right.summary()
+    kept = plan(RunSpec.parse({**base, "data": {**base["data"], "truncation": "keep_response"}}))
+    k = kept.data_tokens["splits"]["train"]
+    assert (k["dropped"], k["truncated"]) == (0, 10)
+    assert kept.steps == math.ceil(40 / (5 * 2))
+    assert json.loads(json.dumps(kept.to_dict()))["data_tokens"]["splits"]["train"]["truncated"] == 10
+
+
 def test_bad_inputs_are_typed_errors():
     with pytest.raises(UnknownGPUError, match="known types"):
         plan(gpu_spec(QWEN_05B, gpu="GTX 480"))

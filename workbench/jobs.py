@@ -13,6 +13,7 @@ restart (``jobs()``, ``get_job(id)``) is as good as the one ``launch`` returned.
 
 from __future__ import annotations
 
+import json
 import secrets
 import shutil
 import time
@@ -73,15 +74,19 @@ def _prepare_data(spec: RunSpec, rd: RunDir) -> None:
 
     summary = prepare_data(spec, rd.data_dir)
     rd.write_status(data=summary.counts)
+    from workbench.data.tokenize import load_tokenizer
     from workbench.models import resolve_model
-    from workbench.train.run import load_tokenizer
 
     try:
         tokenizer = load_tokenizer(spec, resolve_model(spec.model.id))
     except (OSError, ValueError) as exc:  # the tokenizer lives only on the target: ranks tokenise
         rd.write_status(prepare={"skipped": f"tokenizer not loadable here: {exc}"})
         return
-    check_trainable(prepare_tokenized(spec, rd, tokenizer), spec)
+    stats = prepare_tokenized(spec, rd, tokenizer)
+    check_trainable(stats, spec)
+    # The plan measured a sample; what the run will train on is now known exactly.
+    plan = json.loads(rd.plan_file.read_text(encoding="utf-8"))
+    write_json_atomic(rd.plan_file, {**plan, "data_tokens": {**stats.to_dict(), "sampled": False}})
 
 
 def launch(spec: RunSpec | dict | str | Path | None = None, *, force: bool = False,

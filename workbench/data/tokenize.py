@@ -20,7 +20,10 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from workbench.spec import RunSpec
 
 IGNORE = -100
 
@@ -32,6 +35,16 @@ FALLBACK_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '### assistant:\n' }}{% endif %}"
 )
+
+
+def load_tokenizer(spec: RunSpec, source: str) -> Any:
+    """The run's tokenizer from ``source`` (a folder or hub id), with a chat template ensured."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(source, revision=spec.model.revision,
+                                        trust_remote_code=spec.model.trust_remote_code)
+    ensure_chat_template(tok)
+    return tok
 
 
 def ensure_chat_template(tokenizer: Any) -> None:

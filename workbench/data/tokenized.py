@@ -257,8 +257,8 @@ def token_stats(spec: RunSpec, tokenizer: Any = None, max_rows: int | None = Non
     from workbench.data.prepare import prepare_data
 
     if tokenizer is None:
+        from workbench.data.tokenize import load_tokenizer
         from workbench.models import resolve_model
-        from workbench.train.run import load_tokenizer
 
         tokenizer = load_tokenizer(spec, resolve_model(spec.model.id))
     if max_rows is not None:

@@ -189,6 +189,7 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
         flops=flops_step * steps if steps else None, hours=chosen.hours, cost=chosen.cost,
         currency=currency, price_per_hour=price, budget_limit=limit, budget_verdict=verdict,
         suggestions=[], data_note=data.note, assumptions=assumptions,
+        data_tokens=data.tokens,
     )
 
 

@@ -75,6 +75,9 @@ class Plan:
     suggestions: list[Suggestion]
     data_note: str
     assumptions: list[str]
+    # Token statistics (TokenStats.to_dict): of a sample when planned, of all the data once
+    # launch has tokenised it (plan.json is then updated with "sampled": false).
+    data_tokens: dict[str, Any] | None = None
 
     @property
     def headroom_gib(self) -> float:
@@ -86,7 +89,7 @@ class Plan:
             "devices_per_node", "nodes", "world_size", "capacity_gib", "safety_margin_gib",
             "fits", "reasons", "tokens_per_step", "steps", "total_tokens", "flops", "hours",
             "cost", "currency", "price_per_hour", "budget_limit", "budget_verdict", "data_note",
-            "assumptions")}
+            "assumptions", "data_tokens")}
         d["headroom_gib"] = round(self.headroom_gib, 4)
         d["memory_gib"] = self.memory.to_dict()
         d["strategy"] = {**asdict(self.strategy), "label": self.strategy.label}
@@ -120,6 +123,7 @@ class Plan:
                      + (f", {self.total_tokens:,} over {self.steps:,} steps"
                         if self.steps else "; number of steps unknown"))
         lines.append(f"Data: {self.data_note}")
+        lines += [f"  {line}" for line in token_lines(self.data_tokens)]
         if self.hours is not None:
             lines.append(f"Time: {_fmt_hours(self.hours)} ({self.flops:.3g} FLOPs)")
         if self.cost is not None:
@@ -175,6 +179,24 @@ class Plan:
         color = "green" if self.fits else "crimson"
         return (f"<div><b style='color:{color}'>{'fits' if self.fits else 'does not fit'}</b>"
                 f"<pre>{html.escape(self.summary())}</pre></div>")
+
+
+def token_lines(tokens: dict[str, Any] | None) -> list[str]:
+    """Per split: token lengths against max_length, truncated and dropped examples (plan.json's
+    ``data_tokens``), e.g. 'train (sample): 461 examples, tokens median 24, p95 31, max 40 ...'."""
+    if not tokens:
+        return []
+    out = []
+    kind = " (sample)" if tokens.get("sampled") else ""
+    for name, s in tokens.get("splits", {}).items():
+        if not s.get("examples"):
+            continue
+        t = s.get("tokens") or {}
+        out.append(f"{name}{kind}: {s['examples']:,} examples, tokens median {t.get('median')}, "
+                   f"p95 {t.get('p95')}, max {t.get('max')} (max_length {tokens['max_length']}); "
+                   f"{s['truncated']:,} truncated, {s['dropped']:,} dropped; "
+                   f"{s['trainable_tokens']:,} trained tokens")
+    return out
 
 
 def _fmt_count(n: float) -> str:

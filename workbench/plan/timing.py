@@ -1,8 +1,11 @@
 """Time: how many training examples and tokens a run sees, and how long one optimizer step takes.
 
-:func:`estimate_data` counts (or samples) the data sources to estimate rows and tokens per example;
-:func:`step_seconds` turns a strategy's FLOPs, gradient communication and offload copies into
-seconds per step at the GPU type's assumed utilisation. The plan prices these hours.
+:func:`estimate_data` counts the data sources and measures tokens per example on a sample with
+the model's own tokenizer and chat template (the same code that tokenises the run, so truncation
+and dropped examples show before launch); where that tokenizer cannot be loaded here it falls back
+to a characters-per-token guess. :func:`step_seconds` turns a strategy's FLOPs, gradient
+communication and offload copies into seconds per step at the GPU type's assumed utilisation. The
+plan prices these hours.
 """
 
 from __future__ import annotations
@@ -64,11 +67,54 @@ def _source_rows(path: str) -> tuple[int | None, list[dict[str, Any]]]:
     return None, []
 
 
+_SAMPLE_ROWS = 512  # rows per source tokenised for the estimate: quick, and enough for a p95
+
+
 @dataclass
 class DataEstimate:
     rows: int | None  # training rows after the validation split; None when unknown
     tokens_per_example: float  # average tokens one example costs (padding included)
     note: str
+    tokens: dict[str, Any] | None = None  # token statistics of the sample (TokenStats.to_dict)
+
+
+def _local_tokenizer(spec: RunSpec) -> Any:
+    """The run's tokenizer if it can be loaded without the network (built-in, a local folder, or
+    a hub id already in the local cache); None otherwise."""
+    from workbench.errors import WorkbenchError
+    from workbench.models import resolve_model
+
+    try:
+        source = resolve_model(spec.model.id)
+        if not Path(source).exists():
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(source, "tokenizer_config.json",
+                                            revision=spec.model.revision)
+            if not isinstance(cached, str):
+                return None
+            source = str(Path(cached).parent)
+        from workbench.data.tokenize import load_tokenizer
+
+        return load_tokenizer(spec, source)
+    except (OSError, ValueError, ImportError, WorkbenchError):
+        return None
+
+
+def _token_sample(spec: RunSpec) -> Any:
+    """TokenStats of the first rows of each source, or None when the tokenizer or the data cannot
+    be read here (the planner then guesses from characters)."""
+    from workbench.errors import WorkbenchError
+
+    tokenizer = _local_tokenizer(spec)
+    if tokenizer is None:
+        return None
+    from workbench.data.tokenized import token_stats
+
+    try:
+        return token_stats(spec, tokenizer=tokenizer, max_rows=_SAMPLE_ROWS)
+    except (OSError, ValueError, WorkbenchError):
+        return None
 
 
 def estimate_data(spec: RunSpec) -> DataEstimate:
@@ -89,7 +135,18 @@ def estimate_data(spec: RunSpec) -> DataEstimate:
     elif total is not None:
         total = max(1, int(total * (1 - spec.data.validation_fraction)))
     L = spec.data.max_length
-    lengths = [min(L, _text_chars(r) / _CHARS_PER_TOKEN + _TEMPLATE_TOKENS) for r in sample]
+    sample_stats = _token_sample(spec)
+    train = sample_stats.splits.get("train") if sample_stats is not None else None
+    measured = train is not None and train.kept > 0
+    if train is not None and measured:
+        lengths = [min(L, n) for n in train.lengths]
+        how = (f"measured with the model's tokenizer on {train.examples} sampled rows "
+               f"({train.truncated} truncated, {train.dropped} dropped at max_length {L})")
+        if total is not None and train.dropped:
+            total = max(1, int(total * train.kept / train.examples))
+    else:
+        lengths = [min(L, _text_chars(r) / _CHARS_PER_TOKEN + _TEMPLATE_TOKENS) for r in sample]
+        how = f"estimated from {len(lengths)} sampled rows at {_CHARS_PER_TOKEN} characters per token"
     per_example: float
     if spec.data.packing:
         per_example = L  # packed blocks are full by construction
@@ -99,8 +156,7 @@ def estimate_data(spec: RunSpec) -> DataEstimate:
         bs = spec.train.batch_size
         batches = [lengths[i:i + bs] for i in range(0, len(lengths), bs)]
         per_example = sum(max(b_) for b_ in batches) / len(batches)
-        note = (f"not packed: ~{per_example:.0f} tokens per example after padding, estimated "
-                f"from {len(lengths)} sampled rows at {_CHARS_PER_TOKEN} characters per token")
+        note = f"not packed: ~{per_example:.0f} tokens per example after padding, {how}"
     else:
         per_example = L
         note = "not packed and the data could not be sampled: assumed max_length per example"
@@ -111,7 +167,8 @@ def estimate_data(spec: RunSpec) -> DataEstimate:
         avg = sum(lengths) / len(lengths)
         total = max(1, int(total * avg / L))
         note += f"; ~{total:,} packed blocks"
-    return DataEstimate(total, per_example, note)
+    tokens = {**sample_stats.to_dict(), "sampled": True} if measured else None
+    return DataEstimate(total, per_example, note, tokens)
 
 
 def _forward_flops_per_token(sh: ModelShape, seq_len: int) -> float:

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from workbench.data.tokenize import load_tokenizer
 from workbench.rundir import RunDir
 from workbench.spec import RunSpec
 
@@ -30,17 +31,6 @@ def _redirect_output(rd: RunDir, rank: int) -> None:
     os.close(fd)
     sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
-
-
-def load_tokenizer(spec: RunSpec, source: str) -> Any:
-    from transformers import AutoTokenizer
-
-    from workbench.data.tokenize import ensure_chat_template
-
-    tok = AutoTokenizer.from_pretrained(source, revision=spec.model.revision,
-                                        trust_remote_code=spec.model.trust_remote_code)
-    ensure_chat_template(tok)
-    return tok
 
 
 def load_model(spec: RunSpec, source: str) -> Any:
