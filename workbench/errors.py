@@ -57,3 +57,7 @@ class LaunchError(WorkbenchError, RuntimeError):
 
 class JobFailedError(WorkbenchError, RuntimeError):
     """Raised by ``Job.wait(raise_on_failure=True)`` when the run ended badly."""
+
+
+class BudgetError(WorkbenchError, ValueError):
+    """A budget limit that could not be kept: no price, another currency, or already spent."""
