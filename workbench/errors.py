@@ -104,3 +104,7 @@ class EndpointStartError(DeployError):
 
 class EndpointNotFoundError(WorkbenchError, LookupError):
     """No endpoint in the registry has that name."""
+
+
+class BudgetError(WorkbenchError, ValueError):
+    """A budget limit that could not be kept: no price, another currency, or already spent."""

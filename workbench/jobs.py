@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.backends import Backend, get_backend
-from workbench.errors import JobFailedError, LaunchError, WorkbenchError
+from workbench.errors import BudgetError, JobFailedError, LaunchError, WorkbenchError
 from workbench.home import runs_dir
 from workbench.registry import Registry, RunRecord
 from workbench.rundir import (
@@ -103,6 +103,9 @@ def launch(spec: RunSpec | dict | str | Path | None = None, *, force: bool = Fal
         from workbench.targets import apply_defaults, get_target
 
         spec = apply_defaults(spec, get_target(spec.target))
+    from workbench.budget import check_enforceable
+
+    check_enforceable(spec)  # a limit without a price (or in another currency) is no limit
     # Cheapest first: the target's resources, then the plan (which knows common configs offline,
     # so a run that cannot fit says so even where the weights are out of reach), then the model.
     if spec.target == "local":
@@ -273,19 +276,28 @@ class Job:
         state = self.state
         if state not in TERMINAL:
             raise WorkbenchError(f"run {self.id} is {state}; cancel it first or wait for it")
-        spent = self.status().get("cost") or 0.0
+        status = self.status()
+        spent = status.get("cost") or 0.0
         limit = changes.get("budget.limit")
-        if state == BUDGET_STOPPED and isinstance(limit, (int, float)) and limit <= spent:
-            raise WorkbenchError(f"run {self.id} has spent {spent:.4g} already: a budget.limit "
-                                 f"of {limit:g} would stop it again at once; give a larger one")
+        if state == BUDGET_STOPPED and (not isinstance(limit, (int, float)) or limit <= spent):
+            raise BudgetError(
+                f"run {self.id} stopped at its budget: {spent:.4g} {status.get('currency', '')} "
+                f"spent of {self.spec.budget.limit or 0:g}; resuming with "
+                + ("no new limit" if limit is None else f"a budget.limit of {limit:g}")
+                + " would stop it again at once. Give a larger one: "
+                f"job.resume(**{{'budget.limit': N}}) or `workbench resume {self.id} --budget N`")
+        merged: dict[str, Any] = {}
         if changes:
             import yaml
 
-            previous: dict[str, Any] = {}
             if self.run_dir.resume_file.is_file():
-                previous = yaml.safe_load(self.run_dir.resume_file.read_text()) or {}
-            merged = {**previous, **changes}
-            RunSpec.from_yaml(self.run_dir.spec_file).updated(**merged)  # validate first
+                merged = yaml.safe_load(self.run_dir.resume_file.read_text()) or {}
+            merged.update(changes)
+        from workbench.budget import check_enforceable
+
+        # Validated (and the budget checked against what is spent) before anything is written.
+        check_enforceable(RunSpec.from_yaml(self.run_dir.spec_file).updated(**merged), spent)
+        if changes:
             self.run_dir.resume_file.write_text(yaml.safe_dump(merged), encoding="utf-8")
         spec = self.run_dir.spec()
         self.run_dir.write_status(state=QUEUED, error=None, stop_reason=None, note=None, ended=None)

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from workbench.budget import KILL_GRACE_S, AttemptBill
 from workbench.rundir import BUDGET_STOPPED, CANCELLED, FAILED, RUNNING, SUCCEEDED, RunDir
 
 CANCEL_GRACE_S = 20.0  # SIGTERM first, SIGKILL after this long
@@ -104,6 +105,7 @@ def supervise(run_dir: str, role: NodeRole = NodeRole()) -> int:
     spec = rd.spec()
     cmd = torchrun_command(rd.path, spec.resources.procs_per_node, role)
     write = rd.write_status if role.writes_status else _node_log
+    bill = AttemptBill(rd, spec, role.writes_status)  # the resources are held from now on
     write(state=RUNNING, supervisor_pid=os.getpid(), host=socket.gethostname(), command=cmd,
           stop_reason=None, note=None)
     if role.writes_status:
@@ -121,8 +123,10 @@ def supervise(run_dir: str, role: NodeRole = NodeRole()) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_signal)
     restarts, resumed_from = 0, _newest_committed_step(rd)
-    while True:
-        rc = _run_ranks(rd, cmd, child, cancel_at, write, role.launcher_log)
+    bill.stopped = bill.spent()  # a budget spent already: no start-up, no step
+    rc: int | None = None
+    while not bill.stopped:
+        rc = _run_ranks(rd, cmd, child, cancel_at, write, role.launcher_log, bill)
         if cancel_at or rc == 0:
             break
         newest = _newest_committed_step(rd)
@@ -135,7 +139,9 @@ def supervise(run_dir: str, role: NodeRole = NodeRole()) -> int:
         write(restarts=restarts, last_error=error_text(rd))
     final: dict[str, object] = {"ended": time.time(), "exit_code": rc}
     budget_stop = role.writes_status and rd.status().get("stop_reason") == "budget"
-    if cancel_at:
+    if bill.stopped:
+        final["state"] = BUDGET_STOPPED
+    elif cancel_at:
         final["state"] = CANCELLED
     elif rc == 0 and budget_stop:
         final["state"] = BUDGET_STOPPED
@@ -143,14 +149,16 @@ def supervise(run_dir: str, role: NodeRole = NodeRole()) -> int:
         final["state"] = SUCCEEDED
     else:
         final.update(state=FAILED, error=error_text(rd))
-    if role.writes_status:
+    # An attempt that started no ranks (its budget was spent) keeps the last bundle: it ran nothing.
+    if role.writes_status and (rc is not None or not (rd.path / "reproduce.zip").exists()):
         final.update(_bundle(rd, final))  # before the terminal state: readers then find it
-    write(**final)
+    write(**final, **bill.close())  # the final bill, bundle included
     return 0
 
 
 def _run_ranks(rd: RunDir, cmd: list[str], child: list[subprocess.Popen],
-               cancel_at: list[float], write: Callable[..., object], log_name: str) -> int:
+               cancel_at: list[float], write: Callable[..., object], log_name: str,
+               bill: AttemptBill) -> int:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with (rd.logs_dir / log_name).open("ab") as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
@@ -163,6 +171,9 @@ def _run_ranks(rd: RunDir, cmd: list[str], child: list[subprocess.Popen],
             rc = proc.wait(timeout=1.0)
             break
         except subprocess.TimeoutExpired:
+            if bill.tick() and not cancel_at:  # the ranks did not stop in time for the budget
+                cancel_at.append(time.time() - CANCEL_GRACE_S + KILL_GRACE_S)
+                _signal_group(proc.pid, signal.SIGTERM)
             if cancel_at and time.time() - cancel_at[0] > CANCEL_GRACE_S:
                 _signal_group(proc.pid, signal.SIGKILL)
     _signal_group(proc.pid, signal.SIGKILL)  # ranks that outlived torchrun

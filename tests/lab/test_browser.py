@@ -240,10 +240,11 @@ def test_deploy_asks_where_to_serve_starting_from_the_runs_target(page, lab_serv
 
 
 def test_a_budget_stopped_run_says_how_to_go_on(page, lab_server: LabServer) -> None:
-    # 3,600 per core-hour on 2 processes: 2 per second, so a limit of 30 stops within seconds.
+    # 3,600 per core-hour on 2 processes: 2 per second: a limit of 200 stops within 100 s,
+    # start-up (billed too) included.
     job = workbench.launch({"name": "lab-budget", "train": {"max_steps": 100000},
                             "checkpoint": {"keep": 1},
-                            "budget": {"price_per_cpu_core_hour": 3600.0, "limit": 30.0}})
+                            "budget": {"price_per_cpu_core_hour": 3600.0, "limit": 200.0}})
     assert job.wait(timeout=300, progress=False) == "budget_stopped", job.logs(tail=30)
     card = _card(page, lab_server, job)
     note = card.locator(".jp-WorkbenchRuns-error.jp-mod-note")

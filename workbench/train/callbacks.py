@@ -22,11 +22,16 @@ _SPEED_KEYS = ("train_runtime", "train_tokens_per_second")  # per-step noise, no
 STATUS_EVERY_S = 0.5
 
 
+class BudgetSpentAtStart(Exception):
+    """Raised on every rank in on_train_begin when the budget cannot pay for a step and a stop."""
+
+
 class RunDirCallback(TrainerCallback):
-    def __init__(self, run_dir: RunDir, world_size: int, billing: Any = None) -> None:
+    """Progress into status.json and metrics.jsonl (the bill is the supervisor's: budget.py)."""
+
+    def __init__(self, run_dir: RunDir, world_size: int) -> None:
         self.rd = run_dir
         self.world_size = world_size
-        self.billing = billing
         self._last: tuple[float, int] | None = None  # (time, tokens seen) at the previous log
         self._t0 = time.time()
         self._first_step = 0
@@ -40,8 +45,10 @@ class RunDirCallback(TrainerCallback):
             self._last = (self._t0, state.num_input_tokens_seen or 0)
             self.rd.write_status(state=RUNNING, started=self._t0, total_steps=state.max_steps,
                                  step=state.global_step, world_size=self.world_size)
-            if state.global_step > 0:
-                # Readers drop what an earlier attempt logged after this step (Job.metrics).
+            earlier = self.rd.metrics_file.is_file() and self.rd.metrics_file.stat().st_size > 0
+            if state.global_step > 0 or earlier:
+                # Readers drop what an earlier attempt logged after this step (Job.metrics), also
+                # when a resume without a snapshot starts over at step 0.
                 self.rd.append_metrics({"event": "resume", "step": state.global_step,
                                         "time": self._t0})
 
@@ -70,13 +77,10 @@ class RunDirCallback(TrainerCallback):
         step, total = state.global_step, state.max_steps
         done_here = step - self._first_step
         eta = elapsed / done_here * (total - step) if done_here > 0 else None
-        billing = {}
-        if self.billing is not None:
-            billing = {"billed_s": self.billing.seconds(), "cost": self.billing.cost(),
-                       "currency": self.billing.currency,
-                       "price_per_hour": self.billing.price_per_hour}
+        # step_s lets the next attempt's budget check price its first step before taking it.
+        step_s = elapsed / done_here if done_here > 0 else None
         self._pending = {"step": step, "total_steps": total, "eta_s": eta, "elapsed_s": elapsed,
-                         "last_loss": logs.get("loss"), "epoch": state.epoch, **billing}
+                         "step_s": step_s, "last_loss": logs.get("loss"), "epoch": state.epoch}
         if now - self._status_at >= STATUS_EVERY_S or step >= total:
             self._flush_status(now)
 
@@ -117,14 +121,25 @@ class SnapshotCallback(TrainerCallback):
     How a snapshot is written and committed is SnapshottingTrainer's job (workbench.train.run).
     """
 
-    def __init__(self, spec: Any, billing: Any) -> None:
+    def __init__(self, spec: Any, billing: Any, step_s: float | None = None) -> None:
         self.billing = billing
+        self.step_s = step_s  # an earlier attempt's seconds per step, if it took any
         self.every_steps = spec.checkpoint.every_steps
         self.every_s = spec.checkpoint.every_minutes * 60 if spec.checkpoint.every_minutes else None
         self.last_snapshot = time.time()
         self.budget_stopped = False
         self._t0 = time.time()
         self._steps = 0
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        # Before the first step: a budget that cannot pay a step and the stop after it ends the
+        # attempt here, on every rank alike, instead of paying a step and a snapshot past it.
+        self._t0 = self.last_snapshot = time.time()
+        if self.billing.limit is not None:
+            ahead = 2 * self.step_s if self.step_s else 0.0
+            if _agree([self.billing.would_exceed(ahead)])[0]:
+                raise BudgetSpentAtStart(f"{self.billing.cost():.4g} of {self.billing.limit:g} "
+                                         f"{self.billing.currency} spent before the first step")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self._steps += 1

@@ -242,7 +242,7 @@ def main(run_dir: str) -> int:
     from workbench.data.tokenize import Collator
     from workbench.models import resolve_model
     from workbench.snapshots import Uploader, newest_verified, storage_prefix
-    from workbench.train.callbacks import RunDirCallback, SnapshotCallback
+    from workbench.train.callbacks import BudgetSpentAtStart, RunDirCallback, SnapshotCallback
 
     spec = rd.spec()
     resume_from = newest_verified(rd)  # every rank sees the same verified snapshot
@@ -258,37 +258,41 @@ def main(run_dir: str) -> int:
     train_rows = load_split(rd, "train", tokenizer, spec)
     eval_rows = load_split(rd, "validation", tokenizer, spec)
     args = training_arguments(spec, rd, has_eval=len(eval_rows) > 0)
-    billing = Billing(spec, billed_before_s=float(rd.status().get("billed_s") or 0.0))
+    status = rd.status()
+    billing = Billing(spec, status)  # the supervisor's baseline: the same bill as its own
     uploader = None
     if rank == 0 and spec.checkpoint.storage:
         uploader = Uploader(rd, storage_prefix(spec.checkpoint.storage, rd.path.name))
-    snapshots = SnapshotCallback(spec, billing)
+    snapshots = SnapshotCallback(spec, billing, status.get("step_s"))
     trainer = snapshotting_trainer_class()(
         model=model,
         args=args,
         train_dataset=train_rows,
         eval_dataset=eval_rows if len(eval_rows) else None,
         data_collator=Collator(tokenizer.pad_token_id),
-        callbacks=[RunDirCallback(rd, world, billing), snapshots],
+        callbacks=[RunDirCallback(rd, world), snapshots],
         run_dir=rd, keep=spec.checkpoint.keep, uploader=uploader, billing=billing,
     )
     if resume_from is not None:
         print(f"resuming from {resume_from.name}", flush=True)
-    trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    try:
+        trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    except BudgetSpentAtStart as exc:  # every rank raised it: nothing trained, nothing to save
+        print(f"budget: {exc}; stopping before the first step", flush=True)
+        if rank == 0:
+            rd.write_status(stop_reason="budget")
+        if uploader is not None:
+            uploader.close()
+        _shutdown_distributed()
+        return 0
     trainer.writer.wait()  # the last snapshot is on disk (and committed) before we go on
     if snapshots.budget_stopped:
-        if rank == 0:
-            rd.write_status(stop_reason="budget", cost=billing.cost())
+        if rank == 0:  # the supervisor writes the bill and the note when the attempt ends
+            rd.write_status(stop_reason="budget")
     elif len(eval_rows):
         trainer.evaluate()
     out = save_artefacts(trainer, tokenizer, spec, rd, source)
     print(f"saved {out}", flush=True)
-    if rank == 0:  # the final bill, saving included
-        bill: dict[str, Any] = {"cost": billing.cost(), "billed_s": billing.seconds()}
-        if snapshots.budget_stopped:  # what to do next, with the final figure
-            bill["note"] = billing.stop_note(bill["cost"], rd.path.name,
-                                             trainer.state.global_step, trainer.state.max_steps)
-        rd.write_status(**bill)
     if uploader is not None:
         uploader.close()
     _shutdown_distributed()
