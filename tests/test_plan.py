@@ -281,13 +281,32 @@ def test_budget_verdict_and_max_steps_suggestion():
                     budget__limit=1.0)
     p = plan(spec)
     assert p.currency == "CNY" and p.price_per_hour == 3.75
-    assert p.cost == pytest.approx(p.hours * 3.75)
+    # Every attempt pays its start-up (a 7B not in the cache downloads 13.5 GB first) and its
+    # release: the cost holds more than the training hours, and the breakdown adds up.
+    assert p.startup_s is not None and p.startup_s["download"] and p.startup_s["download"] > 10
+    assert p.startup_cost and p.cost > p.hours * 3.75
+    assert p.cost == pytest.approx(p.hours * 3.75 + p.startup_cost)
+    # Training time is proportional to steps; start-up is paid once whatever the steps.
+    double = plan(spec.updated(**{"train.max_steps": 40_000}))
+    assert double.cost - p.cost == pytest.approx(p.cost - p.startup_cost, rel=1e-6)
     assert p.budget_verdict == "over budget"
     fix = next(s for s in p.suggestions if "train.max_steps" in s.changes)
     assert f"{fix.changes['train.max_steps']:,}" in fix.text
     fixed = plan(spec.updated(**fix.changes))
     assert fixed.budget_verdict == "within budget"
     assert plan(spec.updated(**{"budget.limit": None})).budget_verdict == "no limit"
+
+
+def test_a_budget_launch_would_refuse_is_flagged_by_the_plan():
+    # The H200 has no price in the table: a limit on it could not be enforced, and launch refuses
+    # it. The plan must not call that "within budget" (nor silently "unknown").
+    p = plan(gpu_spec(LLAMA2_7B, "lora", gpu="H200", train__max_steps=10, budget__limit=5.0))
+    assert p.budget_verdict == "unknown"
+    assert any("launch will refuse this budget" in r and "H200" in r for r in p.reasons), p.reasons
+    priced = plan(gpu_spec(LLAMA2_7B, "lora", gpu="H200", train__max_steps=10,
+                           budget__limit=5.0, budget__price_per_gpu_hour=20.0))
+    assert priced.budget_verdict in ("within budget", "over budget")
+    assert not any("refuse" in r for r in priced.reasons)
 
 
 def test_time_follows_flops_and_utilisation():
@@ -300,8 +319,6 @@ def test_time_follows_flops_and_utilisation():
 
 
 def test_cpu_run_plans_against_host_ram_and_core_price():
-    import os
-
     import psutil
 
     spec = RunSpec.parse({"budget": {"price_per_cpu_core_hour": 0.1}})
@@ -313,7 +330,14 @@ def test_cpu_run_plans_against_host_ram_and_core_price():
 
     rows = int(len(list(teaching_rows("train"))) * 0.9)
     assert p.steps == math.ceil(rows / 16)
-    assert p.cost == pytest.approx(p.hours * (os.cpu_count() or 1) * 0.1)
+    # Billed per process-core-hour: the 2 processes at 0.1 each cost 0.2 an hour, for every second
+    # the attempt holds them (training plus start-up and release), the rate the bill charges.
+    from workbench.budget import hourly_price
+
+    held_h = p.hours + p.startup_cost / 0.2
+    assert p.cost == pytest.approx(0.2 * held_h)
+    assert hourly_price(spec) == (pytest.approx(0.2), "CNY")
+    assert p.startup_cost > 0 and p.startup_s["download"] == 0  # the built-in model is local
 
 
 def test_unknown_rows_need_max_steps():

@@ -16,8 +16,10 @@ Basis of each phase (seconds; ``None`` where the input is unknown):
   typically gets 50-200 MB/s from the Hub); 0 when cached or a local folder.
 - ``load``: the weights from local disk at 1 GB/s (safetensors on NVMe reads 1-3 GB/s; network
   filesystems are slower), plus quantisation at load for QLoRA (about as long again).
-- ``tokenise``: 300 rows/s (every rank tokenises all rows), measured on the built-in tiny
-  model's chat rows (~17 tokens); long rows tokenise proportionally slower: a floor.
+- ``tokenise``: only where the ranks tokenise for themselves (launch could not load the tokenizer,
+  so it did not tokenise once before submitting: workbench.data.tokenized); 300 rows/s, measured
+  on the built-in tiny model's chat rows (~17 tokens); long rows are slower: a floor. Give
+  ``rows`` only then; the planner does not (ranks read the memory-mapped data in well under 1 s).
 - ``strategy``: DDP set-up 2 s; DeepSpeed ZeRO engine creation 10 s (it builds its optimizer and
   partitions; ZeRO-3 partitions the weights too: 20 s).
 """
@@ -70,7 +72,7 @@ def startup_estimate(spec: RunSpec, params: float | None = None, rows: int | Non
         "download": 0.0 if cached else (None if weight_bytes is None
                                         else weight_bytes / DOWNLOAD_BYTES_PER_S),
         "load": load,
-        # Every rank tokenises its own copy today (workbench.train.run.load_split).
+        # Only when the ranks tokenise for themselves (see the module docstring).
         "tokenise": None if rows is None else rows / TOKENISE_ROWS_PER_S,
         "strategy": STRATEGY_S.get("ddp" if chosen == "auto" else chosen, 2.0),
     }

@@ -14,7 +14,8 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from workbench.errors import PlanError, WorkbenchError
+from workbench.budget import KILL_GRACE_S, RELEASE_S, check_enforceable
+from workbench.errors import BudgetError, PlanError, WorkbenchError
 from workbench.gpus import GpuType, get_gpu, gpu_table
 from workbench.plan.memory import (
     MemoryBreakdown,
@@ -28,6 +29,7 @@ from workbench.plan.result import Candidate, Plan, Suggestion
 from workbench.plan.shape import ModelShape, model_shape
 from workbench.plan.timing import DataEstimate, _Run, estimate_data, step_seconds
 from workbench.spec import ParallelSpec, RunSpec
+from workbench.startup import startup_estimate
 
 
 def _resolve_gpu(spec: RunSpec, gpu_type: str | None) -> tuple[GpuType, bool]:
@@ -98,6 +100,16 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
     else:
         steps = None
     run = _Run(tokens_per_step, steps, gpu, n_devices, on_gpu)
+    # What the bill counts: cards, or processes on CPU (workbench.budget bills process-core-hours),
+    # held from the supervisor's start to its exit, so start-up and release are paid too.
+    billed_units = n_devices if on_gpu else res.world_size
+    startup = startup_estimate(spec, params=shape.params)
+    startup_h = (sum(v for v in startup.values() if v) + KILL_GRACE_S + RELEASE_S) / 3600
+
+    def priced(hours: float | None) -> float | None:
+        if hours is None or price is None:
+            return None
+        return (hours + startup_h) * billed_units * price
     # Activations are planned at max_length (a padded batch can hit it); time at the estimate.
     s_time = _setup(spec, shape, on_gpu, int(max(1, data.tokens_per_example)))
 
@@ -106,8 +118,7 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
         mem = estimate_memory(s, st)
         secs, _ = step_seconds(s_time, st, run)
         hours = secs * steps / 3600 if steps else None
-        cost = hours * n_devices * price if hours is not None and price is not None else None
-        candidates.append(Candidate(st, mem, mem.total <= capacity - margin, hours, cost))
+        candidates.append(Candidate(st, mem, mem.total <= capacity - margin, hours, priced(hours)))
 
     wanted = spec.parallel
     reasons: list[str] = []
@@ -129,8 +140,7 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
             mem = estimate_memory(s, target)
             secs, _ = step_seconds(s_time, target, run)
             hours = secs * steps / 3600 if steps else None
-            cost = hours * n_devices * price if hours is not None and price else None
-            chosen = Candidate(target, mem, mem.total <= capacity - margin, hours, cost)
+            chosen = Candidate(target, mem, mem.total <= capacity - margin, hours, priced(hours))
             if target.parallel == "ddp" and (target.offload_optimizer or target.offload_params):
                 chosen.fits = False
                 reasons.append("offloading needs DeepSpeed: use parallel.strategy zero2 or zero3")
@@ -161,10 +171,16 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
         reasons.append(f"no price for {gpu.name}: set budget.price_per_gpu_hour or edit gpus.yaml")
 
     limit = spec.budget.limit
+    refusal = None
+    try:
+        check_enforceable(spec)
+    except BudgetError as exc:  # launch refuses such a limit: say so before anyone tries
+        refusal = str(exc)
+        reasons.append(f"launch will refuse this budget: {refusal}")
     verdict: Literal["within budget", "over budget", "no limit", "unknown"]
     if limit is None:
         verdict = "no limit"
-    elif chosen.cost is None:
+    elif chosen.cost is None or refusal is not None:
         verdict = "unknown"
     else:
         verdict = "within budget" if chosen.cost <= limit else "over budget"
@@ -189,7 +205,8 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
         flops=flops_step * steps if steps else None, hours=chosen.hours, cost=chosen.cost,
         currency=currency, price_per_hour=price, budget_limit=limit, budget_verdict=verdict,
         suggestions=[], data_note=data.note, assumptions=assumptions,
-        data_tokens=data.tokens,
+        data_tokens=data.tokens, startup_s=startup,
+        startup_cost=startup_h * billed_units * price if price is not None else None,
     )
 
 
@@ -276,8 +293,9 @@ def _suggest(spec: RunSpec, p: Plan, gpu: GpuType, on_gpu: bool, shape: ModelSha
                 "nothing tried fits: use a smaller model, a shorter data.max_length, or more "
                 "GPUs/nodes"))
     if p.budget_verdict == "over budget" and p.cost and p.steps and p.budget_limit:
-        per_step = p.cost / p.steps
-        steps = int(p.budget_limit / per_step)
+        fixed = p.startup_cost or 0.0  # start-up and release are paid whatever max_steps is
+        per_step = (p.cost - fixed) / p.steps
+        steps = int((p.budget_limit - fixed) / per_step) if per_step > 0 else 0
         if steps >= 1:
             out.append(Suggestion(f"train.max_steps {steps:,} stays within the budget of "
                                   f"{p.budget_limit:,.2f} {p.currency}",

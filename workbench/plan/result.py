@@ -78,6 +78,10 @@ class Plan:
     # Token statistics (TokenStats.to_dict): of a sample when planned, of all the data once
     # launch has tokenised it (plan.json is then updated with "sampled": false).
     data_tokens: dict[str, Any] | None = None
+    # Seconds per start-up phase (workbench.startup): paid by every attempt before its first step,
+    # and part of ``cost`` (which also holds the release: exit, bundle), shown apart from training.
+    startup_s: dict[str, float | None] | None = None
+    startup_cost: float | None = None
 
     @property
     def headroom_gib(self) -> float:
@@ -89,7 +93,7 @@ class Plan:
             "devices_per_node", "nodes", "world_size", "capacity_gib", "safety_margin_gib",
             "fits", "reasons", "tokens_per_step", "steps", "total_tokens", "flops", "hours",
             "cost", "currency", "price_per_hour", "budget_limit", "budget_verdict", "data_note",
-            "assumptions", "data_tokens")}
+            "assumptions", "data_tokens", "startup_s", "startup_cost")}
         d["headroom_gib"] = round(self.headroom_gib, 4)
         d["memory_gib"] = self.memory.to_dict()
         d["strategy"] = {**asdict(self.strategy), "label": self.strategy.label}
@@ -125,10 +129,17 @@ class Plan:
         lines.append(f"Data: {self.data_note}")
         lines += [f"  {line}" for line in token_lines(self.data_tokens)]
         if self.hours is not None:
-            lines.append(f"Time: {_fmt_hours(self.hours)} ({self.flops:.3g} FLOPs)")
+            lines.append(f"Time: {_fmt_hours(self.hours)} training ({self.flops:.3g} FLOPs)")
+        if self.startup_s:
+            known = {k: v for k, v in self.startup_s.items() if v}
+            lines.append(f"Start-up (every attempt, billed): ~{_fmt_hours(sum(known.values()) / 3600)}"
+                         " (" + ", ".join(f"{k} {_fmt_hours(v / 3600)}" for k, v in known.items())
+                         + ")")
         if self.cost is not None:
             lines.append(f"Cost: {self.cost:,.2f} {self.currency}"
-                         f" at {self.price_per_hour:g} {self.currency} per "
+                         + (f" ({self.startup_cost:,.2f} of it start-up and release)"
+                            if self.startup_cost else "")
+                         + f" at {self.price_per_hour:g} {self.currency} per "
                          f"{'GPU' if self.device == 'gpu' else 'core'}-hour")
         lines.append(f"Budget: {self.budget_verdict}"
                      + (f" (limit {self.budget_limit:,.2f} {self.currency})"
