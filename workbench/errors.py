@@ -57,3 +57,7 @@ class LaunchError(WorkbenchError, RuntimeError):
 
 class JobFailedError(WorkbenchError, RuntimeError):
     """Raised by ``Job.wait(raise_on_failure=True)`` when the run ended badly."""
+
+
+class RunBusyError(WorkbenchError, RuntimeError):
+    """A run still has live processes (or another resume is starting it): it cannot start again."""
