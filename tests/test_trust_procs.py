@@ -113,6 +113,16 @@ def test_a_process_on_another_host_is_reported_unknown_not_failed(tmp_path):
         far.alive()
 
 
+def test_a_run_recorded_with_a_bare_pid_only_is_left_as_recorded(tmp_path):
+    rd = RunDir(tmp_path / "run").create(RunSpec())
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    rd.write_status(state="running", supervisor_pid=gone.pid)  # as older versions wrote it
+    status = LocalBackend().status(rd.path, f"local:{gone.pid}")
+    assert status["state"] == "running" and "unknown" in status["warning"]
+    assert rd.status()["state"] == "running"
+
+
 @pytest.mark.parametrize("field, value", [("name", "name\n"), ("target", "local\n"),
                                           ("target", "slurm:gpu\n")])
 def test_names_with_a_trailing_newline_are_refused(field, value):

@@ -110,6 +110,10 @@ class LocalBackend:
             return status
         idents = procs.of_attempt(status)
         if not idents:
+            if status.get("supervisor_pid"):  # a bare PID may since belong to anything
+                return {**status, "warning": "this run was started by a workbench version that "
+                        "did not record its processes, so whether it still runs is unknown; "
+                        "look at logs/supervisor.log (and stop it by hand if it still runs)"}
             return status  # nothing started yet
         away = procs.elsewhere(idents)
         if away:
