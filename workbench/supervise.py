@@ -215,6 +215,8 @@ def _run_ranks(rd: RunDir, cmd: list[str], child: list[subprocess.Popen],
                                 stderr=subprocess.STDOUT, env=env, cwd=rd.path,
                                 start_new_session=True, preexec_fn=procs.die_with_parent)
     child.append(proc)
+    if cancel_at:  # the cancel came while torchrun was being started: on_signal missed it
+        _signal_group(proc.pid, signal.SIGTERM)
     write(launcher_pid=proc.pid)
     if role.writes_status:
         procs.record(rd, procs.ProcessIdentity.of(proc.pid, "launcher"))
