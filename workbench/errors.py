@@ -108,3 +108,7 @@ class EndpointNotFoundError(WorkbenchError, LookupError):
 
 class BudgetError(WorkbenchError, ValueError):
     """A budget limit that could not be kept: no price, another currency, or already spent."""
+
+
+class RunBusyError(WorkbenchError, RuntimeError):
+    """A run still has live processes (or another resume is starting it): it cannot start again."""

@@ -20,8 +20,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from workbench import procs
 from workbench.backends import Backend, get_backend
-from workbench.errors import BudgetError, JobFailedError, LaunchError, WorkbenchError
+from workbench.errors import BudgetError, JobFailedError, LaunchError, RunBusyError, WorkbenchError
 from workbench.home import runs_dir
 from workbench.registry import Registry, RunRecord
 from workbench.rundir import (
@@ -266,8 +267,36 @@ class Job:
 
         ``changes`` may raise the budget or extend training, e.g.
         ``job.resume(**{"budget.limit": 20})``; they are recorded in resume.yaml (spec.yaml is
-        written once). Resuming a running run is refused.
+        written once). Resuming a run any of whose processes is alive is refused
+        (:class:`RunBusyError`), and so is a second resume while one is starting: an exclusive
+        lock in the run directory is held from the check to the new supervisor's record, so two
+        supervisors never train in one run directory.
         """
+        self.status()  # lets the backend record how an attempt whose processes are gone ended
+        with self.run_dir.attempt_lock() as free:
+            if not free:
+                raise RunBusyError(f"run {self.id} is being resumed by another caller right now; "
+                                   "follow it with job.status() or job.wait() instead")
+            live = self._live_processes(grace_s=15.0)
+            if live:
+                raise RunBusyError(
+                    f"run {self.id} still has live processes ("
+                    + ", ".join(p.describe() for p in live)
+                    + "); wait for them to end or call job.cancel(), then resume")
+            return self._resume(**changes)
+
+    def _live_processes(self, grace_s: float) -> list[procs.ProcessIdentity]:
+        """The current attempt's live processes on this host. After a recorded outcome they get
+        ``grace_s`` to exit: the supervisor writes the outcome just before it exits."""
+        deadline = time.time() + grace_s
+        while True:
+            status = self.run_dir.status()
+            live = procs.alive_here(p for p in procs.of_attempt(status) if p.here)
+            if not live or status.get("state") not in TERMINAL or time.time() > deadline:
+                return live
+            time.sleep(0.2)
+
+    def _resume(self, **changes: Any) -> Job:
         allowed = {"budget.limit", "train.max_steps", "train.epochs", "checkpoint.storage"}
         bad = set(changes) - allowed
         if bad:
@@ -275,7 +304,7 @@ class Job:
                                  f"{sorted(allowed)}")
         state = self.state
         if state not in TERMINAL:
-            raise WorkbenchError(f"run {self.id} is {state}; cancel it first or wait for it")
+            raise RunBusyError(f"run {self.id} is {state}; cancel it first or wait for it")
         status = self.status()
         spent = status.get("cost") or 0.0
         limit = changes.get("budget.limit")

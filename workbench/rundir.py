@@ -14,11 +14,13 @@ consumes complete lines and remembers its byte offset, so polling costs only the
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,12 +42,19 @@ class RunDirError(WorkbenchError, ValueError):
 def write_text_atomic(path: Path, text: str) -> None:
     """Replace ``path`` by ``text`` (tmp + fsync + rename): a reader that polls for the file sees
     nothing or all of it, never an empty or half-written file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with tmp.open("w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    # One temp name per call: threads of one process (snapshot, upload, callbacks) write the
+    # same file concurrently, and a shared name would let one rename the other's half-written text.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}."
+                         f"{os.urandom(4).hex()}.tmp")
+    try:
+        with tmp.open("w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -110,13 +119,35 @@ class RunDir:
         Several writers touch it (the supervisor, rank 0's callbacks, its snapshot and upload
         threads): an advisory lock around the read-modify-replace keeps any update from being lost.
         """
+        return self.update_status(lambda status: status.update(changes))
+
+    def update_status(self, change: Callable[[dict[str, Any]], object]) -> dict[str, Any]:
+        """Apply ``change`` (which edits the dict in place) to status.json under the status lock,
+        so a decision made on what it reads (e.g. "this attempt's processes are all gone") and
+        the write that follows cannot interleave with another writer."""
         with (self.path / ".status.lock").open("a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             status = self.status() if self.status_file.exists() else {}
-            status.update(changes)
+            change(status)
             status["updated"] = time.time()
             write_json_atomic(self.status_file, status)
         return status
+
+    @contextlib.contextmanager
+    def attempt_lock(self) -> Iterator[bool]:
+        """Held by whoever starts an attempt (resume) across its check and its submit; yields
+        False at once when someone else holds it. Readers that would judge the run dead look
+        here first: while it is held, a new supervisor is on its way."""
+        with (self.path / ".attempt.lock").open("a") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False
+                return
+            try:
+                yield True
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
 
     # -- metrics --------------------------------------------------------------------------------
     def append_metrics(self, record: dict[str, Any]) -> None:

@@ -138,8 +138,9 @@ class ServeSpec(_Section):
     python: str | None = None  # interpreter with vLLM; None: WORKBENCH_SERVE_PYTHON, .venv-serve, this one
 
 
-_TARGET_RE = re.compile(r"^(local|(ssh|slurm):[A-Za-z0-9_.-]+)$")
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+# Used with fullmatch: "$" alone accepts a trailing newline, which would break an #SBATCH line.
+_TARGET_RE = re.compile(r"local|(ssh|slurm):[A-Za-z0-9_.-]+")
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
 class RunSpec(_Section):
@@ -161,7 +162,7 @@ class RunSpec(_Section):
     @field_validator("name")
     @classmethod
     def _name_ok(cls, v: str) -> str:
-        if not _NAME_RE.match(v):
+        if not _NAME_RE.fullmatch(v):  # "$" alone would accept a trailing newline
             raise ValueError(
                 "use 1-64 letters, digits, '-', '_' or '.', starting with a letter or digit"
             )
@@ -170,7 +171,7 @@ class RunSpec(_Section):
     @field_validator("target")
     @classmethod
     def _target_ok(cls, v: str) -> str:
-        if not _TARGET_RE.match(v):
+        if not _TARGET_RE.fullmatch(v):
             raise ValueError("use 'local', 'ssh:NAME' or 'slurm:NAME'")
         return v
 

@@ -3,7 +3,10 @@
 The supervisor is the one process per run (per node) that outlives the notebook kernel: the local
 backend starts it in a new session, so a kernel restart does not kill training. It starts
 torchrun, forwards a cancel (SIGTERM) to every rank, kills stragglers, and writes the terminal
-state to status.json: succeeded, failed (with the error text from the rank logs) or cancelled.
+state to status.json: succeeded, failed (with the root cause a rank recorded) or cancelled.
+It records itself and torchrun in status.json's ``processes`` (:mod:`workbench.procs`); torchrun
+dies with it (PR_SET_PDEATHSIG) and each rank watches it, so a supervisor killed -9 leaves
+nothing training.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
+from workbench import procs
 from workbench.budget import KILL_GRACE_S, AttemptBill
 from workbench.rundir import BUDGET_STOPPED, CANCELLED, FAILED, RUNNING, SUCCEEDED, RunDir
 
@@ -56,13 +62,53 @@ def torchrun_command(run_dir: Path, nproc: int, role: NodeRole = NodeRole()) -> 
     return cmd + ["-m", "workbench.train", str(run_dir)]
 
 
-def error_text(rd: RunDir, max_lines: int = 25) -> str:
-    """The most telling error in the run's logs: the first rank traceback, else the launcher's."""
-    logs = sorted(rd.logs_dir.glob("rank-*.log")) + sorted(rd.logs_dir.glob("launcher*.log"))
-    for path in logs:
-        if not path.is_file():
-            continue
-        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+def error_file(rd: RunDir, role: NodeRole) -> Path:
+    """Where torchrun copies the first failing rank's error (TORCHELASTIC_ERROR_FILE); emptied
+    before each start, so what it holds is this attempt's root cause."""
+    return rd.logs_dir / f"rank-error-node{role.node_rank}.json"
+
+
+def log_sizes(rd: RunDir) -> dict[str, int]:
+    """Where each log ends now: an attempt's errors are read after these offsets only."""
+    return {p.name: p.stat().st_size for p in rd.log_files() if p.is_file()}
+
+
+def _root_cause(path: Path, texts: dict[str, str], max_lines: int) -> str | None:
+    try:
+        message = json.loads(path.read_text(encoding="utf-8"))["message"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if isinstance(message, str):
+        return message
+    summary = str(message.get("message") or "").strip()
+    stack = str((message.get("extraInfo") or {}).get("py_callstack") or "")
+    if not summary:
+        return None
+    # The rank whose log shows this exception line; the error file itself does not name it.
+    where = next((name for name, text in texts.items()
+                  if name.startswith("rank-") and summary in text), "a rank")
+    body = "\n".join(stack.strip().splitlines()[-max_lines:])
+    return f"{where}: {summary}\n{body}"
+
+
+def error_text(rd: RunDir, max_lines: int = 25, since: dict[str, int] | None = None,
+               root_cause: Path | None = None) -> str:
+    """The most telling error of this attempt: the root cause a rank recorded (torchelastic's
+    error file), else the first rank traceback, else the launcher's, in the logs past ``since``."""
+    since = since or {}
+    texts: dict[str, str] = {}
+    for path in sorted(rd.logs_dir.glob("rank-*.log")) + sorted(rd.logs_dir.glob("launcher*.log")):
+        if path.is_file():
+            with path.open("rb") as fh:
+                fh.seek(since.get(path.name, 0))
+                texts[path.name] = fh.read().decode("utf-8", errors="replace")
+    if root_cause is not None:
+        found = _root_cause(root_cause, texts, max_lines)
+        if found:
+            return found
+    logs = list(texts)
+    for name in logs:
+        lines = texts[name].splitlines()
         starts = [i for i, line in enumerate(lines) if line.startswith("Traceback")]
         if starts:
             block = lines[starts[-1]:]
@@ -70,12 +116,11 @@ def error_text(rd: RunDir, max_lines: int = 25) -> str:
             tail = [ln for ln in block if ln and not ln.startswith((" ", "\t"))]
             summary = tail[-1] if tail else block[-1]
             body = "\n".join(block[-max_lines:])
-            return f"{path.name}: {summary}\n{body}"
-    for path in reversed(logs):
-        if path.is_file():
-            text = path.read_text(encoding="utf-8", errors="replace").strip().splitlines()
-            if text:
-                return f"{path.name}: " + "\n".join(text[-max_lines:])
+            return f"{name}: {summary}\n{body}"
+    for name in reversed(logs):
+        text = texts[name].strip().splitlines()
+        if text:
+            return f"{name}: " + "\n".join(text[-max_lines:])
     return "no log output; the processes died before writing anything"
 
 
@@ -106,12 +151,16 @@ def supervise(run_dir: str, role: NodeRole = NodeRole()) -> int:
     cmd = torchrun_command(rd.path, spec.resources.procs_per_node, role)
     write = rd.write_status if role.writes_status else _node_log
     bill = AttemptBill(rd, spec, role.writes_status)  # the resources are held from now on
+    me = procs.ProcessIdentity.me("supervisor")
+    if role.writes_status:
+        procs.start_attempt(rd, me)  # unless the backend that started us recorded it already
     write(state=RUNNING, supervisor_pid=os.getpid(), host=socket.gethostname(), command=cmd,
           stop_reason=None, note=None)
     if role.writes_status:
         _fetch_from_storage(rd, spec.checkpoint.storage)
     cancel_at: list[float] = []
     child: list[subprocess.Popen] = []
+    ranks: dict[int, psutil.Process] = {}  # every descendant of torchrun seen so far
 
     def on_signal(signum: int, frame: object) -> None:
         if not cancel_at:
@@ -119,14 +168,18 @@ def supervise(run_dir: str, role: NodeRole = NodeRole()) -> int:
             print(f"supervisor: signal {signum}, stopping the ranks", flush=True)
             if child:
                 _signal_group(child[-1].pid, signal.SIGTERM)
+                # Ranks run in sessions of their own: the group signal does not reach them.
+                procs.kill_all(ranks.values(), signal.SIGTERM)
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_signal)
     restarts, resumed_from = 0, _newest_committed_step(rd)
     bill.stopped = bill.spent()  # a budget spent already: no start-up, no step
     rc: int | None = None
+    since = log_sizes(rd)
     while not bill.stopped:
-        rc = _run_ranks(rd, cmd, child, cancel_at, write, role.launcher_log, bill)
+        since = log_sizes(rd)
+        rc = _run_ranks(rd, cmd, child, cancel_at, write, role, me, ranks, bill)
         if cancel_at or rc == 0:
             break
         newest = _newest_committed_step(rd)
@@ -136,7 +189,8 @@ def supervise(run_dir: str, role: NodeRole = NodeRole()) -> int:
         restarts, resumed_from = restarts + 1, newest
         print(f"supervisor: ranks failed (exit {rc}); resuming from step-{newest} "
               f"(restart {restarts} of {MAX_RESTARTS})", flush=True)
-        write(restarts=restarts, last_error=error_text(rd))
+        write(restarts=restarts, last_error=error_text(rd, since=since,
+                                                      root_cause=error_file(rd, role)))
     final: dict[str, object] = {"ended": time.time(), "exit_code": rc}
     budget_stop = role.writes_status and rd.status().get("stop_reason") == "budget"
     if bill.stopped:
@@ -148,7 +202,8 @@ def supervise(run_dir: str, role: NodeRole = NodeRole()) -> int:
     elif rc == 0 and (rd.artefact_dir() is not None or not role.writes_status):
         final["state"] = SUCCEEDED
     else:
-        final.update(state=FAILED, error=error_text(rd))
+        final.update(state=FAILED, error=error_text(rd, since=since,
+                                                    root_cause=error_file(rd, role)))
     # An attempt that started no ranks (its budget was spent) keeps the last bundle: it ran nothing.
     if role.writes_status and (rc is not None or not (rd.path / "reproduce.zip").exists()):
         final.update(_bundle(rd, final))  # before the terminal state: readers then find it
@@ -157,27 +212,50 @@ def supervise(run_dir: str, role: NodeRole = NodeRole()) -> int:
 
 
 def _run_ranks(rd: RunDir, cmd: list[str], child: list[subprocess.Popen],
-               cancel_at: list[float], write: Callable[..., object], log_name: str,
+               cancel_at: list[float], write: Callable[..., object], role: NodeRole,
+               me: procs.ProcessIdentity, ranks: dict[int, psutil.Process],
                bill: AttemptBill) -> int:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with (rd.logs_dir / log_name).open("ab") as log:
+    errors = error_file(rd, role)
+    errors.unlink(missing_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", procs.SUPERVISOR_ENV: me.token,
+           "TORCHELASTIC_ERROR_FILE": str(errors)}
+    with (rd.logs_dir / role.launcher_log).open("ab") as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT, env=env, cwd=rd.path,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=procs.die_with_parent)
     child.append(proc)
+    if cancel_at:  # the cancel came while torchrun was being started: on_signal missed it
+        _signal_group(proc.pid, signal.SIGTERM)
     write(launcher_pid=proc.pid)
+    if role.writes_status:
+        procs.record(rd, procs.ProcessIdentity.of(proc.pid, "launcher"))
     while True:
         try:
             rc = proc.wait(timeout=1.0)
             break
         except subprocess.TimeoutExpired:
+            _note_descendants(proc.pid, ranks)
             if bill.tick() and not cancel_at:  # the ranks did not stop in time for the budget
                 cancel_at.append(time.time() - CANCEL_GRACE_S + KILL_GRACE_S)
                 _signal_group(proc.pid, signal.SIGTERM)
             if cancel_at and time.time() - cancel_at[0] > CANCEL_GRACE_S:
                 _signal_group(proc.pid, signal.SIGKILL)
-    _signal_group(proc.pid, signal.SIGKILL)  # ranks that outlived torchrun
+                procs.kill_all(ranks.values())
+    _signal_group(proc.pid, signal.SIGKILL)
+    procs.kill_all(ranks.values())  # ranks that outlived torchrun (they run in their own sessions)
+    if role.writes_status:
+        for ident in procs.of_attempt(rd.status()):
+            if ident.role == "rank" and ident.here:
+                ident.signal(signal.SIGKILL)
     return rc
+
+
+def _note_descendants(pid: int, ranks: dict[int, psutil.Process]) -> None:
+    try:
+        for p in psutil.Process(pid).children(recursive=True):
+            ranks.setdefault(p.pid, p)  # the first seen keeps its create time: reuse-safe
+    except psutil.NoSuchProcess:
+        pass
 
 
 def _bundle(rd: RunDir, final: dict[str, object]) -> dict[str, object]:

@@ -2,7 +2,8 @@
 
 ``submit`` starts ``python -m workbench.supervise RUN_DIR`` in a new session, so restarting or
 closing the notebook kernel does not stop training; any later process finds the run again through
-the registry and its run directory. The job id is ``local:PID`` of the supervisor.
+the registry and its run directory. The job id is ``local:PID`` of the first supervisor, for
+people; who is running is read from status.json's ``processes`` (see :mod:`workbench.procs`).
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
-
+from workbench import procs
 from workbench.errors import LaunchError, ResourceError
 from workbench.rundir import CANCELLED, FAILED, QUEUED, TERMINAL, RunDir
 from workbench.spec import RunSpec
@@ -51,32 +51,39 @@ def check_local_resources(spec: RunSpec) -> None:
         )
 
 
-def _pid(job_id: str | None) -> int | None:
-    if job_id and job_id.startswith("local:"):
-        return int(job_id.split(":", 1)[1])
-    return None
+def _reap() -> None:
+    for pid, child in list(_children.items()):
+        if child.poll() is not None:
+            _children.pop(pid, None)
 
 
-def _alive(pid: int | None) -> bool:
-    if pid is None:
-        return False
-    child = _children.get(pid)
-    if child is not None and child.poll() is not None:
-        _children.pop(pid, None)
-        return False
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+def _supervisor_died(status: dict[str, Any]) -> None:
+    """Record ``failed`` if (read under the status lock) the attempt's processes are all gone and
+    no outcome was recorded: only then is it known that the attempt died."""
+    if status.get("state") in TERMINAL:
+        return
+    idents = procs.of_attempt(status)
+    if not idents or procs.elsewhere(idents) or procs.alive_here(idents):
+        return
+    sup = next((p for p in idents if p.role == "supervisor"), idents[0])
+    status.update(
+        state=FAILED, ended=time.time(), warning=None,
+        error=f"the run's supervisor, {sup.describe()}, died without recording an outcome "
+              "(killed, e.g. by kill -9 or the out-of-memory killer, or the machine restarted); "
+              "see logs/supervisor.log; job.resume() goes on from the newest snapshot",
+    )
 
 
 class LocalBackend:
+    """Judges a run by the processes its current attempt recorded in status.json, never by the
+    job id: a handle made before a resume elsewhere still sees (and stops) the run as it is."""
+
     name = "local"
 
     def submit(self, run_dir: Path, spec: RunSpec) -> str:
         rd = RunDir(run_dir)
         check_local_resources(spec)
-        rd.write_status(state=QUEUED, submitted=time.time())
+        _reap()
         log = (rd.logs_dir / "supervisor.log").open("ab")
         try:
             child = subprocess.Popen(
@@ -90,48 +97,67 @@ class LocalBackend:
         finally:
             log.close()
         _children[child.pid] = child
+        # Recorded before returning, so no reader ever sees this attempt without its supervisor
+        # (an unreaped child keeps its identity even if it has exited already).
+        sup = procs.ProcessIdentity.of(child.pid, "supervisor")
+        procs.start_attempt(rd, sup, state=QUEUED, submitted=time.time())
         return f"local:{child.pid}"
 
     def status(self, run_dir: Path, job_id: str | None) -> dict[str, Any]:
         rd = RunDir(run_dir)
+        _reap()
         status = rd.status()
         if status.get("state") in TERMINAL:
             return status
-        if _alive(_pid(job_id)):
+        idents = procs.of_attempt(status)
+        if not idents:
+            if status.get("supervisor_pid"):  # a bare PID may since belong to anything
+                return {**status, "warning": "this run was started by a workbench version that "
+                        "did not record its processes, so whether it still runs is unknown; "
+                        "look at logs/supervisor.log (and stop it by hand if it still runs)"}
+            return status  # nothing started yet
+        away = procs.elsewhere(idents)
+        if away:
+            return {**status, "warning": "cannot check " + ", ".join(p.describe() for p in away)
+                    + f" from {procs.hostname()}"}
+        live = procs.alive_here(idents)
+        if live:
+            if not any(p.role == "supervisor" for p in live):
+                return {**status, "warning": "the supervisor is gone; its processes are ending"}
             return status
-        # The supervisor writes the terminal state just before it exits: read again before
-        # concluding it died without one.
-        status = rd.status()
-        if status.get("state") in TERMINAL:
-            return status
-        if status.get("state") == QUEUED and time.time() - status.get("submitted", 0) < 10:
-            return status  # not yet started: the supervisor is still importing
-        return rd.write_status(
-            state=FAILED, ended=time.time(),
-            error="the run's supervisor process exited without recording an outcome (killed, "
-                  "or the machine restarted); see logs/supervisor.log",
-        )
+        with rd.attempt_lock() as free:
+            if not free:
+                return status  # a resume is starting the next attempt right now
+            return rd.update_status(_supervisor_died)
 
     def cancel(self, run_dir: Path, job_id: str | None, timeout: float = 30.0) -> None:
         rd = RunDir(run_dir)
-        pid = _pid(job_id)
-        if rd.status().get("state") in TERMINAL:
+        status = rd.status()
+        if status.get("state") in TERMINAL:
             return
-        if pid is not None and _alive(pid):
-            os.kill(pid, signal.SIGTERM)
+        idents = procs.of_attempt(status)
+        supervisor = [p for p in procs.alive_here(idents) if p.role == "supervisor"]
+        if supervisor and supervisor[0].signal(signal.SIGTERM):
+            # The supervisor stops the ranks, kills stragglers and records 'cancelled' itself.
             deadline = time.time() + timeout
-            while time.time() < deadline and _alive(pid):
+            while time.time() < deadline and procs.alive_here(idents):
                 time.sleep(0.2)
-        if _alive(pid):  # it did not stop in time: stop everything by force
-            launcher = rd.status().get("launcher_pid")
-            for target in (launcher, pid):
-                if target:
-                    try:
-                        os.killpg(target, signal.SIGKILL)
-                    except (ProcessLookupError, PermissionError):
-                        pass
-        if rd.status().get("state") not in TERMINAL:
-            rd.write_status(state=CANCELLED, ended=time.time())
+        left = procs.alive_here(idents)
+        if left:  # no supervisor to do it, or it did not stop in time: stop them here
+            procs.terminate(left, grace_s=5.0)
+
+        def conclude(now: dict[str, Any]) -> None:
+            if now.get("state") in TERMINAL or now.get("attempt") != status.get("attempt"):
+                return
+            still = procs.alive_here(procs.of_attempt(now))
+            if still or procs.elsewhere(idents):
+                now["warning"] = "cancel could not confirm that these stopped: " + ", ".join(
+                    p.describe() for p in still + procs.elsewhere(idents))
+                return
+            now.update(state=CANCELLED, ended=time.time(), warning=None)
+
+        rd.update_status(conclude)
+        _reap()
 
     def read(self, run_dir: Path, path: str, offset: int = 0) -> bytes:
         return RunDir(run_dir).read_from(path, offset)

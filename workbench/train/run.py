@@ -237,6 +237,10 @@ def main(run_dir: str) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     _redirect_output(rd, rank)
     print(f"workbench.train rank {rank}/{world} pid {os.getpid()} run {rd.path}", flush=True)
+    from workbench import procs
+
+    procs.watch_supervisor()  # a rank ends with its supervisor, even one killed -9
+    procs.record(rd, procs.ProcessIdentity.me("rank", rank))
 
     from workbench.budget import Billing
     from workbench.data.tokenize import Collator
