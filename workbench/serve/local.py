@@ -2,10 +2,14 @@
 
 The guard starts in its own session (so stopping its process group stops vLLM with it) and is
 reaped when it ends; the server is reached at the address it listens on, loopback by default.
+The guard's and the server's identities (pid and start time, :mod:`workbench.procs`) are kept in
+the endpoint folder's ``processes.json``: liveness and stop go by them, never by a bare PID, so a
+PID the kernel has since handed to another process is never signalled.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,6 +18,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from workbench import procs
+from workbench.rundir import write_json_atomic
 from workbench.serve.target import PROBE, _parse_probe, read_address, serving_python
 
 if TYPE_CHECKING:
@@ -21,6 +27,16 @@ if TYPE_CHECKING:
     from workbench.serve.sources import ServePlan
 
 _children: dict[int, subprocess.Popen] = {}  # guards this process started, reaped when done
+PROCESSES = "processes.json"  # the guard's and the server's identities, in the endpoint folder
+
+
+def _identities(record: EndpointRecord) -> list[procs.ProcessIdentity] | None:
+    """The endpoint's recorded processes; None for an endpoint started before they were kept."""
+    try:
+        data = json.loads((Path(record.endpoint_dir) / PROCESSES).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return [procs.ProcessIdentity.from_dict(d) for d in data]
 
 
 class LocalServeTarget:
@@ -63,6 +79,13 @@ class LocalServeTarget:
         while not pid_file.is_file() and child.poll() is None and time.time() < deadline:
             time.sleep(0.02)
         server_pid = int(pid_file.read_text()) if pid_file.is_file() else 0
+        idents = [procs.ProcessIdentity.of(child.pid, "guard")]
+        if server_pid:
+            try:
+                idents.append(procs.ProcessIdentity.of(server_pid, "server"))
+            except procs.psutil.NoSuchProcess:
+                pass  # it already died: the guard records how in exit.json
+        write_json_atomic(workdir / PROCESSES, [i.to_dict() for i in idents])
         return child.pid, server_pid
 
     def alive(self, record: EndpointRecord) -> bool:
@@ -73,6 +96,9 @@ class LocalServeTarget:
         if child is not None and child.poll() is not None:
             _children.pop(pid, None)
             return False
+        idents = _identities(record)
+        if idents is not None:
+            return any(i.role == "guard" and i.alive() for i in idents)
         try:
             proc = psutil.Process(pid)
             # A recycled pid is someone else's process: the guard names its endpoint folder.
@@ -101,15 +127,23 @@ class LocalServeTarget:
     def stop(self, record: EndpointRecord, timeout: float = 20.0) -> None:
         import psutil
 
-        pid, procs = record.pid or 0, []
+        idents = _identities(record)
+        if idents is not None:  # the guard first (it stops vLLM and records exit.json)
+            procs.terminate([i for i in idents if i.role == "guard"], grace_s=timeout)
+            procs.terminate([i for i in idents if i.role != "guard"], grace_s=5.0)
+            child = _children.pop(record.pid or 0, None)
+            if child is not None:
+                child.poll()  # reap it
+            return
+        pid, alive_procs = record.pid or 0, []
         for p in (pid, record.server_pid):
             if p:
                 try:
-                    procs.append(psutil.Process(p))
+                    alive_procs.append(psutil.Process(p))
                 except psutil.NoSuchProcess:
                     pass
         for sig in (signal.SIGTERM, signal.SIGKILL):
-            for proc in procs:
+            for proc in alive_procs:
                 try:
                     os.killpg(proc.pid, sig) if proc.pid == pid else proc.send_signal(sig)
                 except (ProcessLookupError, PermissionError, psutil.NoSuchProcess):
@@ -120,8 +154,9 @@ class LocalServeTarget:
                     child.wait(timeout)
                 except subprocess.TimeoutExpired:
                     pass
-            _, procs = psutil.wait_procs(procs, timeout=timeout if sig == signal.SIGTERM else 5)
-            if not procs:
+            _, alive_procs = psutil.wait_procs(alive_procs,
+                                               timeout=timeout if sig == signal.SIGTERM else 5)
+            if not alive_procs:
                 break
         _children.pop(pid, None)
 
