@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.backends.remote import (
+    MAX_CHUNK,
     LocalTransport,
     MirroredRunDir,
     SSHTransport,
@@ -32,9 +33,20 @@ from workbench.backends.remote import (
     save_placement,
     shell_path,
     sync_run_dir,
+    unconfirmed_cancel,
+    write_remote_status,
 )
 from workbench.home import runs_dir
-from workbench.rundir import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, TERMINAL, RunDir
+from workbench.rundir import (
+    BUDGET_STOPPED,
+    CANCELLED,
+    FAILED,
+    QUEUED,
+    RUNNING,
+    SUCCEEDED,
+    TERMINAL,
+    RunDir,
+)
 from workbench.spec import RunSpec
 from workbench.targets import SlurmTarget, TargetError, TargetReport, get_target, probe_environment
 
@@ -91,7 +103,10 @@ def sbatch_script(spec: RunSpec, target: SlurmTarget, run_dir: str, job_name: st
         'print(s.getsockname()[1])\')',
         'echo "workbench: job $SLURM_JOB_ID attempt $((${SLURM_RESTART_COUNT:-0} + 1)) on '
         '$SLURM_JOB_NODELIST, rendezvous $MASTER_ADDR:$MASTER_PORT"',
-        f"srun --nodes={r.nodes} --ntasks={r.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 \\",
+        # srun does not inherit --cpus-per-task from sbatch (Slurm >= 22.05): without it each
+        # node's supervisor, torchrun and every rank would share one CPU.
+        f"srun --nodes={r.nodes} --ntasks={r.nodes} --ntasks-per-node=1 --cpus-per-task={cpus} "
+        "--kill-on-bad-exit=1 \\",
         '  --output="$RUN_DIR/logs/node-%n.log" --open-mode=append \\',
         "  bash -c 'exec \"$0\" -m workbench.supervise \"$1\" --nnodes \"$SLURM_NNODES\" "
         "--node-rank \"$SLURM_NODEID\" --rdzv-endpoint \"$2\" --rdzv-id \"$SLURM_JOB_ID\"' \\",
@@ -114,9 +129,11 @@ def parse_scontrol(text: str) -> dict[str, str]:
 class SlurmBackend:
     name = "slurm"
 
-    def __init__(self, ref: str, target: SlurmTarget | None = None) -> None:
+    def __init__(self, ref: str, target: SlurmTarget | None = None,
+                 chunk: int = MAX_CHUNK) -> None:
         self.ref = ref
         self._target = target
+        self.chunk = chunk  # bytes per file per sync round trip
 
     @property
     def target(self) -> SlurmTarget:
@@ -170,6 +187,12 @@ class SlurmBackend:
         try:
             if cluster_dir:
                 put_dir(self.transport, rd.path, cluster_dir.rsplit("/", 1)[0])
+                # What the new attempt needs, without replacing what only the cluster's copy
+                # knows (time billed so far, metrics and logs of earlier attempts).
+                write_remote_status(self.transport, cluster_dir, self.target.python, rd.path,
+                                    state=QUEUED, submitted=rd.status().get("submitted"),
+                                    target=self.ref, error=None, stop_reason=None, note=None,
+                                    ended=None, warning=None)
             res = self.scheduler(f"sbatch --parsable {shell_path(where)}/slurm.sbatch")
         except TargetError as exc:
             raise self._refuse(mirror, str(exc)) from None
@@ -207,10 +230,11 @@ class SlurmBackend:
         return TargetError(message)
 
     # -- status ----------------------------------------------------------------------------------
-    def _sync(self, run_dir: Path) -> None:
+    def _sync(self, run_dir: Path, complete: bool = False) -> None:
         cluster_dir = MirroredRunDir(run_dir).placement.get("dir")
         if cluster_dir:
-            sync_run_dir(self.transport, cluster_dir, Path(run_dir), python=self.target.python)
+            sync_run_dir(self.transport, cluster_dir, Path(run_dir), python=self.target.python,
+                         chunk=self.chunk, complete=complete)
 
     def sync(self, run_dir: Path) -> None:
         """Bring new status, metrics and log bytes into the local run directory (best effort)."""
@@ -249,14 +273,15 @@ class SlurmBackend:
             info = self.job_info(job)
         except TargetError as exc:
             return {**rd.status(), "warning": str(exc)}
-        status = rd.status()
         state = info.get("JobState", "")
-        if state not in WAITING and state not in ACTIVE and status.get("state") not in TERMINAL:
-            # The supervisor may have recorded its outcome after our sync and before Slurm
-            # answered: read once more before concluding the run ended without one.
-            with contextlib.suppress(TargetError):
-                self._sync(run_dir)
-            status = rd.status()
+        if state not in WAITING and state not in ACTIVE:
+            # The job is over: bring back every remaining byte (and an outcome recorded after
+            # our first sync) before anything is frozen.
+            try:
+                self._sync(run_dir, complete=True)
+            except TargetError as exc:
+                return {**rd.status(), "warning": str(exc)}
+        status = rd.status()
         extra = {"slurm_state": state or "unknown", "requeues": int(info.get("Restarts", 0) or 0)}
         if info.get("NodeList") and info["NodeList"] != "(null)":
             extra["nodes"] = info["NodeList"]
@@ -274,6 +299,10 @@ class SlurmBackend:
                 # "cancelled"; what that means is Slurm's to say once the job leaves RUNNING.
                 status = {**status, "state": RUNNING}
             return {**status, **extra}
+        if status.get("state") in (SUCCEEDED, BUDGET_STOPPED) and state not in ACTIVE:
+            # The run recorded how it ended before Slurm stopped the job (a time limit or a
+            # scancel that landed while the bundle was written): that outcome stands.
+            return self._finish_recorded(mirror, status, extra)
         if state == "TIMEOUT":
             limit = info.get("TimeLimit", self.target.time)
             return mirror.finish(**extra, state=FAILED, ended=time.time(), error=(
@@ -283,12 +312,7 @@ class SlurmBackend:
         if state == "CANCELLED":
             return mirror.finish(**extra, state=CANCELLED, ended=status.get("ended", time.time()))
         if state == "COMPLETED" and status.get("state") in TERMINAL:
-            if status["state"] == SUCCEEDED and mirror.placement.get("dir"):
-                try:
-                    mirror.fetch_artefact(self.transport, mirror.placement["dir"])
-                except TargetError as exc:
-                    return {**status, "warning": f"could not copy the artefact back yet: {exc}"}
-            return mirror.finish(**extra)
+            return self._finish_recorded(mirror, status, extra)
         if state in SLURM_FAILED or state == "COMPLETED":
             if status.get("state") == FAILED and status.get("error"):
                 return mirror.finish(**extra)  # the supervisor's rank traceback says more
@@ -305,6 +329,15 @@ class SlurmBackend:
                 f"{self._out_tail(rd, job)}"))
         return {**status, **extra}
 
+    def _finish_recorded(self, mirror: MirroredRunDir, status: dict[str, Any],
+                         extra: dict[str, Any]) -> dict[str, Any]:
+        if status["state"] == SUCCEEDED and mirror.placement.get("dir"):
+            try:
+                mirror.fetch_artefact(self.transport, mirror.placement["dir"])
+            except TargetError as exc:
+                return {**status, "warning": f"could not copy the artefact back yet: {exc}"}
+        return mirror.finish(**extra)
+
     def _out_tail(self, rd: RunDir, job: str, lines: int = 20) -> str:
         path = rd.logs_dir / f"slurm-{job}.out"
         cluster_dir = MirroredRunDir(rd.path).placement.get("dir")
@@ -315,27 +348,32 @@ class SlurmBackend:
 
     # -- cancel ----------------------------------------------------------------------------------
     def cancel(self, run_dir: Path, job_id: str | None, timeout: float = 30.0) -> None:
-        rd, mirror = RunDir(run_dir), MirroredRunDir(run_dir)
+        """scancel the job and wait until Slurm confirms it left the queue; the outcome is then
+        what :meth:`status` says (a success or budget stop recorded before the cancel stands).
+        An unconfirmed cancel raises and records nothing: the run may still be training."""
+        mirror = MirroredRunDir(run_dir)
         job = mirror.placement.get("job")
         if mirror.final or not job:
             return
-        self.scheduler(f"scancel {job}")
+        ended = self._scancel_until_gone(job, "", timeout) or \
+            self._scancel_until_gone(job, "--signal=KILL --full ", 15.0)
+        if not ended:
+            raise unconfirmed_cancel(run_dir, f"Slurm job {job}", self.transport.where)
+        self.status(run_dir, job_id)
+
+    def _scancel_until_gone(self, job: str, options: str, timeout: float) -> bool:
         deadline = time.time() + timeout
-        while time.time() < deadline:
+        with contextlib.suppress(TargetError):  # unreachable login node: confirmed below or not
+            self.scheduler(f"scancel {options}{job}")
+        while True:
             try:
                 if self.job_info(job).get("JobState", "CANCELLED") not in WAITING | ACTIVE:
-                    break
+                    return True
             except TargetError:
-                pass  # slurmctld busy: ask again
+                pass  # slurmctld busy or the login node unreachable: ask again
+            if time.time() >= deadline:
+                return False
             time.sleep(0.5)
-        else:
-            self.scheduler(f"scancel --signal=KILL --full {job}")
-        self._sync(run_dir)
-        status = rd.status()
-        if status.get("state") in (SUCCEEDED, FAILED):
-            mirror.finish()  # it ended on its own before the cancel took effect
-        else:
-            mirror.finish(state=CANCELLED, ended=time.time())
 
     # -- reading ---------------------------------------------------------------------------------
     def read(self, run_dir: Path, path: str, offset: int = 0) -> bytes:
