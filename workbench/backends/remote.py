@@ -143,15 +143,16 @@ class SSHTransport:
 
 
 
-def put_dir(transport: Transport, local: Path, parent: str) -> None:
+def put_dir(transport: Transport, local: Path, parent: str, run_dir: bool = False) -> None:
     """Copy the folder ``local`` into ``parent`` on the transport's host (tar over the pipe).
 
-    The mirrored files (status.json, metrics.jsonl, logs/) stay behind: on a resume the remote
-    copies are the originals and the local ones may lag behind them. :func:`write_remote_status`
-    sets what a new attempt needs in the remote status.json.
+    ``run_dir``: ``local`` is a run directory's local side, whose mirrored files (status.json,
+    metrics.jsonl, logs/) stay behind: on a resume the remote copies are the originals and the
+    local ones may lag behind them. :func:`write_remote_status` sets what a new attempt needs in
+    the remote status.json.
     """
     where = shell_path(parent)
-    transport.run(f"mkdir -p {where} && tar -C {where} -xf -", input=_tar_bytes(local),
+    transport.run(f"mkdir -p {where} && tar -C {where} -xf -", input=_tar_bytes(local, run_dir),
                   timeout=600)
 
 
@@ -162,13 +163,13 @@ def get_dir(transport: Transport, remote: str, local_parent: Path) -> None:
     _untar(res.stdout, local_parent)
 
 
-def _tar_bytes(folder: Path) -> bytes:
+def _tar_bytes(folder: Path, run_dir: bool) -> bytes:
     import io
 
     buf = io.BytesIO()
     def keep(ti: tarfile.TarInfo) -> tarfile.TarInfo | None:
         rel = ti.name.split("/", 1)[1] if "/" in ti.name else ""
-        if rel == "remote.json" or (is_mirrored(rel) and not ti.isdir()):
+        if rel == "remote.json" or (run_dir and is_mirrored(rel) and not ti.isdir()):
             return None
         return ti
 

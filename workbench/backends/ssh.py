@@ -112,7 +112,7 @@ class SSHBackend:
         rd.write_status(**fields)
         try:
             for tr, h in zip(transports, hosts):
-                put_dir(tr, rd.path, self._workdir(h))
+                put_dir(tr, rd.path, self._workdir(h), run_dir=True)
             # What the new attempt needs, without replacing what only the remote copy knows.
             write_remote_status(transports[0], dirs[0], t.python, rd.path, **fields, error=None,
                                 stop_reason=None, note=None, ended=None, warning=None)
