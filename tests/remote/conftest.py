@@ -81,8 +81,8 @@ def targets(cluster: test_cluster.Cluster, wb_home: Path) -> dict:
             "nopart": {"python": PYTHON, "env": env, "partition": "nope"},
             "broken": {"python": "/nonexistent/env/bin/python", "env": env},
             # The job goes on after the run recorded its outcome, until its limit or a scancel.
-            "linger": {"python": str(linger), "env": env, "time": "2", "cpus_per_task": 2},
-            "lingerlong": {"python": str(linger), "env": env, "time": "30", "cpus_per_task": 2},
+            "linger": {"python": str(linger), "env": env, "time": "2", "cpus_per_task": 1},
+            "lingerlong": {"python": str(linger), "env": env, "time": "30", "cpus_per_task": 1},
         },
     }
     (cluster.root / "empty_known_hosts").write_text("")
