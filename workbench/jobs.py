@@ -36,6 +36,10 @@ from workbench.rundir import (
 )
 from workbench.spec import RunSpec
 
+# How long wait() gives a supervisor that has recorded its outcome to write the bundle and the
+# final bill. A supervisor killed in between never marks ``released``: wait() does not hang on it.
+RELEASE_WAIT_S = 60.0
+
 
 def _new_run_id(name: str) -> str:
     return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
@@ -257,6 +261,14 @@ class Job:
         finally:
             if bar is not None:
                 bar.close()
+        # The supervisor records the outcome first, then writes reproduce.zip and the final bill
+        # and marks the resources ``released``: what a caller reads next is then complete.
+        settle = time.time() + RELEASE_WAIT_S
+        if deadline is not None:
+            settle = min(settle, deadline)
+        while "exit_code" in status and "released" not in status and time.time() < settle:
+            time.sleep(poll)
+            status = self.status()
         if raise_on_failure and state != "succeeded":
             raise JobFailedError(f"run {self.id} ended {state}: "
                                  f"{status.get('error') or status.get('note') or ''}")

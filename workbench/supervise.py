@@ -38,8 +38,11 @@ class NodeRole:
 
     nnodes: int = 1
     node_rank: int = 0
-    rdzv_endpoint: str | None = None  # HOST:PORT of node 0's c10d rendezvous
+    rdzv_endpoint: str | None = None  # HOST:PORT on node 0 where the nodes meet
     rdzv_id: str | None = None
+    # This node's run directory is not node 0's (no shared folder): it starts from the snapshot
+    # in checkpoint.storage, and it cannot see node 0's snapshots to agree on a restart.
+    own_folder: bool = False
 
     @property
     def writes_status(self) -> bool:
@@ -56,8 +59,12 @@ def torchrun_command(run_dir: Path, nproc: int, role: NodeRole = NodeRole()) -> 
     if role.nnodes == 1:
         cmd.append("--standalone")
     else:
+        # A static rendezvous: torchrun honours --node_rank only with it (c10d hands out ranks
+        # in arrival order), so global rank 0 -- the writer of metrics, snapshots and the
+        # adapter -- runs on node 0, whose run directory is the one of record.
+        addr, _, port = (role.rdzv_endpoint or "").rpartition(":")
         cmd += [f"--nnodes={role.nnodes}", f"--node_rank={role.node_rank}",
-                "--rdzv_backend=c10d", f"--rdzv_endpoint={role.rdzv_endpoint}",
+                "--rdzv_backend=static", f"--master_addr={addr}", f"--master_port={port}",
                 f"--rdzv_id={role.rdzv_id or run_dir.name}"]
     return cmd + ["-m", "workbench.train", str(run_dir)]
 
@@ -136,13 +143,37 @@ def _newest_committed_step(rd: RunDir) -> int | None:
     return None
 
 
-def _fetch_from_storage(rd: RunDir, url: str | None) -> None:
-    """Resuming into a run directory without local snapshots: fetch the newest from storage."""
+def _fetch_from_storage(rd: RunDir, url: str | None, role: NodeRole) -> None:
+    """Before the ranks start: fetch the newest snapshot from storage into a run directory
+    without local snapshots, and always into a node's own folder (whose local snapshots are
+    copies of older stored ones), so every node resumes from the same step."""
     from workbench.snapshots import fetch_latest, newest_verified, storage_prefix
 
-    if url and newest_verified(rd) is None:
+    if url and (role.own_folder and role.node_rank > 0 or newest_verified(rd) is None):
         got = fetch_latest(storage_prefix(url, rd.path.name), rd)
         print(f"supervisor: fetched {got.name if got else 'no snapshot'} from {url}", flush=True)
+
+
+def publish_snapshot(run_dir: str) -> int:
+    """Upload this run directory's newest verified snapshot to checkpoint.storage unless storage
+    already names it latest: the backend does this on node 0 before nodes that do not share its
+    folder fetch from storage."""
+    from workbench.snapshots import _fs, newest_verified, storage_prefix, upload
+
+    rd = RunDir(run_dir)
+    url, folder = rd.spec().checkpoint.storage, newest_verified(rd)
+    if not url or folder is None:
+        return 0
+    prefix = storage_prefix(url, rd.path.name)
+    fs, root = _fs(prefix)
+    try:
+        stored = fs.cat_file(f"{root}/latest").decode().strip()
+    except FileNotFoundError:
+        stored = None
+    if stored != folder.name:
+        upload(folder, prefix)
+        print(f"supervisor: uploaded {folder.name} to {url}", flush=True)
+    return 0
 
 
 def supervise(run_dir: str, role: NodeRole = NodeRole()) -> int:
@@ -156,8 +187,7 @@ def supervise(run_dir: str, role: NodeRole = NodeRole()) -> int:
         procs.start_attempt(rd, me)  # unless the backend that started us recorded it already
     write(state=RUNNING, supervisor_pid=os.getpid(), host=socket.gethostname(), command=cmd,
           stop_reason=None, note=None)
-    if role.writes_status:
-        _fetch_from_storage(rd, spec.checkpoint.storage)
+    _fetch_from_storage(rd, spec.checkpoint.storage, role)
     cancel_at: list[float] = []
     child: list[subprocess.Popen] = []
     ranks: dict[int, psutil.Process] = {}  # every descendant of torchrun seen so far
@@ -184,8 +214,11 @@ def supervise(run_dir: str, role: NodeRole = NodeRole()) -> int:
             break
         newest = _newest_committed_step(rd)
         progressed = newest is not None and (resumed_from is None or newest > resumed_from)
-        if not progressed or restarts >= MAX_RESTARTS:
-            break  # a failure that repeats without progress is a bug, not a node dying
+        if not progressed or restarts >= MAX_RESTARTS or role.own_folder:
+            # A failure that repeats without progress is a bug, not a node dying. Nodes that
+            # share no folder cannot agree on the snapshot to restart from: the run ends and
+            # job.resume() starts every node from the one in checkpoint.storage.
+            break
         restarts, resumed_from = restarts + 1, newest
         print(f"supervisor: ranks failed (exit {rc}); resuming from step-{newest} "
               f"(restart {restarts} of {MAX_RESTARTS})", flush=True)
@@ -204,10 +237,16 @@ def supervise(run_dir: str, role: NodeRole = NodeRole()) -> int:
     else:
         final.update(state=FAILED, error=error_text(rd, since=since,
                                                     root_cause=error_file(rd, role)))
+    # The outcome first, with the bill so far: a time limit (or a kill) that lands while the slow
+    # bundle is written must not erase a recorded success. Then the bundle, and the final bill
+    # (the bundle's time included) with ``released``: the resources are let go after this write,
+    # and readers that want the bundle wait for it (Job.wait).
+    write(**final, **bill.close())
     # An attempt that started no ranks (its budget was spent) keeps the last bundle: it ran nothing.
+    done: dict[str, object] = {}
     if role.writes_status and (rc is not None or not (rd.path / "reproduce.zip").exists()):
-        final.update(_bundle(rd, final))  # before the terminal state: readers then find it
-    write(**final, **bill.close())  # the final bill, bundle included
+        done.update(_bundle(rd, final))
+    write(**done, **bill.close(), released=time.time())
     return 0
 
 
@@ -286,10 +325,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--node-rank", type=int, default=0)
     ap.add_argument("--rdzv-endpoint", help="HOST:PORT of node 0 (multi-node runs)")
     ap.add_argument("--rdzv-id")
+    ap.add_argument("--own-folder", action="store_true",
+                    help="this node does not share node 0's run directory")
+    ap.add_argument("--publish-snapshot", action="store_true",
+                    help="upload the newest snapshot to checkpoint.storage and exit")
     a = ap.parse_args(argv)
+    if a.publish_snapshot:
+        return publish_snapshot(a.run_dir)
     if a.nnodes > 1 and not a.rdzv_endpoint:
         ap.error("--rdzv-endpoint is required with --nnodes > 1")
-    return supervise(a.run_dir, NodeRole(a.nnodes, a.node_rank, a.rdzv_endpoint, a.rdzv_id))
+    return supervise(a.run_dir, NodeRole(a.nnodes, a.node_rank, a.rdzv_endpoint, a.rdzv_id,
+                                         a.own_folder))
 
 
 if __name__ == "__main__":

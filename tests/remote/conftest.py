@@ -8,6 +8,7 @@ the tests use; every "remote" working directory is a separate folder on this mac
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -41,7 +42,11 @@ def cluster() -> Iterator[test_cluster.Cluster]:
 
 @pytest.fixture(scope="session")
 def targets(cluster: test_cluster.Cluster, wb_home: Path) -> dict:
-    env = {"WORKBENCH_HOME": str(wb_home), "HF_HUB_OFFLINE": "1",
+    import workbench
+
+    # Every "host" runs the workbench under test (over SSH nothing of this process's env goes).
+    source = str(Path(workbench.__file__).resolve().parents[1])
+    env = {"WORKBENCH_HOME": str(wb_home), "HF_HUB_OFFLINE": "1", "PYTHONPATH": source,
            "TOKENIZERS_PARALLELISM": "false", "SLURM_CONF": str(cluster.slurm_conf)}
     from workbench.serve import serving_python
 
@@ -49,6 +54,7 @@ def targets(cluster: test_cluster.Cluster, wb_home: Path) -> dict:
     ssh = {"python": PYTHON, "serve_python": serving_python(), "ssh_config": str(cluster.ssh_config),
            "env": env}
     work = cluster.root / "work"
+    linger = cluster.root / "linger-python"  # the venv's python, then a wait inside the job
     data = {
         "ssh": {
             # Two machines that share nothing: each host has its own working directory.
@@ -74,8 +80,15 @@ def targets(cluster: test_cluster.Cluster, wb_home: Path) -> dict:
                       "setup": ['[ -z "$SLURM_JOB_ID" ] || sleep 600']},
             "nopart": {"python": PYTHON, "env": env, "partition": "nope"},
             "broken": {"python": "/nonexistent/env/bin/python", "env": env},
+            # The job goes on after the run recorded its outcome, until its limit or a scancel.
+            "linger": {"python": str(linger), "env": env, "time": "2", "cpus_per_task": 1},
+            "lingerlong": {"python": str(linger), "env": env, "time": "30", "cpus_per_task": 1},
         },
     }
     (cluster.root / "empty_known_hosts").write_text("")
+    linger.write_text(f"#!/bin/bash\n{shlex.quote(PYTHON)} \"$@\"\nrc=$?\n"
+                      # Only the supervisor step lingers, as a slow bundle or unmount would.
+                      'case " $* " in *" -m workbench.supervise "*) sleep 600;; esac\nexit $rc\n')
+    linger.chmod(0o755)
     (wb_home / "targets.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
     return data

@@ -18,6 +18,7 @@ from cluster import processes_with, squeue_job_names
 
 import workbench
 from workbench.backends.slurm import sbatch_script
+from workbench.backends.ssh import SSHBackend
 from workbench.spec import RunSpec
 from workbench.targets import TargetError, check_target, get_target, target_names
 
@@ -57,9 +58,23 @@ def timeout_job(targets):
     return workbench.launch({"name": "limit", "target": "slurm:short", **TINY})
 
 
-def test_time_limit_job_is_submitted_first(timeout_job):
-    assert timeout_job.state in ("queued", "running")
-    assert timeout_job.record.backend_job_id.startswith("slurm:")
+@pytest.fixture(scope="module")
+def lingering(targets):
+    # Jobs that go on after their run recorded how it ended, until the time limit
+    # (slurm:linger, 2 minutes) or a scancel (slurm:lingerlong) stops them: one succeeds, one
+    # stops at its budget.
+    done = workbench.launch({"name": "lingerok", "target": "slurm:linger", **TINY})
+    # 3,600 per core-hour on one process: 1 per second, so a limit of 40 stops within a minute.
+    stop = workbench.launch({"name": "lingerbudget", "target": "slurm:lingerlong",
+                             "train": {"max_steps": 100000},
+                             "budget": {"price_per_cpu_core_hour": 3600.0, "limit": 40.0}})
+    return done, stop
+
+
+def test_time_limit_job_is_submitted_first(timeout_job, lingering):
+    for job in (timeout_job, *lingering):
+        assert job.state in ("queued", "running")
+        assert job.record.backend_job_id.startswith("slurm:")
 
 
 # -- configuration and checks ------------------------------------------------------------------
@@ -126,32 +141,111 @@ def test_sbatch_script_asks_for_what_the_spec_needs(targets):
 
 # -- runs ---------------------------------------------------------------------------------------
 
-def test_two_node_ssh_run_trains_to_completion(targets):
-    # Two nodes of one process each come from the target's defaults in targets.yaml. Plain DDP:
-    # DeepSpeed's CPU communication can hang when two "nodes" share one host (seen in CI), and
-    # ZeRO-2/3 are covered by the local 2-rank tests and the Slurm ZeRO-2 requeue test.
-    job = workbench.launch({"name": "ssh2", "target": "ssh:pair", **TINY,
+def test_two_nodes_that_share_no_folder_need_storage(targets):
+    with pytest.raises(TargetError, match=r"(?s)wb-node1 do\(es\) not share a folder with "
+                                          r"wb-node0.*-> set checkpoint\.storage"):
+        workbench.launch({"name": "ssh2bare", "target": "ssh:pair", **TINY,
+                          "parallel": {"strategy": "ddp"}})
+    refused = workbench.get_job("ssh2bare")
+    assert refused.state == "failed" and "checkpoint.storage" in refused.status()["error"]
+    _nothing_left(refused.id)
+
+
+def _node1_rank(run_id: str, timeout: float = 240) -> list:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        found = [p for p in processes_with(f"node1/{run_id}")
+                 if "-m workbench.train" in " ".join(p.cmdline())
+                 and "torch.distributed.run" not in " ".join(p.cmdline())]  # not torchrun
+        if found:
+            return found
+        time.sleep(0.5)
+    raise AssertionError("no rank of node 1 is running")
+
+
+def _placement(job: workbench.Job) -> dict:
+    return json.loads((job.run_dir.path / "remote.json").read_text())
+
+
+def _final(job: workbench.Job) -> bool:
+    return bool(_placement(job).get("final"))
+
+
+def _last_resume(log: str) -> str:
+    return [ln for ln in log.splitlines() if ln.startswith("resuming from")][-1]
+
+
+def test_two_node_ssh_run_without_shared_folder_resumes_every_node_from_storage(targets, cluster):
+    """Trains, snapshots to storage, loses node 1's rank (kill -9), comes back whole through
+    a small sync chunk, and resumes both nodes from the same stored snapshot."""
+    # Two nodes of one process each come from the target's defaults in targets.yaml; each host
+    # has its own workdir, so snapshots reach node 1 only through checkpoint.storage. Plain
+    # DDP: DeepSpeed's CPU communication can hang when two "nodes" share one host (seen in CI).
+    storage = cluster.root / "storage"
+    job = workbench.launch({"name": "ssh2", "target": "ssh:pair",
+                            "train": {"max_steps": 100000, "lr": 3e-3},
+                            "checkpoint": {"every_steps": 3, "storage": str(storage)},
                             "parallel": {"strategy": "ddp"}})
     assert job.spec.resources.nodes == 2 and job.spec.resources.procs_per_node == 1
     try:
+        stored = storage / job.id / "latest"
+        deadline = time.time() + 300
+        while time.time() < deadline and not stored.exists():
+            assert not job.done, job.logs(tail=30)
+            time.sleep(0.5)
+        assert stored.exists(), job.logs(tail=30)
+        for p in _node1_rank(job.id):
+            p.kill()  # kill -9 of node 1's rank: the run cannot go on without it
+        # Watched through a backend that brings at most 256 bytes per file per round trip: the
+        # mirror must still be complete when it is frozen.
+        small = SSHBackend("ssh:pair", chunk=256)
+        deadline = time.time() + 300
+        while time.time() < deadline and not _final(job):
+            small.status(job.run_dir.path, None)
+            time.sleep(0.5)
+        assert job.state == "failed", job.logs(tail=30)
+        stopped_at = max(m["step"] for m in job.metrics() if "loss" in m)
+        _nothing_left(job.id)
+        remote = [Path(n["dir"]) for n in _placement(job)["nodes"]]
+        mirrored = {"metrics.jsonl": remote[0] / "metrics.jsonl",
+                    "logs/rank-0.log": remote[0] / "logs/rank-0.log",
+                    "logs/node-1-rank-1.log": remote[1] / "logs/rank-1.log"}
+        assert all(path.stat().st_size > 2 * 256 for path in mirrored.values())
+        original = {name: path.read_bytes() for name, path in mirrored.items()}
+        for name in mirrored:
+            assert (job.run_dir.path / name).read_bytes() == original[name], name
+            # A mirror that lags behind (as a truncated one did) must not be pushed back over
+            # the originals by the resume.
+            with (job.run_dir.path / name).open("r+b") as fh:
+                fh.truncate(len(original[name]) // 2)
+        job.resume(**{"train.max_steps": stopped_at + 4})
         assert job.wait(timeout=400, progress=False) == "succeeded", job.logs(tail=30)
     finally:
-        job.cancel()  # a run that failed the assertion must not keep the cores busy
+        job.cancel()  # a run that failed an assertion must not keep the cores busy
+    for name, path in mirrored.items():
+        assert path.read_bytes().startswith(original[name]), name
+        assert (job.run_dir.path / name).read_bytes() == path.read_bytes(), name
     status = job.status()
-    assert status["world_size"] == 2 and status["step"] == 10
-    placement = json.loads((job.run_dir.path / "remote.json").read_text())
+    assert status["world_size"] == 2 and status["step"] == stopped_at + 4
+    placement = _placement(job)
     assert [n["rank"] for n in placement["nodes"]] == [0, 1]
     assert placement["nodes"][0]["dir"] != placement["nodes"][1]["dir"]
-    steps = [m["step"] for m in job.metrics() if "loss" in m]
-    assert steps == list(range(1, 11))
     logs = job.backend.logs(job.run_dir.path)
-    assert "strategy: lora + ddp" in logs["rank-0.log"]
-    assert {"node-1-rank-1.log", "node-1-supervisor.log"} <= set(logs)  # node 1's own logs
+    # Global rank 0 ran on node 0 (its log is node 0's own), and both nodes resumed from the
+    # same snapshot: node 1 fetched it from storage instead of starting again at step 0.
+    assert "workbench.train rank 0/2" in logs["rank-0.log"]
+    assert "workbench.train rank 1/2" in logs["node-1-rank-1.log"]
+    resumed = _last_resume(logs["rank-0.log"])
+    assert resumed == _last_resume(logs["node-1-rank-1.log"])
+    raw = job.run_dir.metrics()
+    marker = [m for m in raw if m.get("event") == "resume"][-1]
+    assert resumed == f"resuming from step-{marker['step']}" and marker["step"] > 0
+    steps = [m["step"] for m in job.metrics() if "loss" in m]
+    assert steps == list(range(1, stopped_at + 5))
     assert (job.artefact() / "adapter_config.json").is_file()  # copied back from node 0
     again = workbench.get_job(job.id)  # a fresh handle (e.g. after a kernel restart)
     assert again.state == "succeeded" and again.metrics() == job.metrics()
-    assert job.backend.read(job.run_dir.path, "metrics.jsonl", 0).count(b"\n") == len(
-        job.metrics())
+    assert job.backend.read(job.run_dir.path, "metrics.jsonl", 0).count(b"\n") == len(raw)
     _nothing_left(job.id)
 
 
@@ -162,6 +256,22 @@ def test_cancel_stops_every_process(targets, target):
     job = workbench.launch({"name": "cancelme", "target": target,
                             "train": {"max_steps": 100000}})
     _wait_running(job)
+    if target == "ssh:one":
+        # The connection drops for the cancel: nothing is known, so nothing is recorded.
+        t = get_target(target)
+        cut = t.model_copy(update={"hosts": [h.model_copy(update={"port": 1}) for h in t.hosts],
+                                   "connect_timeout": 3})
+        with pytest.raises(TargetError, match="could not confirm .* stopped"):
+            SSHBackend(target, cut).cancel(job.run_dir.path, job.record.backend_job_id, timeout=2)
+        assert job.run_dir.status()["state"] == "running"
+        assert "may still be training" in job.run_dir.status()["warning"]
+        assert not _final(job)
+        step = job.status().get("step") or 0  # reachable again: still watched, still training
+        assert job.state == "running" and not job.status().get("warning")
+        deadline = time.time() + 120
+        while time.time() < deadline and (job.status().get("step") or 0) <= step:
+            time.sleep(0.5)
+        assert (job.status().get("step") or 0) > step
     assert job.cancel() == "cancelled"
     assert workbench.get_job(job.id).state == "cancelled"
     _nothing_left(job.id)
@@ -249,6 +359,35 @@ def test_slurm_two_task_zero2_run_resumes_from_its_checkpoint_after_requeue(targ
     assert "attempt 1" in out and "attempt 2" in out and "node-0.log" in logs
     _nothing_left(job.id)
     assert job.status()["slurm_state"] == "COMPLETED"
+
+
+def test_a_cancel_after_a_budget_stop_keeps_the_budget_stop(lingering):
+    stop = lingering[1]
+    deadline = time.time() + 300
+    while time.time() < deadline and stop.state != "budget_stopped":
+        assert stop.state in ("queued", "running"), stop.logs(tail=30)
+        time.sleep(1)
+    assert stop.state == "budget_stopped", stop.logs(tail=30)
+    # The job still runs (the wrapper lingers): a cancel now stops the job, not the run's record.
+    assert stop.status()["slurm_state"] == "RUNNING"
+    assert stop.cancel() == "budget_stopped"
+    status = stop.status()
+    assert status["slurm_state"] == "CANCELLED" and "budget limit reached" in status["note"]
+    assert workbench.get_job(stop.id).state == "budget_stopped"
+    _nothing_left(stop.id)
+
+
+def test_a_success_recorded_before_the_time_limit_stands(lingering):
+    # The success is recorded first; the time limit that ends the lingering job does not undo it.
+    done = lingering[0]
+    deadline = time.time() + 300
+    while time.time() < deadline and done.status().get("slurm_state") != "TIMEOUT":
+        time.sleep(1)
+    status = done.status()
+    assert status["slurm_state"] == "TIMEOUT" and status["state"] == "succeeded", status
+    assert status.get("bundle"), status  # written after the outcome, and found by the reader
+    assert (done.artefact() / "adapter_config.json").is_file()
+    _nothing_left(done.id)
 
 
 def test_time_limit_expiry_gives_a_clear_state(timeout_job):

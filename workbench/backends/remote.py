@@ -143,10 +143,16 @@ class SSHTransport:
 
 
 
-def put_dir(transport: Transport, local: Path, parent: str) -> None:
-    """Copy the folder ``local`` into ``parent`` on the transport's host (tar over the pipe)."""
+def put_dir(transport: Transport, local: Path, parent: str, run_dir: bool = False) -> None:
+    """Copy the folder ``local`` into ``parent`` on the transport's host (tar over the pipe).
+
+    ``run_dir``: ``local`` is a run directory's local side, whose mirrored files (status.json,
+    metrics.jsonl, logs/) stay behind: on a resume the remote copies are the originals and the
+    local ones may lag behind them. :func:`write_remote_status` sets what a new attempt needs in
+    the remote status.json.
+    """
     where = shell_path(parent)
-    transport.run(f"mkdir -p {where} && tar -C {where} -xf -", input=_tar_bytes(local),
+    transport.run(f"mkdir -p {where} && tar -C {where} -xf -", input=_tar_bytes(local, run_dir),
                   timeout=600)
 
 
@@ -157,14 +163,19 @@ def get_dir(transport: Transport, remote: str, local_parent: Path) -> None:
     _untar(res.stdout, local_parent)
 
 
-def _tar_bytes(folder: Path) -> bytes:
+def _tar_bytes(folder: Path, run_dir: bool) -> bytes:
     import io
 
     buf = io.BytesIO()
+    def keep(ti: tarfile.TarInfo) -> tarfile.TarInfo | None:
+        rel = ti.name.split("/", 1)[1] if "/" in ti.name else ""
+        if rel == "remote.json" or (run_dir and is_mirrored(rel) and not ti.isdir()):
+            return None
+        return ti
+
     with tarfile.open(fileobj=buf, mode="w") as tar:
         # Only what the run needs to start; the mirror files come back the other way.
-        tar.add(folder, arcname=folder.name,
-                filter=lambda ti: None if Path(ti.name).name == "remote.json" else ti)
+        tar.add(folder, arcname=folder.name, filter=keep)
     return buf.getvalue()
 
 
@@ -182,6 +193,44 @@ def shell_path(path: str) -> str:
     if path.startswith("~/"):
         return '"$HOME"/' + shlex.quote(path[2:])
     return shlex.quote(path)
+
+
+# Merges fields into the remote status.json (atomically, as RunDir does) without workbench.
+STATUS_SCRIPT = r"""
+import json, os, sys
+p = os.path.join(os.path.expanduser(sys.argv[1]), "status.json")
+req = json.loads(sys.stdin.read())
+try:
+    with open(p) as fh:
+        data = {**req["base"], **json.load(fh)}
+except (OSError, ValueError):
+    data = req["base"]
+data.update(req["set"])
+tmp = p + ".submit.tmp"
+with open(tmp, "w") as fh:
+    json.dump(data, fh, indent=1)
+    fh.flush()
+    os.fsync(fh.fileno())
+os.replace(tmp, p)
+"""
+
+
+def write_remote_status(transport: Transport, remote_dir: str, python: str, local: Path,
+                        **fields: Any) -> None:
+    """A new attempt's status.json on the host: the remote copy where there is one (it knows the
+    time billed so far and is ahead of the mirror), else the local one; then ``fields``."""
+    request = {"base": RunDir(local).status(), "set": fields}
+    transport.run(f"{shlex.quote(python)} -c {shlex.quote(STATUS_SCRIPT)} "
+                  f"{shell_path(remote_dir)}", input=json.dumps(request).encode(), timeout=60)
+
+
+def unconfirmed_cancel(local_dir: Path, what: str, where: str) -> TargetError:
+    """The error for a cancel whose end could not be confirmed; the status says so meanwhile."""
+    msg = (f"could not confirm that {what} stopped: {where} did not answer. The run may still be "
+           "training and is not recorded as cancelled; cancel again once it is reachable "
+           "(job.cancel()), and job.status() reports the state once it is known")
+    RunDir(local_dir).write_status(warning=msg)
+    return TargetError(msg)
 
 
 # -- incremental mirroring --------------------------------------------------------------------
@@ -205,10 +254,10 @@ for rel in dict.fromkeys(names):
             if off > size:
                 off = 0  # replaced or truncated: read it again from the start
             fh.seek(off)
-            data = fh.read(req["max"])
+            data = fh.read() if rel == "status.json" else fh.read(req["max"])
     except OSError:
         continue
-    out["files"][rel] = {"offset": off, "data": base64.b64encode(data).decode()}
+    out["files"][rel] = {"offset": off, "data": base64.b64encode(data).decode(), "size": size}
 for pid in req["pids"]:
     try:
         os.kill(pid, 0)
@@ -221,14 +270,25 @@ print("WORKBENCH-SYNC " + json.dumps(out))
 
 
 def sync_run_dir(transport: Transport, remote_dir: str, local_dir: Path, *, python: str = "python3",
-                 prefix: str = "", pids: list[int] | None = None) -> dict[str, bool]:
+                 prefix: str = "", pids: list[int] | None = None, chunk: int = MAX_CHUNK,
+                 complete: bool = False) -> dict[str, bool]:
     """Bring new bytes of status.json, metrics.jsonl and logs/* into ``local_dir``.
 
     Offsets are the local files' sizes, so the mirror needs no bookkeeping and survives a
     kernel restart. ``prefix`` names the logs of a node other than 0 (``node-1-``), whose run
-    directory may be a different folder on a different host. Returns which ``pids`` are alive.
+    directory may be a different folder on a different host. One round trip brings at most
+    ``chunk`` bytes per file; ``complete`` asks again until every file is fetched to its end
+    (before a run's mirror is frozen). Returns which ``pids`` are alive.
     """
-    local_dir = Path(local_dir)
+    while True:
+        alive, behind = _sync_once(transport, remote_dir, Path(local_dir), python, prefix,
+                                   pids or [], chunk)
+        if not (complete and behind):
+            return alive
+
+
+def _sync_once(transport: Transport, remote_dir: str, local_dir: Path, python: str, prefix: str,
+               pids: list[int], chunk: int) -> tuple[dict[str, bool], bool]:
     (local_dir / "logs").mkdir(parents=True, exist_ok=True)
     files: dict[str, int] = {} if prefix else {"status.json": 0, "metrics.jsonl": _size(
         local_dir / "metrics.jsonl")}
@@ -237,8 +297,7 @@ def sync_run_dir(transport: Transport, remote_dir: str, local_dir: Path, *, pyth
     for p in logs.iterdir():
         if p.name.startswith(prefix) and (prefix or not p.name.startswith("node-")):
             offsets[f"logs/{p.name[len(prefix):]}"] = p.stat().st_size
-    req = {"dir": remote_dir, "files": files, "offsets": offsets, "max": MAX_CHUNK,
-           "pids": pids or []}
+    req = {"dir": remote_dir, "files": files, "offsets": offsets, "max": chunk, "pids": pids}
     res = transport.run(f"{shlex.quote(python)} -c {shlex.quote(SYNC_SCRIPT)}",
                         input=json.dumps(req).encode(), check=False, timeout=60)
     line = next((ln for ln in res.stdout.decode(errors="replace").splitlines()
@@ -247,8 +306,10 @@ def sync_run_dir(transport: Transport, remote_dir: str, local_dir: Path, *, pyth
         raise TargetError(f"could not read the run directory {remote_dir} on {transport.where}: "
                           f"{res.text or 'no answer'}")
     answer = json.loads(line.split(" ", 1)[1])
+    behind = False
     for rel, item in answer["files"].items():
         data = base64.b64decode(item["data"])
+        behind = behind or item["offset"] + len(data) < item.get("size", 0)
         if rel == "status.json":
             if data:
                 try:
@@ -264,7 +325,7 @@ def sync_run_dir(transport: Transport, remote_dir: str, local_dir: Path, *, pyth
             fh.seek(item["offset"])
             fh.write(data)
             fh.truncate()
-    return {k: bool(v) for k, v in answer["alive"].items()}
+    return {k: bool(v) for k, v in answer["alive"].items()}, behind
 
 
 def read_remote(transport: Transport, remote_dir: str, path: str, offset: int,

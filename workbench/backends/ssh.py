@@ -1,22 +1,27 @@
-"""The SSH backend: torchrun on one or more hosts, node 0 hosting the c10d rendezvous.
+"""The SSH backend: torchrun on one or more hosts, meeting at a static rendezvous on node 0.
 
 ``submit`` checks every host's Python environment (the remote error text becomes the error),
-copies the prepared run directory into each host's working directory, and starts
+checks whether the hosts share node 0's working directory (a marker file written there), copies
+the prepared run directory into each host's working directory, and starts
 ``python -m workbench.supervise RUN_DIR --nnodes N --node-rank R --rdzv-endpoint HOST0:PORT``
-detached on each host (``setsid nohup``), node 0 first. The run directory of record lives on the
-first host; the local run directory mirrors its status, metrics and logs (other nodes' logs come
-back as ``logs/node-R-NAME``). The job id is ``ssh:HOST0:PID0``; remote.json in the local run
-directory holds every node's host, folder and supervisor PID.
+detached on each host (``setsid nohup``), node 0 first. Global rank 0 runs on node 0, so the run
+directory of record lives on the first host; the local run directory mirrors its status,
+metrics and logs (other nodes' logs come back as ``logs/node-R-NAME``). Hosts that share no
+folder need ``checkpoint.storage``: every node then resumes from the snapshot stored there. The
+job id is ``ssh:HOST0:PID0``; remote.json in the local run directory holds every node's host,
+folder and supervisor PID.
 """
 
 from __future__ import annotations
 
 import shlex
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 from workbench.backends.remote import (
+    MAX_CHUNK,
     MirroredRunDir,
     SSHTransport,
     is_mirrored,
@@ -25,6 +30,8 @@ from workbench.backends.remote import (
     save_placement,
     shell_path,
     sync_run_dir,
+    unconfirmed_cancel,
+    write_remote_status,
 )
 from workbench.rundir import CANCELLED, FAILED, QUEUED, SUCCEEDED, TERMINAL, RunDir
 from workbench.spec import RunSpec
@@ -45,9 +52,11 @@ PREFLIGHT = ("import socket, workbench.supervise, torch; s = socket.socket(); "
 class SSHBackend:
     name = "ssh"
 
-    def __init__(self, ref: str, target: SSHTarget | None = None) -> None:
+    def __init__(self, ref: str, target: SSHTarget | None = None,
+                 chunk: int = MAX_CHUNK) -> None:
         self.ref = ref
         self._target = target
+        self.chunk = chunk  # bytes per file per sync round trip
 
     @property
     def target(self) -> SSHTarget:
@@ -92,21 +101,42 @@ class SSHBackend:
             if i == 0:
                 port = t.rdzv_port or int(found[0].split()[1])
         master = transports[0].resolved_hostname()
-        rd.write_status(state=QUEUED, submitted=time.time(), target=t.ref,
-                        nodes=[h.host for h in hosts])
         dirs = [f"{self._workdir(h).rstrip('/')}/{rd.path.name}" for h in hosts]
         try:
+            shared = self._shared_with_node0(transports, hosts, rd.path.name)
+        except TargetError as exc:
+            raise self._refuse(mirror, str(exc)) from None
+        if not all(shared) and not spec.checkpoint.storage:
+            apart = ", ".join(h.host for h, ok in zip(hosts, shared) if not ok)
+            raise self._refuse(mirror, (
+                f"{apart} do(es) not share a folder with {hosts[0].host} (a file written into "
+                f"{self._workdir(hosts[0])} there is not seen in {t.ref}'s workdir on the other "
+                "host), so a resume could not start every node from the same snapshot\n-> set "
+                "checkpoint.storage (a folder every host reaches, or s3://...), or give the "
+                f"hosts of {t.ref} a shared workdir"))
+        fields = {"state": QUEUED, "submitted": time.time(), "target": t.ref,
+                  "nodes": [h.host for h in hosts]}
+        rd.write_status(**fields)
+        try:
             for tr, h in zip(transports, hosts):
-                put_dir(tr, rd.path, self._workdir(h))
+                put_dir(tr, rd.path, self._workdir(h), run_dir=True)
+            # What the new attempt needs, without replacing what only the remote copy knows.
+            write_remote_status(transports[0], dirs[0], t.python, rd.path, **fields, error=None,
+                                stop_reason=None, note=None, ended=None, warning=None)
+            if not all(shared):
+                self._publish_snapshot(transports[0], dirs[0])
         except TargetError as exc:
             raise self._refuse(mirror, f"could not copy the run directory: {exc}") from None
         nodes: list[dict[str, Any]] = []
         # A resumed run is submitted again into the same run directory: start a fresh record.
         save_placement(rd.path, target=t.ref, kind="ssh", rdzv=f"{master}:{port}", nodes=nodes,
-                       final=False, artefact_fetched=False)
+                       final=False, artefact_fetched=False, shared=shared)
         try:
             for rank, (tr, h, d) in enumerate(zip(transports, hosts, dirs)):
-                pid = self._start_node(tr, d, rank, nnodes, f"{master}:{port}", rd.path.name)
+                # Node 0 too, when any node is apart: it must not restart on its own then.
+                own = not shared[rank] or (rank == 0 and not all(shared))
+                pid = self._start_node(tr, d, rank, nnodes, f"{master}:{port}", rd.path.name,
+                                       own)
                 nodes.append({"host": h.host, "dir": d, "pid": pid, "rank": rank})
                 save_placement(rd.path, nodes=nodes)
         except TargetError as exc:
@@ -114,15 +144,44 @@ class SSHBackend:
             raise self._refuse(mirror, f"could not start node {len(nodes)}: {exc}") from None
         return f"ssh:{hosts[0].host}:{nodes[0]['pid']}"
 
+    def _shared_with_node0(self, transports: list[SSHTransport], hosts: list[Any],
+                           run_id: str) -> list[bool]:
+        """Per node: does its workdir show a file just written into node 0's? (node 0: True)"""
+        if len(hosts) == 1:
+            return [True]
+        token = uuid.uuid4().hex
+        name = f".workbench-shared-{run_id}"
+        marker = [f"{shell_path(self._workdir(h).rstrip('/'))}/{shlex.quote(name)}" for h in hosts]
+        transports[0].run(f"mkdir -p {shell_path(self._workdir(hosts[0]))} && "
+                          f"printf %s {token} > {marker[0]}", timeout=60)
+        try:
+            seen = [tr.run(f"cat {m} 2>/dev/null; true", timeout=60).stdout.decode().strip()
+                    for tr, m in zip(transports[1:], marker[1:])]
+        finally:
+            transports[0].run(f"rm -f {marker[0]}", check=False, timeout=60)
+        return [True] + [s == token for s in seen]
+
+    def _publish_snapshot(self, tr: SSHTransport, d: str) -> None:
+        # Nodes without node 0's folder start from storage: first make sure storage holds node
+        # 0's newest snapshot (its upload may have been cut short when the run stopped).
+        t, q = self.target, shell_path(d)
+        res = tr.run(f"{t.shell_prefix()}cd {q}; {shlex.quote(t.python)} -m workbench.supervise "
+                     f"{q} --publish-snapshot", check=False, timeout=3600)
+        if res.returncode != 0:
+            raise TargetError(f"could not upload the newest snapshot to checkpoint.storage from "
+                              f"{tr.where}, so the nodes could not resume from the same step:\n"
+                              f"{res.text[-1500:]}")
+
     def _start_node(self, tr: SSHTransport, d: str, rank: int, nnodes: int, rdzv: str,
-                    run_id: str) -> int:
+                    run_id: str, own_folder: bool) -> int:
         t, q = self.target, shell_path(d)
         # Only the supervisor goes to the background (not the whole command list), so $! is
         # its PID and ssh returns at once: its output is the log, not this session.
         cmd = (f"{t.shell_prefix()}cd {q}; PYTHONUNBUFFERED=1 setsid nohup "
                f"{shlex.quote(t.python)} -m workbench.supervise {q} --nnodes {nnodes} "
                f"--node-rank {rank} --rdzv-endpoint {shlex.quote(rdzv)} --rdzv-id "
-               f"{shlex.quote(run_id)} >> {q}/logs/supervisor.log 2>&1 < /dev/null & echo $!")
+               f"{shlex.quote(run_id)}{' --own-folder' if own_folder else ''} "
+               f">> {q}/logs/supervisor.log 2>&1 < /dev/null & echo $!")
         out = tr.run(cmd, timeout=60).stdout.decode().strip().splitlines()
         if not out or not out[-1].isdigit():
             raise TargetError(f"the supervisor did not start on {tr.where} (no PID)")
@@ -134,7 +193,8 @@ class SSHBackend:
         return TargetError(message)
 
     # -- status ----------------------------------------------------------------------------------
-    def _sync(self, run_dir: Path) -> dict[str, bool]:
+    def _sync(self, run_dir: Path, complete: bool = False) -> dict[str, bool]:
+        """Sync every node; which supervisors are alive, by node rank ("0", "1", ...)."""
         placement = MirroredRunDir(run_dir).placement
         alive: dict[str, bool] = {}
         for node in placement.get("nodes", []):
@@ -142,7 +202,8 @@ class SSHBackend:
             rank = node["rank"]
             found = sync_run_dir(self._transport(host), node["dir"], Path(run_dir),
                                  python=self.target.python,
-                                 prefix="" if rank == 0 else f"node-{rank}-", pids=[node["pid"]])
+                                 prefix="" if rank == 0 else f"node-{rank}-", pids=[node["pid"]],
+                                 chunk=self.chunk, complete=complete)
             alive[str(rank)] = any(found.values())
         return alive
 
@@ -159,16 +220,19 @@ class SSHBackend:
             alive = self._sync(run_dir)
         except TargetError as exc:
             # The host may come back; report what we last knew and why it is stale.
-            return {**rd.status(), "warning": str(exc)}
+            return _stale(rd, exc)
         status = rd.status()
         if status.get("state") in TERMINAL:
-            return self._finish(mirror, status)
+            return self._finish(mirror, status, alive)
         if alive.get("0"):
             return status
-        self._resync(run_dir)
+        try:  # the supervisor writes its terminal state just before exiting: look once more
+            self._sync(run_dir, complete=True)
+        except TargetError as exc:
+            return _stale(rd, exc)
         status = rd.status()
         if status.get("state") in TERMINAL:
-            return self._finish(mirror, status)
+            return self._finish(mirror, status, {})
         log = mirror.read_local("logs/supervisor.log", 0).decode(errors="replace").strip()
         tail = "\n".join(log.splitlines()[-15:])
         node0 = mirror.placement["nodes"][0]
@@ -177,47 +241,59 @@ class SSHBackend:
             error=(f"the supervisor on {node0['host']} exited without recording an outcome "
                    f"(killed, or the host restarted); logs/supervisor.log:\n{tail}"))
 
-    def _resync(self, run_dir: Path) -> bool:
-        # The supervisor writes its terminal state just before exiting: look once more.
-        try:
-            self._sync(run_dir)
-        except TargetError:
-            return False
-        return True
-
-    def _finish(self, mirror: MirroredRunDir, status: dict[str, Any]) -> dict[str, Any]:
+    def _finish(self, mirror: MirroredRunDir, status: dict[str, Any],
+                alive: dict[str, bool]) -> dict[str, Any]:
+        """Freeze the mirror once the outcome is recorded, node 0's supervisor has exited (it
+        writes the reproduce bundle after the outcome) and every byte has come back."""
         if status.get("state") == SUCCEEDED:
             node0 = mirror.placement["nodes"][0]
             try:
                 mirror.fetch_artefact(self._transport(self.target.hosts[0]), node0["dir"])
             except TargetError as exc:
                 return {**status, "warning": f"could not copy the artefact back yet: {exc}"}
-        # Other nodes' last log lines arrive after node 0 finished: one last sync, best effort.
-        self._resync(mirror.path)
+        if alive.get("0"):
+            return status  # the outcome is known; the bundle and the last log lines follow
+        try:
+            self._sync(mirror.path, complete=True)
+        except TargetError as exc:
+            return _stale(RunDir(mirror.path), exc)
         return mirror.finish(**{k: v for k, v in RunDir(mirror.path).status().items()
                                 if k != "updated"})
 
     # -- cancel ----------------------------------------------------------------------------------
     def cancel(self, run_dir: Path, job_id: str | None, timeout: float = 30.0) -> None:
+        """SIGTERM every node's supervisor (SIGKILL after ``timeout``) and record the end once
+        every supervisor is seen gone. An unconfirmed cancel raises and records nothing."""
         rd, mirror = RunDir(run_dir), MirroredRunDir(run_dir)
         if mirror.final or rd.status().get("state") in TERMINAL:
             return
         nodes = mirror.placement.get("nodes", [])
         self._kill_nodes(nodes, hard=False)
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            alive = self._sync_quiet(run_dir)
-            if not any(alive.values()):
-                break
-            time.sleep(0.5)
-        else:
+        if not self._wait_gone(run_dir, len(nodes), timeout):
             self._kill_nodes(nodes, hard=True)
-        self._sync_quiet(run_dir)
+            if not self._wait_gone(run_dir, len(nodes), 15.0):
+                raise unconfirmed_cancel(run_dir, f"the supervisors of {rd.path.name}",
+                                         ", ".join(n["host"] for n in nodes))
         status = rd.status()
         if status.get("state") in TERMINAL:
-            mirror.finish(**{k: v for k, v in status.items() if k != "updated"})
+            self._finish(mirror, status, {})
         else:
             mirror.finish(state=CANCELLED, ended=time.time())
+
+    def _wait_gone(self, run_dir: Path, nnodes: int, timeout: float) -> bool:
+        """True once a complete sync saw every node's supervisor gone (never on a failed sync)."""
+        deadline = time.time() + timeout
+        while True:
+            try:
+                alive = self._sync(run_dir)
+                if len(alive) == nnodes and not any(alive.values()):
+                    self._sync(run_dir, complete=True)
+                    return True
+            except TargetError:
+                pass  # unreachable: nothing is known about the ranks there
+            if time.time() >= deadline:
+                return False
+            time.sleep(0.5)
 
     def _sync_quiet(self, run_dir: Path) -> dict[str, bool]:
         try:
@@ -271,6 +347,13 @@ def check_ssh_target(target: SSHTarget, report: TargetReport) -> None:
             continue
         report.add(f"reachable ({host.host})", True, f"ssh {host.destination} works")
         probe_environment(tr, target, host.workdir or target.workdir, report, host.host, gpus)
+
+
+def _stale(rd: RunDir, exc: TargetError) -> dict[str, Any]:
+    """What we last knew, and why it may be out of date (the host may come back)."""
+    status = rd.status()
+    earlier = status.get("warning")
+    return {**status, "warning": f"{earlier}\n{exc}" if earlier else str(exc)}
 
 
 register_check("ssh", check_ssh_target)
