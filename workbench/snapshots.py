@@ -121,7 +121,7 @@ def agreed_resume_point(rd: RunDir) -> Path | None:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return newest_verified(rd)
-    found = [None]
+    found: list[str | None] = [None]
     if dist.get_rank() == 0:
         folder = newest_verified(rd)
         found = [folder.name if folder is not None else None]
