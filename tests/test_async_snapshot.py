@@ -112,7 +112,9 @@ def test_a_failed_copy_releases_training_and_writes_nothing(tmp_path, monkeypatc
     assert not trainer.is_alive()  # not held forever by a copy that will never finish
     writer.wait()
     assert "snapshot write failed" in capsys.readouterr().out
-    assert not list((tmp_path / "checkpoint-1").iterdir())  # never committed: nothing written
+    # never committed: no data written, only the marker telling rank 0 why
+    assert [p.name for p in (tmp_path / "checkpoint-1").iterdir()] == [".failed-rank-0"]
+    assert "no memory for the copy" in (tmp_path / "checkpoint-1" / ".failed-rank-0").read_text()
 
 
 def test_a_save_while_the_previous_one_is_written_copies_into_other_memory(tmp_path):

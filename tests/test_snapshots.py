@@ -9,6 +9,7 @@ from __future__ import annotations
 import html
 import json
 import os
+import re
 import shutil
 import signal
 import time
@@ -72,11 +73,15 @@ def test_kill_9_of_a_rank_resumes_by_itself_and_continues_the_same_curve(uninter
              and str(job.run_dir.path) in " ".join(p.info["cmdline"] or [])]
     assert ranks
     os.kill(ranks[-1].pid, signal.SIGKILL)
-    resume_step = job.status()["snapshot"]["step"]  # the newest committed when it died
+    # The newest committed when it died; one whose writes were done may still commit after.
+    committed = job.status()["snapshot"]["step"]
     assert job.wait(timeout=600, progress=False) == "succeeded", job.logs(tail=30)
     status = job.status()
     assert status["restarts"] == 1
-    assert f"resuming from step-{resume_step}" in job.logs(tail=None, name="rank-0.log")
+    resumed = re.search(r"resuming from step-(\d+)", job.logs(tail=None, name="rank-0.log"))
+    assert resumed, job.logs(tail=30, name="rank-0.log")
+    resume_step = int(resumed.group(1))
+    assert committed <= resume_step < 30
     a, b = _losses(uninterrupted), _losses(job)
     assert sorted(b) == list(range(1, 31))
     for step in range(resume_step + 1, 31):  # after the resume, step by step, the uninterrupted curve

@@ -392,6 +392,7 @@ class Job:
             "cost": status.get("cost"), "currency": status.get("currency"),
             "snapshot": (status.get("snapshot") or {}).get("path"),
             "upload": (status.get("upload") or {}).get("state"),
+            "snapshot_error": _snapshot_error(status.get("snapshot_error")),
             "restarts": status.get("restarts"),
             "error": status.get("error"),
             "note": status.get("note"),  # why a run stopped short, and how to go on (budget)
@@ -420,6 +421,13 @@ def _phase(status: dict[str, Any]) -> str | None:
     p = status.get("prepare") or {}
     done = f" {p.get('split')} {p.get('done', 0)}/{p.get('total', '?')}" if p.get("split") else ""
     return f"{status['phase']}{done}"
+
+
+def _snapshot_error(err: dict[str, Any] | None) -> str | None:
+    """status.json's ``snapshot_error`` in one line: which snapshot failed, where, and why."""
+    if not err:
+        return None
+    return f"step {err.get('step')} ({err.get('stage')}): {err.get('error')}"
 
 
 def _fmt(v: Any) -> str:

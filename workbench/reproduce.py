@@ -5,9 +5,9 @@ The supervisor writes RUN_DIR/reproduce.zip when a run ends: spec, plan, status,
 checksums of every snapshot and final artefact. :func:`compare_bundle` (``workbench reproduce
 BUNDLE``) re-creates the RunSpec and reports how the current environment differs.
 
-Secrets never enter a bundle: values of environment variables whose names look secret (TOKEN, KEY,
-SECRET, PASSWORD, CREDENTIAL), and token-shaped strings (hf_..., sk-..., AKIA...), are replaced by
-``***`` in every text file before it is written.
+Secrets never enter a bundle: what :mod:`workbench.secrets` finds secret (values of environment
+variables whose names look secret, token-shaped strings) is replaced by ``***`` in every text file
+before it is written.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import re
 import subprocess
 import sys
 import time
@@ -26,36 +25,13 @@ from typing import Any
 
 from workbench.errors import WorkbenchError
 from workbench.rundir import RunDir
+from workbench.secrets import scrub, secret_values
 from workbench.snapshots import sha256_file as _sha256
 from workbench.spec import RunSpec
 
 BUNDLE = "reproduce.zip"
-_SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSW|CREDENTIAL|AUTH", re.IGNORECASE)
-_SECRET_SHAPES = [
-    re.compile(r"\bhf_[A-Za-z0-9]{16,}"),
-    re.compile(r"\bsk-[A-Za-z0-9_-]{16,}"),
-    re.compile(r"\bAKIA[0-9A-Z]{16}\b"),
-    re.compile(r"(?i)\b(password|passwd|token|secret|api[_-]?key)(\s*[=:]\s*)(\S+)"),
-]
 _TEXT_SUFFIXES = {".log", ".json", ".jsonl", ".yaml", ".yml", ".txt", ".out", ".md", ".sbatch",
                   ".sh", ".py"}
-
-
-def secret_values(environ: dict[str, str] | None = None) -> list[str]:
-    env = os.environ if environ is None else environ
-    return sorted({v for k, v in env.items() if _SECRET_NAME.search(k) and len(v) >= 6},
-                  key=len, reverse=True)
-
-
-def scrub(text: str, secrets: list[str] | None = None) -> str:
-    for value in secret_values() if secrets is None else secrets:
-        text = text.replace(value, "***")
-    for pattern in _SECRET_SHAPES:
-        if pattern.groups == 3:
-            text = pattern.sub(lambda m: f"{m.group(1)}{m.group(2)}***", text)
-        else:
-            text = pattern.sub("***", text)
-    return text
 
 
 def code_version() -> dict[str, Any]:

@@ -5,7 +5,13 @@ A snapshot ``checkpoints/step-N/`` counts only once its ``manifest.json`` (sha25
 every file) is written — the manifest is written last, atomically, so a crash mid-snapshot leaves
 a folder without one — and ``checkpoints/latest`` names the newest verified snapshot. Resume walks
 snapshots newest first, verifies each against its manifest and skips (with a warning) any that is
-partial or corrupt.
+partial or corrupt. Rank 0 alone verifies at start and tells the other ranks what it found
+(:func:`agreed_resume_point`), so a snapshot is hashed once per attempt, not once per rank.
+
+A snapshot that failed (a rank could not write its part, the commit or the upload failed) is
+recorded in status.json as ``snapshot_error`` (step, stage, reason) until a later snapshot gets
+through the same stage. With a storage URL, a snapshot the uploader still owes is never pruned:
+it is pruned once its upload has ended.
 
     >>> newest_verified(RunDir("runs/x"))     # doctest: +SKIP
     PosixPath('runs/x/checkpoints/step-40')
@@ -22,6 +28,7 @@ import shutil
 import threading
 import time
 import warnings
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -106,27 +113,66 @@ def set_latest(rd: RunDir, folder: Path) -> None:
     os.replace(tmp, latest)
 
 
-def prune(rd: RunDir, keep: int) -> None:
-    """Keep the newest ``keep`` verified snapshots (and anything newer that is in flight)."""
+def agreed_resume_point(rd: RunDir) -> Path | None:
+    """The snapshot every rank resumes from: rank 0 verifies (newest first) and sends the others
+    its choice, so each snapshot is hashed once, and all ranks start from the same step even if
+    a file changed while they looked."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return newest_verified(rd)
+    found: list[str | None] = [None]
+    if dist.get_rank() == 0:
+        folder = newest_verified(rd)
+        found = [folder.name if folder is not None else None]
+    dist.broadcast_object_list(found, src=0)
+    return rd.path / "checkpoints" / found[0] if found[0] else None
+
+
+def prune(rd: RunDir, keep: int, hold: Collection[str] = ()) -> None:
+    """Keep the newest ``keep`` verified snapshots (and anything newer that is in flight), and
+    those named in ``hold`` (still owed to the storage URL)."""
     kept = 0
     for folder in snapshots(rd):
         if (folder / MANIFEST).is_file():
             kept += 1
-            if kept > keep:
+            if kept > keep and folder.name not in hold:
                 shutil.rmtree(folder, ignore_errors=True)
 
 
 def commit(rd: RunDir, trainer_folder: Path, step: int, keep: int,
-           known: dict[str, tuple[str, int]] | None = None) -> Path:
-    """Turn the Trainer's checkpoint-N into a verified step-N: rename, manifest, latest, prune."""
+           known: dict[str, tuple[str, int]] | None = None,
+           uploader: Uploader | None = None) -> Path:
+    """Turn the Trainer's checkpoint-N into a verified step-N: rename, manifest, latest, prune
+    (never what ``uploader`` still owes), then hand it to ``uploader``."""
     folder = snapshot_dir(rd, step)
     if folder.exists():
         shutil.rmtree(folder)
     os.replace(trainer_folder, folder)
     write_manifest(folder, step, known)
     set_latest(rd, folder)
-    prune(rd, keep)
+    prune(rd, keep, uploader.held() if uploader is not None else ())
+    clear_error(rd, step, "write")
+    if uploader is not None:
+        uploader.submit(folder)
     return folder
+
+
+# -- failures -----------------------------------------------------------------------------------
+
+def record_error(rd: RunDir, step: int, stage: str, exc: BaseException) -> None:
+    """Show in status.json (``snapshot_error``) that snapshot ``step`` failed at ``stage``:
+    ``write`` (a rank's files, or the commit) or ``upload`` (the copy to the storage URL)."""
+    reason = str(exc) or type(exc).__name__
+    rd.write_status(snapshot_error={"step": step, "stage": stage, "error": reason,
+                                    "time": time.time()})
+
+
+def clear_error(rd: RunDir, step: int, stage: str) -> None:
+    """Snapshot ``step`` got through ``stage``: an error of that stage at or before it is over."""
+    err = rd.status().get("snapshot_error")
+    if err and err.get("stage") == stage and int(err.get("step", 0)) <= step:
+        rd.write_status(snapshot_error=None)
 
 
 # -- storage ------------------------------------------------------------------------------------
@@ -189,29 +235,47 @@ class Uploader:
     """Uploads committed snapshots in a background thread so training never waits on the network.
 
     Progress is reported to status.json (``upload``: pending / uploading / uploaded step, or the
-    error), which the job view shows.
+    error, also as ``snapshot_error``), which the job view shows. A snapshot is held back from
+    pruning from ``submit`` until its upload has ended; then the uploader prunes to ``keep``.
     """
 
-    def __init__(self, rd: RunDir, url: str) -> None:
-        self.rd, self.url = rd, url
+    def __init__(self, rd: RunDir, url: str, keep: int | None = None) -> None:
+        self.rd, self.url, self.keep = rd, url, keep
         self._queue: queue.Queue[Path | None] = queue.Queue()
+        self._owed: set[str] = set()  # snapshot names queued or being uploaded
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._work, daemon=True, name="snapshot-upload")
         self._thread.start()
 
+    def held(self) -> set[str]:
+        """The snapshots not to prune yet: queued or being uploaded."""
+        with self._lock:
+            return set(self._owed)
+
     def submit(self, folder: Path) -> None:
+        with self._lock:
+            self._owed.add(folder.name)
         self.rd.write_status(upload={"state": "pending", "step": folder.name})
         self._queue.put(folder)
 
     def _work(self) -> None:
         while (folder := self._queue.get()) is not None:
+            step = int(folder.name.split("-", 1)[1])
             try:
                 self.rd.write_status(upload={"state": "uploading", "step": folder.name})
                 upload(folder, self.url)
                 self.rd.write_status(upload={"state": "uploaded", "step": folder.name,
                                              "url": self.url})
+                clear_error(self.rd, step, "upload")
             except Exception as exc:  # keep training; the status shows what went wrong
                 self.rd.write_status(upload={"state": "failed", "step": folder.name,
                                              "error": str(exc)})
+                record_error(self.rd, step, "upload", exc)
+            finally:
+                with self._lock:
+                    self._owed.discard(folder.name)
+                if self.keep is not None:  # what the commits had to keep for us may go now
+                    prune(self.rd, self.keep, self.held())
 
     def close(self, timeout: float = 600) -> None:
         """Finish pending uploads (called at the end of training)."""

@@ -29,6 +29,7 @@ from workbench import procs
 from workbench.budget import KILL_GRACE_S, AttemptBill
 from workbench.rundir import BUDGET_STOPPED, CANCELLED, FAILED, RUNNING, SUCCEEDED, RunDir
 
+OWN_FOLDER_ENV = "WORKBENCH_OWN_FOLDER"  # set for ranks whose run directory no other node shares
 CANCEL_GRACE_S = 20.0  # SIGTERM first, SIGKILL after this long
 
 
@@ -258,6 +259,8 @@ def _run_ranks(rd: RunDir, cmd: list[str], child: list[subprocess.Popen],
     errors.unlink(missing_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", procs.SUPERVISOR_ENV: me.token,
            "TORCHELASTIC_ERROR_FILE": str(errors)}
+    if role.own_folder:  # only this node's ranks write into this folder (see train.run)
+        env[OWN_FOLDER_ENV] = "1"
     with (rd.logs_dir / role.launcher_log).open("ab") as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT, env=env, cwd=rd.path,

@@ -39,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from workbench.errors import TargetError
 from workbench.home import home
+from workbench.secrets import split_env
 
 if TYPE_CHECKING:
     from workbench.spec import RunSpec
@@ -86,15 +87,17 @@ class _TargetBase(SSHOptions):
     def _one_line_is_a_list(cls, v: Any) -> Any:
         return [v] if isinstance(v, str) else v
 
-    def shell_prefix(self) -> str:
-        """``set -e; set-up lines; export K=V ...; `` to put before a remote shell command.
+    def shell_prefix(self, secrets: bool = True) -> str:
+        """``set -e; set-up lines; export K=V ...; `` to put before a remote shell command
+        (``secrets=False``: without the env entries workbench.secrets finds secret).
 
         ``set -e`` makes a failing set-up line stop the command (with its error text) instead
         of starting the run in a half-prepared environment.
         """
         parts = ["set -e", *self.setup]
-        if self.env:
-            parts.append("export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items()))
+        env = self.env if secrets else split_env(self.env)[0]
+        if env:
+            parts.append("export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()))
         return "".join(f"{p}; " for p in parts)
 
 

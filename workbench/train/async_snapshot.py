@@ -4,9 +4,11 @@ The Trainer still decides *what* a checkpoint holds and in which format (so its 
 reads it back); while it "saves", its heavy writes (``torch.save`` of optimizer, scheduler and RNG
 state, ``safetensors`` files of the weights or adapter) are intercepted: each tensor gets a CPU
 buffer to be copied into, and a background thread copies, then writes the files. Small JSON files
-are written directly. When a rank's writes are done it drops a marker; rank 0's thread waits for
-the markers of every rank on its node, then commits the snapshot (rename to step-N, manifest
-last, latest, prune, upload) — exactly what the synchronous path does.
+are written directly. When a rank's writes are done it drops a marker (or, when they failed, a
+marker saying why); rank 0's thread waits for the markers of every rank of the world (the folder
+is shared: a rank's files, its RNG state among them, are part of the snapshot), then commits the
+snapshot (rename to step-N, manifest last, latest, prune, upload) — exactly what the synchronous
+path does. A failure on any rank reaches rank 0's ``on_error`` (status.json), not only a log.
 
 The copy is deferred, not taken on the spot: weights and optimizer state change only in the next
 optimizer step, so the thread copies them while the next forward and backward pass run, and an
@@ -26,6 +28,7 @@ DeepSpeed checkpoints (ZeRO shards written by the engine) take the synchronous p
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import mmap
@@ -38,6 +41,8 @@ from pathlib import Path
 from typing import IO, Any, cast
 
 import torch
+
+from workbench.snapshots import SnapshotError
 
 # Bound at import: a writer thread may run while the next snapshot's capture has patched them.
 _REAL_TORCH_SAVE = torch.save
@@ -266,8 +271,12 @@ class AsyncWriter:
         with self._lock:
             self._free = free
 
-    def flush_async(self, folder: Path, then: Callable[[], None] | None = None) -> None:
-        """Copy and write what ``capture`` queued, mark this rank done, then run ``then``."""
+    def flush_async(self, folder: Path, then: Callable[[], None] | None = None,
+                    on_error: Callable[[BaseException], None] | None = None) -> None:
+        """Copy and write what ``capture`` queued, mark this rank done, then run ``then``.
+
+        If that fails, this rank's marker says why (for rank 0's ``wait_for_ranks``) and
+        ``on_error`` gets the exception."""
         t0 = time.perf_counter()
         self.wait()  # one snapshot in flight per rank
         jobs, self._jobs = self._jobs, []
@@ -276,6 +285,7 @@ class AsyncWriter:
         _IN_FLIGHT.add(copies)
 
         def work() -> None:
+            written = False
             try:
                 me = threading.get_native_id()
                 cpus = os.environ.get(WRITER_CPUS_ENV)
@@ -289,10 +299,17 @@ class AsyncWriter:
                 jobs.clear()
                 self._recycle(copies.held)  # written: the next capture may copy into them
                 (folder / f".done-rank-{self.rank}").write_text("ok")
+                written = True
                 if then is not None:
                     then()
             except BaseException as exc:  # reported by wait(); training itself goes on
                 self.error = exc
+                if not written:
+                    with contextlib.suppress(OSError):  # the folder itself may be what failed
+                        (folder / f".failed-rank-{self.rank}").write_text(f"{exc!r}")
+                if on_error is not None:
+                    with contextlib.suppress(Exception):
+                        on_error(exc)
             finally:
                 copies.done.set()  # (already, unless the thread failed before copying)
                 _IN_FLIGHT.discard(copies)
@@ -309,12 +326,24 @@ class AsyncWriter:
             print(f"snapshot write failed: {err!r}", flush=True)
 
 
-def wait_for_ranks(folder: Path, ranks: range, timeout: float = 1800.0) -> bool:
+def wait_for_ranks(folder: Path, ranks: range, timeout: float = 1800.0) -> None:
+    """Return once every rank in ``ranks`` has written its part of ``folder``; raise
+    SnapshotError as soon as one says it could not, or when ``timeout`` passes."""
     deadline = time.time() + timeout
-    while time.time() < deadline:
-        if all((folder / f".done-rank-{r}").is_file() for r in ranks):
+    while True:
+        for r in ranks:
+            failed = folder / f".failed-rank-{r}"
+            if failed.is_file():
+                raise SnapshotError(f"rank {r} could not write its part of {folder.name}: "
+                                    f"{failed.read_text(errors='replace')}")
+        missing = [r for r in ranks if not (folder / f".done-rank-{r}").is_file()]
+        if not missing:
             for r in ranks:
                 (folder / f".done-rank-{r}").unlink(missing_ok=True)
-            return True
+            return
+        if time.time() >= deadline:
+            raise SnapshotError(
+                f"rank(s) {', '.join(map(str, missing))} did not finish writing {folder.name} "
+                f"within {timeout:.0f} s; their logs (logs/rank-N.log) say why. Nodes must "
+                "share the run directory for their ranks' parts to reach it")
         time.sleep(0.05)
-    return False

@@ -166,7 +166,7 @@ def snapshotting_trainer_class() -> type:
 
     from transformers import Trainer
 
-    from workbench.snapshots import commit
+    from workbench.snapshots import commit, record_error
     from workbench.train.async_snapshot import AsyncWriter, wait_for_ranks
     from workbench.train.callbacks import barrier
 
@@ -181,7 +181,7 @@ def snapshotting_trainer_class() -> type:
             prefix = str(folder) + os.sep
             known = {k[len(prefix):]: self.writer.hashes.pop(k)
                      for k in list(self.writer.hashes) if k.startswith(prefix)}
-            final = commit(self.rd, folder, step, self.keep, known)
+            final = commit(self.rd, folder, step, self.keep, known, self.uploader)
             info: dict[str, Any] = {
                 "step": step, "path": final.name, "stall_s": round(stall_s, 4),
                 "write_s": round(time.time() - started, 4), "time": time.time()}
@@ -189,8 +189,6 @@ def snapshotting_trainer_class() -> type:
             self.rd.append_metrics({"event": "snapshot", **info})
             if self.billing is not None:
                 self.billing.shutdown_s = max(self.billing.shutdown_s, info["write_s"] + 1.0)
-            if self.uploader is not None:
-                self.uploader.submit(final)
 
         def _save_checkpoint(self, model: Any, trial: Any) -> None:
             step = self.state.global_step
@@ -206,15 +204,25 @@ def snapshotting_trainer_class() -> type:
             with self.writer.capture():
                 super()._save_checkpoint(model, trial)
             copies = self.writer.current
-            then = None
+            then = on_error = None
             if self.is_world_process_zero():
-                local = range(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+                # Every rank of the world writes into a shared folder: all of them, not only
+                # this node's, must be done before the manifest says it is complete. Where the
+                # nodes share no folder (WORKBENCH_OWN_FOLDER), only this node's ranks write here:
+                # the snapshot holds their files, and a resume on the other nodes starts from
+                # storage without their own RNG state (the Trainer warns and goes on).
+                own = os.environ.get("WORKBENCH_OWN_FOLDER") == "1"
+                world = range(int(os.environ.get("LOCAL_WORLD_SIZE" if own else "WORLD_SIZE",
+                                                 "1")))
 
                 def then() -> None:  # stall: the save, and the next optimizer step's wait
-                    if wait_for_ranks(folder, local):
-                        self._commit(folder, step, copies.stall_s if copies else 0.0, started)
+                    wait_for_ranks(folder, world)
+                    self._commit(folder, step, copies.stall_s if copies else 0.0, started)
 
-            self.writer.flush_async(folder, then)
+                def on_error(exc: BaseException) -> None:
+                    record_error(self.rd, step, "write", exc)
+
+            self.writer.flush_async(folder, then, on_error)
 
     return SnapshottingTrainer
 
@@ -245,11 +253,10 @@ def main(run_dir: str) -> int:
     from workbench.budget import Billing
     from workbench.data.tokenize import Collator
     from workbench.models import resolve_model
-    from workbench.snapshots import Uploader, newest_verified, storage_prefix
+    from workbench.snapshots import Uploader, agreed_resume_point, storage_prefix
     from workbench.train.callbacks import BudgetSpentAtStart, RunDirCallback, SnapshotCallback
 
     spec = rd.spec()
-    resume_from = newest_verified(rd)  # every rank sees the same verified snapshot
     if rank == 0:
         for stale in (rd.path / "checkpoints").glob("checkpoint-*"):
             shutil.rmtree(stale, ignore_errors=True)  # a snapshot a crash left half-written
@@ -266,7 +273,8 @@ def main(run_dir: str) -> int:
     billing = Billing(spec, status)  # the supervisor's baseline: the same bill as its own
     uploader = None
     if rank == 0 and spec.checkpoint.storage:
-        uploader = Uploader(rd, storage_prefix(spec.checkpoint.storage, rd.path.name))
+        uploader = Uploader(rd, storage_prefix(spec.checkpoint.storage, rd.path.name),
+                            keep=spec.checkpoint.keep)
     snapshots = SnapshotCallback(spec, billing, status.get("step_s"))
     trainer = snapshotting_trainer_class()(
         model=model,
@@ -277,6 +285,7 @@ def main(run_dir: str) -> int:
         callbacks=[RunDirCallback(rd, world), snapshots],
         run_dir=rd, keep=spec.checkpoint.keep, uploader=uploader, billing=billing,
     )
+    resume_from = agreed_resume_point(rd)  # verified by rank 0 alone, the same on every rank
     if resume_from is not None:
         print(f"resuming from {resume_from.name}", flush=True)
     try:

@@ -1,0 +1,73 @@
+"""A target's secret env reaches the job, and nothing else: not the run directory, not the
+printed sbatch script, not the error of a failed submit. Real sbatch on this machine (no
+controller it can use here, or a partition that does not exist: the submit fails for real)."""
+
+from __future__ import annotations
+
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from workbench.backends.slurm import SlurmBackend
+from workbench.rundir import FAILED, RunDir
+from workbench.secrets import scrub, split_env
+from workbench.spec import RunSpec
+from workbench.targets import SlurmTarget, TargetError
+
+SECRETS = {"HF_TOKEN": "hf_Zq8RkX3vLm2Tn9Wc4Yp7Hd1F",
+           "WANDB_API_KEY": "0f1e2d3c4b5a69788796a5b4c3d2e1f0aa55",
+           "DB_PASSWORD": "it's a $ecret \"quoted\" one"}  # shell-special: must survive quoting
+
+
+def test_target_secrets_never_reach_the_run_directory_the_output_or_the_error(tmp_path, capsys):
+    target = SlurmTarget(name="secretive", partition="wb-no-such-partition",
+                         env={"HF_HOME": "/scratch/hf", **SECRETS})
+    rd = RunDir(tmp_path / "runs" / "r-secret").create(RunSpec())
+    with pytest.raises(TargetError) as refused:
+        SlurmBackend(target.ref, target).submit(rd.path, rd.spec())
+    printed = capsys.readouterr()
+    status = rd.status()
+    assert status["state"] == FAILED and status["error"]
+    script = (rd.path / "slurm.sbatch").read_text()
+    for value in SECRETS.values():
+        assert value not in printed.out + printed.err
+        assert value not in str(refused.value)
+        for path in rd.path.rglob("*"):
+            if path.is_file():
+                assert value not in path.read_text(errors="replace"), path
+    # What the script shows instead, and a plain variable as it was.
+    assert "HF_TOKEN=*** WANDB_API_KEY=*** DB_PASSWORD=***" in script
+    assert "export HF_HOME=/scratch/hf" in script
+    assert "HF_TOKEN=***" in printed.out
+    # The job sources the env file: owner-only, outside the run directory, holding every value.
+    sourced = [ln[2:].strip() for ln in script.splitlines() if ln.startswith(". ")]
+    assert len(sourced) == 1
+    env_file = Path(sourced[0])
+    assert env_file.is_file() and rd.path not in env_file.parents
+    assert stat.S_IMODE(env_file.stat().st_mode) == 0o600
+    assert stat.S_IMODE(env_file.parent.stat().st_mode) == 0o700
+    seen = subprocess.run(["bash", "-c", 'set -eo pipefail; . "$0"; printf "%s\\n" '
+                           '"$HF_TOKEN" "$WANDB_API_KEY" "$DB_PASSWORD"', str(env_file)],
+                          capture_output=True, text=True, check=True)
+    assert seen.stdout.splitlines() == list(SECRETS.values())
+
+
+def test_a_target_without_secrets_writes_no_env_file(tmp_path, capsys):
+    target = SlurmTarget(name="plain", partition="wb-no-such-partition",
+                         env={"HF_HOME": "/scratch/hf"})
+    rd = RunDir(tmp_path / "runs" / "r-plain").create(RunSpec())
+    with pytest.raises(TargetError):
+        SlurmBackend(target.ref, target).submit(rd.path, rd.spec())
+    assert not (tmp_path / "runs" / ".secrets").exists()
+    assert "\n. " not in (rd.path / "slurm.sbatch").read_text()
+
+
+def test_what_counts_as_secret_by_name_or_by_shape():
+    plain, secret = split_env({"HF_HOME": "/x", "MY_AUTH": "abc", "NOTE": "hf_abcdefghijklmnopqrstu",
+                               "PATH_EXTRA": "/opt/bin", "AWS_SECRET_ACCESS_KEY": "k"})
+    assert set(plain) == {"HF_HOME", "PATH_EXTRA"}
+    assert set(secret) == {"MY_AUTH", "NOTE", "AWS_SECRET_ACCESS_KEY"}
+    assert scrub("url https://h/?x=1 token: abc123 hf_abcdefghijklmnopqrstu", secrets=[]) == \
+        "url https://h/?x=1 token: *** ***"
