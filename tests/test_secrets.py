@@ -71,3 +71,22 @@ def test_what_counts_as_secret_by_name_or_by_shape():
     assert set(secret) == {"MY_AUTH", "NOTE", "AWS_SECRET_ACCESS_KEY"}
     assert scrub("url https://h/?x=1 token: abc123 hf_abcdefghijklmnopqrstu", secrets=[]) == \
         "url https://h/?x=1 token: *** ***"
+
+
+def test_a_served_endpoint_script_holds_no_secret_and_sources_them(tmp_path):
+    # serve.sbatch is written into the endpoint folder and shown; the target's tokens and the
+    # endpoint's own API key must stay in the owner-only file it sources.
+    from workbench.serve.slurm import serve_sbatch_script
+
+    target = SlurmTarget(name="served", partition="gpu", env={"HF_HOME": "/scratch/hf", **SECRETS})
+    api_key = "wb-Hq3Lr8Zt2Vx7Nc5Km1Pd9Ws4"
+    script = serve_sbatch_script(target, str(tmp_path / "endpoints" / "chat"), "wb-serve-chat",
+                                 {"VLLM_API_KEY": api_key, "VLLM_CPU_KVCACHE_SPACE": "1"},
+                                 ["python", "-m", "vllm.entrypoints.openai.api_server"], 1)
+    for value in [*SECRETS.values(), api_key]:
+        assert value not in script
+    assert "export HF_HOME=/scratch/hf" in script and "export VLLM_CPU_KVCACHE_SPACE=1" in script
+    sourced = [ln[2:].strip() for ln in script.splitlines() if ln.startswith(". ")]
+    assert sourced and (tmp_path / "endpoints") in Path(sourced[0]).parents
+    assert Path(sourced[0]).parent.name == ".secrets"
+    assert "VLLM_API_KEY=***" in script
