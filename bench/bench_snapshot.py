@@ -185,9 +185,13 @@ def measure(name: str, base: dict, args: argparse.Namespace, procs: int,
     runtimes: dict[str, list[float]] = {"without": [], "with": []}
     busy: dict[str, list[float]] = {"without": [], "with": []}
     within: dict[str, list[float]] = {"without": [], "with": []}
-    events, newest, plain = [], None, []
+    events, newest = [], None
     for i in range(args.repeats):
-        for kind in ("without", "with"):
+        # Alternate which goes first, so neither always runs on the machine the other warmed
+        # (page cache, CPU frequency) or in the other's wake.
+        order = ("without", "with") if i % 2 == 0 else ("with", "without")
+        pair: dict[str, dict] = {}
+        for kind in order:
             spec = {**base, "name": f"{name}-{kind}-{i}"}
             if kind == "with":
                 spec["checkpoint"] = {"every_steps": args.every, "keep": 1}
@@ -196,18 +200,18 @@ def measure(name: str, base: dict, args: argparse.Namespace, procs: int,
                 job = workbench.launch(spec)
             out = run_job(job)
             runtimes[kind].append(out["runtime"])
+            pair[kind] = out
             if kind == "with":
                 events += out["events"]
                 newest = sorted((job.run_dir.path / "checkpoints").glob("step-*"))[-1]
-                saves = [(e["step"], e["time"]) for e in out["events"]]
-                within["with"] += lost_within_run(out["step_end"], saves)
-                # the control: the run before, read as if it had saved at the same steps and
-                # been as long busy after each (should come out near 0)
-                within["without"] += lost_within_run(plain, [
-                    (step, plain[step] + (t - out["step_end"][step])) for step, t in saves
-                    if step in plain and step in out["step_end"]]) if plain else []
-            else:
-                plain = out["step_end"]
+        out, plain = pair["with"], pair["without"]["step_end"]
+        saves = [(e["step"], e["time"]) for e in out["events"]]
+        within["with"] += lost_within_run(out["step_end"], saves)
+        # the control: the run without snapshots of the same pair, read as if it had saved at
+        # the same steps and been as long busy after each (should come out near 0)
+        within["without"] += lost_within_run(plain, [
+            (step, plain[step] + (t - out["step_end"][step])) for step, t in saves
+            if step in plain and step in out["step_end"]])
     n = len(events) // args.repeats
     lost = (min(runtimes["with"]) - min(runtimes["without"])) / n
     return {"ranks": procs, "training_cpus": sorted(cpus) if cpus else "all",

@@ -5,7 +5,8 @@ Measured side by side in one run, alternating workbench and bare runs of the sam
   time to first loss launch() -> first metrics line / bare torchrun -> first log   target <= 1.2
                      (the notebook flow, where the form already showed the plan; the cold first
                      launch of a fresh process is reported beside it)
-  metric latency     step logged -> visible through Job.metrics()        target < 1 s
+  metric latency     step logged -> shown in the job view (its 1 s poll)  target < 1 s
+                     (the 20 ms reader's figure, when a step is readable at all, beside it)
 
     python bench/bench_train.py [--steps 300] [--repeats 3]   (writes bench/results/train.json)
 """
@@ -13,6 +14,7 @@ Measured side by side in one run, alternating workbench and bare runs of the sam
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -28,6 +30,8 @@ HERE = Path(__file__).resolve().parent
 
 def workbench_run(spec, warm: bool) -> dict:
     import workbench
+    from workbench.rundir import MetricsReader
+    from workbench.widgets.job_view import JobView
 
     if warm:
         # What the run form does while the user picks choices: the plan is already on screen
@@ -38,24 +42,39 @@ def workbench_run(spec, warm: bool) -> dict:
     job = workbench.launch(spec)
     stop = threading.Event()
 
-    def poll() -> None:  # a reader polling like the job view does, but fast, to measure latency
+    def poll() -> None:  # a fast reader: when a logged step becomes readable at all
         while not stop.is_set():
             now = time.time()
             new = job._reader.read_new()
             seen.extend((m["time"], now) for m in new if "loss" in m)
             time.sleep(0.02)
 
-    th = threading.Thread(target=poll, daemon=True)
-    th.start()
+    # What a user sees: a reader of its own on the job view's cadence (JobView's own default
+    # interval, read from it, not copied), so the figure includes the wait for the next poll.
+    interval = inspect.signature(JobView.__init__).parameters["interval"].default
+    widget_seen: list[tuple[float, float]] = []
+
+    def widget_poll() -> None:
+        reader = MetricsReader(job.run_dir.metrics_file)
+        while not stop.is_set():
+            now = time.time()
+            widget_seen.extend((m["time"], now) for m in reader.read_new() if "loss" in m)
+            stop.wait(interval)
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (poll, widget_poll)]
+    for th in threads:
+        th.start()
     state = job.wait(progress=False, poll=0.5)
     stop.set()
-    th.join()
+    for th in threads:
+        th.join()
     assert state == "succeeded", job.logs(tail=20)
     summary = job.status()["summary"]
     first_seen = seen[0][1] if seen else float("nan")
     return {"tokens_per_s": summary["num_input_tokens_seen"] / summary["train_runtime"],
             "time_to_first_loss_s": first_seen - t0,
-            "latencies_s": [b - a for a, b in seen]}
+            "latencies_s": [b - a for a, b in seen],
+            "widget_latencies_s": [b - a for a, b in widget_seen]}
 
 
 def bare_run(spec, tmp: Path) -> dict:
@@ -74,6 +93,11 @@ def bare_run(spec, tmp: Path) -> dict:
     return {"tokens_per_s": r["tokens"] / r["train_runtime"],
             "time_to_first_loss_s": r["first_log_time"] - t0}
 
+
+
+def _latency(xs: list[float]) -> dict:
+    return {"p50": statistics.median(xs), "p95": sorted(xs)[int(0.95 * (len(xs) - 1))],
+            "max": max(xs), "n": len(xs)}
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -99,6 +123,7 @@ def main() -> None:
             print(f"repeat {i} {side} done", flush=True)
     med = statistics.median
     lat = [x for r in wb for x in r["latencies_s"]]
+    seen_in_widget = [x for r in wb for x in r["widget_latencies_s"]]
     result = {
         "steps": args.steps, "repeats": args.repeats, "world_size": spec.resources.world_size,
         "tokens_per_s": {"workbench": med(r["tokens_per_s"] for r in wb),
@@ -110,8 +135,9 @@ def main() -> None:
         "runs": {"workbench": [{k: r[k] for k in ("tokens_per_s", "time_to_first_loss_s", "cold")}
                                for r in wb], "bare": bare},
         "load_average_after": os.getloadavg(),
-        "metric_latency_s": {"p50": med(lat), "p95": sorted(lat)[int(0.95 * (len(lat) - 1))],
-                             "max": max(lat), "n": len(lat)},
+        # in the job view (what the user sees, its 1 s poll included) and to a 20 ms reader
+        "metric_latency_s": _latency(seen_in_widget),
+        "metric_latency_readable_s": _latency(lat),
     }
     result["ratios"] = {
         "train_tokens_per_s_workbench_over_bare": result["tokens_per_s"]["workbench"]

@@ -97,7 +97,7 @@ def test_bad_files_each_get_a_clear_error(tmp_path):
         list(read_rows(DataSource(path=str(tmp_path / "missing.jsonl"))))
 
 
-def test_empty_dataset_and_empty_training_split(tmp_path):
+def test_empty_dataset_is_a_typed_error(tmp_path):
     (tmp_path / "empty.jsonl").write_text("\n")
     spec = RunSpec(data={"sources": [{"path": str(tmp_path / "empty.jsonl")}]})
     with pytest.raises(EmptyDatasetError, match="has no rows"):
@@ -106,13 +106,45 @@ def test_empty_dataset_and_empty_training_split(tmp_path):
         preview_rows(spec.data.sources[0])
 
 
+def _alpaca_file(path, outputs):
+    path.write_text("".join(json.dumps({"instruction": "Say it.", "input": "", "output": o}) + "\n"
+                            for o in outputs))
+    return str(path)
+
+
+def test_empty_training_split_after_the_validation_split(tmp_path):
+    # Rows exist, but a validation fraction near 1 sends both of them to validation.
+    path = _alpaca_file(tmp_path / "two.jsonl", ["yes", "no"])
+    spec = RunSpec(data={"sources": [{"path": path}], "validation_fraction": 0.999})
+    with pytest.raises(EmptyDatasetError, match=r"no training examples.*\(2 went to validation\)"
+                       r".*lower data.validation_fraction") as info:
+        prepare_data(spec, tmp_path / "out")
+    assert "after cleaning" not in str(info.value)
+
+
+def test_empty_training_split_after_cleaning(tmp_path):
+    # Every row is shorter than the length step's floor: cleaning keeps nothing.
+    path = _alpaca_file(tmp_path / "short.jsonl", [f"answer {i}" for i in range(6)])
+    spec = RunSpec(data={"sources": [{"path": path}],
+                         "clean": {"enabled": True, "steps": ["length"],
+                                   "options": {"length": {"min_chars": 10_000}}}})
+    with pytest.raises(EmptyDatasetError, match="no training examples are left after cleaning"):
+        prepare_data(spec, tmp_path / "out")
+    assert not (tmp_path / "out" / "summary.json").exists()
+
+
 def test_prepare_writes_split_files_and_summary(tmp_path):
     summary = prepare_data(RunSpec(), tmp_path)
     train = (tmp_path / "train.jsonl").read_text().splitlines()
     val = (tmp_path / "validation.jsonl").read_text().splitlines()
     assert summary.counts == {"train": len(train), "validation": len(val)}
-    assert len(train) + len(val) == summary.per_source[0]["rows"] == 180
-    assert 0 < len(val) < 40
+    # Every non-blank line of the built-in file is one example, in exactly one split.
+    from workbench.assets.teaching import builtin_dataset_path
+
+    lines = [ln for ln in builtin_dataset_path().read_text().splitlines() if ln.strip()]
+    assert len(train) + len(val) == summary.per_source[0]["rows"] == len(lines)
+    assert not set(train) & set(val)
+    assert 0 < len(val) < 0.2 * len(lines)  # validation_fraction 0.1, by content hash
     assert json.loads((tmp_path / "summary.json").read_text())["counts"] == summary.counts
 
 

@@ -138,7 +138,13 @@ def test_launch_refuses_a_plan_that_cannot_fit_unless_forced():
 
 
 @pytest.mark.parametrize("kind", ["model", "field", "empty", "gpus", "typo", "qlora", "wandb"])
-def test_bad_inputs_fail_before_anything_starts(kind, tmp_path):
+def test_bad_inputs_fail_before_anything_starts(kind, tmp_path, monkeypatch):
+    # The same answers on any machine: GPU cases see a machine without CUDA, the W&B case one
+    # without wandb, whatever is really installed here.
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setitem(sys.modules, "wandb", None)  # find_spec("wandb") -> None: not installed
     before_runs, before_reg = set(runs_dir().iterdir()), len(Registry().list_runs())
     bad_field = tmp_path / "train.jsonl"
     bad_field.write_text('{"instruction": "q", "output": "a"}\n{"instruction": "q2"}\n')

@@ -167,8 +167,12 @@ def test_endpoint_api_registry_and_cli(servers):
         temperature=0.0, max_tokens=64)
     assert completion.choices[0].message.content == reply
     assert "".join(adapter.chat("What does a cow say?", stream=True)) == reply
-    assert isinstance(adapter.complete("<|bos|><|user|>\nOpposite of hot?<|end|>\n<|assistant|>\n",
-                                       max_tokens=4), str)
+    # A raw completion of the chat template written out by hand is the same greedy answer as
+    # the chat endpoint's (cut at its 4 tokens), so /completions serves the same adapter.
+    raw = adapter.complete("<|bos|><|user|>\nOpposite of hot?<|end|>\n<|assistant|>\n",
+                           max_tokens=4)
+    answer = adapter.chat("Opposite of hot?", max_tokens=64)
+    assert raw.strip() and answer.startswith(raw.strip()), (raw, answer)
     listed = {e.name: e for e in endpoints()}
     assert {"serve-test", "serve-test-merged"} <= set(listed)
     assert listed["serve-test"].record.state == "healthy"
@@ -220,7 +224,10 @@ def _refused(error: type, match: str, *args, **kwargs) -> None:
     before = _children()
     with pytest.raises(error, match=match):
         deploy(*args, progress=False, **kwargs)
-    time.sleep(0.2)
+    # A refused start may still be reaping what it began: wait for that, generously.
+    deadline = time.time() + 60
+    while not _children() <= before and time.time() < deadline:
+        time.sleep(0.2)
     assert _children() <= before, "a refused deploy left a process running"
     if "name" in kwargs:
         assert kwargs["name"] not in [e.name for e in endpoints()]
@@ -273,7 +280,10 @@ def test_a_server_that_dies_while_starting_is_reported_and_cleaned_up(trained, s
 
 def test_guard_stops_the_server_when_the_deploying_process_ends(tmp_path):
     """keep=False: a server does not outlive the kernel that started it (here: a stand-in)."""
-    kernel = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])
+    # The stand-in kernel lives until we close its stdin, not for a fixed time that a loaded
+    # machine could outlast while the server starts.
+    kernel = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                              stdin=subprocess.PIPE)
     target = LocalServeTarget()
     command = guard_command(sys.executable, str(tmp_path), "127.0.0.1", 0,
                             f"--watch-pid {kernel.pid}", ["sleep", "120"])
@@ -282,8 +292,10 @@ def test_guard_stops_the_server_when_the_deploying_process_ends(tmp_path):
     assert _alive(server) and target.alive(record)
     assert server == int((tmp_path / "server.pid").read_text())
     assert json.loads((tmp_path / "address.json").read_text())["port"] > 0  # --port 0: picked
-    kernel.wait()
-    deadline = time.time() + 15
+    assert kernel.stdin is not None
+    kernel.stdin.close()
+    kernel.wait(timeout=60)
+    deadline = time.time() + 60
     while _alive(server) and time.time() < deadline:
         time.sleep(0.2)
     assert not _alive(server)

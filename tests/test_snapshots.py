@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 import workbench
+from workbench.procs import of_attempt
 from workbench.reproduce import compare_bundle, scrub, write_bundle
 from workbench.rundir import RunDir
 from workbench.snapshots import MANIFEST, newest_verified, snapshots, verify
@@ -68,11 +69,12 @@ def test_kill_9_of_a_rank_resumes_by_itself_and_continues_the_same_curve(uninter
     while time.time() < deadline and (job.status().get("step") or 0) < 13:
         time.sleep(0.2)
     assert (job.status().get("step") or 0) >= 13, job.logs(tail=20)
-    ranks = [p for p in psutil.process_iter(["cmdline"])
-             if "workbench.train" in " ".join(p.info["cmdline"] or [])
-             and str(job.run_dir.path) in " ".join(p.info["cmdline"] or [])]
-    assert ranks
-    os.kill(ranks[-1].pid, signal.SIGKILL)
+    # The victim is rank 1 by its recorded identity (status.json lists each rank with its pid
+    # and start time), not whichever training process happens to have the larger PID.
+    victim = next(p for p in of_attempt(job.status()) if p.role == "rank" and p.rank == 1)
+    assert victim.alive(), victim
+    assert str(job.run_dir.path) in " ".join(psutil.Process(victim.pid).cmdline())
+    os.kill(victim.pid, signal.SIGKILL)
     # The newest committed when it died; one whose writes were done may still commit after.
     committed = job.status()["snapshot"]["step"]
     assert job.wait(timeout=600, progress=False) == "succeeded", job.logs(tail=30)

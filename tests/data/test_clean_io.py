@@ -105,9 +105,26 @@ def test_split_is_stable_when_data_is_appended(tmp_path: Path) -> None:
 
 
 def test_clean_file_writes_output_and_report(tmp_path: Path) -> None:
-    write_corpus(tmp_path / "raw.jsonl", 120, seed=9)
+    # Hand-written rows whose fate is known in advance: what goes, why, and what is rewritten.
+    river = "The river rises in the hills and runs west to the sea."
+    raw = [
+        {"id": 1, "text": river},
+        {"id": 2, "text": "ok"},                                   # too short
+        {"id": 3, "text": river},                                  # exact duplicate of 1
+        {"id": 4, "text": "Write to jane.doe@example.org for the forms."},
+        {"id": 5, "text": "  The   river rises in the hills\tand runs west to the sea. "},  # 1 again
+        {"id": 6, "text": "Bread needs flour, water, salt and a little patience."},
+    ]
+    (tmp_path / "raw.jsonl").write_text("".join(json.dumps(r) + "\n" for r in raw))
     report = clean_file(tmp_path / "raw.jsonl", tmp_path / "out.jsonl", workers=2,
-                        progress=False)
-    assert (tmp_path / "out.jsonl.report.json").is_file()
+                        steps=["normalize", "length", "exact_dedup", "pii"], progress=False)
     rows = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert len(rows) == report.documents_out > 0
+    assert [r["id"] for r in rows] == [1, 4, 6]  # input order, other fields kept
+    assert rows[0]["text"] == river and rows[2]["text"] == raw[5]["text"]
+    assert rows[1]["text"] == "Write to <EMAIL> for the forms."
+    assert (report.documents_in, report.documents_out) == (6, 3)
+    assert report.step("length").removed == 1 and report.step("exact_dedup").removed == 2
+    assert report.step("pii").modified == 1
+    saved = CleanReport.load(tmp_path / "out.jsonl.report.json")
+    assert (saved.documents_in, saved.documents_out) == (6, 3)
+    assert not (tmp_path / "out.jsonl.tmp").exists()

@@ -8,7 +8,7 @@ import pytest
 
 import workbench.data.clean as clean
 from workbench.data.clean import CleanPipeline, build_steps, clean_records
-from workbench.data.clean.corpus import generate_records, pii_samples
+from workbench.data.clean.corpus import generate_records
 from workbench.data.clean.dedup import MinHasher, U64Set, jaccard
 from workbench.data.clean.langid import detect
 from workbench.data.clean.pii import PIIScrubber
@@ -84,17 +84,8 @@ def test_planted_pii_is_gone_from_kept_rows(corpus, cleaned) -> None:
             assert value not in r["text"]
 
 
-@pytest.mark.parametrize("form", sorted(pii_samples(__import__("random").Random(0))))
-def test_every_pii_form_is_scrubbed(form: str) -> None:
-    import random
-
-    for seed in range(20):
-        value = pii_samples(random.Random(seed))[form]
-        for text in (f"reach me at {value} today", f"请联系{value}，谢谢"):
-            out, counts = PIIScrubber().scrub(text)
-            assert value not in out and counts, (form, value, out)
-
-
+# PII forms are measured on hand-written text in test_clean_realworld.py, not on samples
+# generated in the very forms the regexes target.
 def test_pii_leaves_ordinary_numbers_alone() -> None:
     text = "In 2024 we sold 1234567890123 units at 12.50 each, version 1.2.3.4.5, at 12:30:45."
     assert PIIScrubber().scrub(text) == (text, {})

@@ -225,6 +225,10 @@ def test_deploy_asks_where_to_serve_starting_from_the_runs_target(page, lab_serv
                                                                    finished_run) -> None:
     card = _card(page, lab_server, finished_run)
     before = [e.name for e in endpoints()]
+    # Every request the page sends from here on: a cancelled dialog must send no deploy at all
+    # (checked on the requests themselves, not by waiting a while for an endpoint not to appear).
+    sent: list[str] = []
+    page.on("request", lambda r: sent.append(f"{r.method} {r.url}"))
     card.get_by_role("button", name="deploy lab-finished").click()
     dialog = page.locator(".jp-Dialog")
     dialog.get_by_text("Deploy lab-finished").wait_for()
@@ -235,7 +239,12 @@ def test_deploy_asks_where_to_serve_starting_from_the_runs_target(page, lab_serv
     shot(page, "08-deploy-dialog")
     dialog.get_by_role("button", name="Cancel").click()
     dialog.wait_for(state="detached")
-    page.wait_for_timeout(1000)
+    # A request the panel sends after this one has certainly left after any deploy the Cancel
+    # could have sent: wait for the panel's next poll of the runs list, then look.
+    with page.expect_request(lambda r: r.url.split("?")[0].endswith("/workbench/api/runs"),
+                             timeout=60_000):
+        pass
+    assert not [r for r in sent if "/deploy" in r], sent
     assert [e.name for e in endpoints()] == before  # cancelled: nothing deployed
 
 
@@ -245,7 +254,8 @@ def test_a_budget_stopped_run_says_how_to_go_on(page, lab_server: LabServer) -> 
     job = workbench.launch({"name": "lab-budget", "train": {"max_steps": 100000},
                             "checkpoint": {"keep": 1},
                             "budget": {"price_per_cpu_core_hour": 3600.0, "limit": 200.0}})
-    assert job.wait(timeout=300, progress=False) == "budget_stopped", job.logs(tail=30)
+    # Start-up on a loaded machine can take minutes: the deadline leaves room for it.
+    assert job.wait(timeout=900, progress=False) == "budget_stopped", job.logs(tail=30)
     card = _card(page, lab_server, job)
     note = card.locator(".jp-WorkbenchRuns-error.jp-mod-note")
     note.wait_for()

@@ -152,7 +152,17 @@ def test_deploy_from_the_api_returns_at_once_and_the_endpoint_serves(lab_server:
             return states.get(name) == "healthy"
 
         wait_for(healthy, 300, "the endpoint deployed from the panel to become healthy")
-        assert isinstance(get_endpoint(name).chat("What does a cow say?", max_tokens=8), str)
+        endpoint = get_endpoint(name)
+        # The server itself lists the run's adapter and generates with it: greedy tokens (an
+        # early EOS still counts one), ended by a stop or by the limit.
+        assert endpoint.model in endpoint.list_models()
+        answer = endpoint.client().chat.completions.create(
+            model=endpoint.model, messages=[{"role": "user", "content": "What does a cow say?"}],
+            temperature=0.0, max_tokens=8)
+        assert answer.usage is not None and 1 <= answer.usage.completion_tokens <= 8
+        assert answer.choices[0].finish_reason in ("stop", "length")
+        assert answer.choices[0].message.content == endpoint.chat("What does a cow say?",
+                                                                  max_tokens=8)
     finally:
         stopped = requests.post(lab_server.api(f"endpoints/{name}/stop"), headers=lab_server.auth,
                                 timeout=120)

@@ -72,9 +72,13 @@ def lingering(targets):
 
 
 def test_time_limit_job_is_submitted_first(timeout_job, lingering):
+    # Slurm itself, asked by its own client, holds each job under the id the record keeps.
+    queue = dict(line.split() for line in _squeue())
     for job in (timeout_job, *lingering):
+        slurm_id = job.record.backend_job_id.removeprefix("slurm:")
+        assert slurm_id in queue, (job.record.backend_job_id, queue)
+        assert queue[slurm_id] in ("PENDING", "CONFIGURING", "RUNNING"), queue[slurm_id]
         assert job.state in ("queued", "running")
-        assert job.record.backend_job_id.startswith("slurm:")
 
 
 # -- configuration and checks ------------------------------------------------------------------
@@ -398,5 +402,13 @@ def test_time_limit_expiry_gives_a_clear_state(timeout_job):
     _nothing_left(timeout_job.id)
 
 
-def test_targets_file_is_where_home_says(targets, wb_home: Path):
-    assert (wb_home / "targets.yaml").is_file()
+def test_targets_file_is_where_home_says(tmp_path: Path, monkeypatch):
+    # Another WORKBENCH_HOME: the targets of the session's home are gone, those written under
+    # the new home are read, at call time.
+    monkeypatch.setenv("WORKBENCH_HOME", str(tmp_path))
+    assert target_names() == ["local"]
+    with pytest.raises(TargetError, match="not configured"):
+        get_target("ssh:pair")
+    (tmp_path / "targets.yaml").write_text("ssh:\n  elsewhere:\n    hosts: [wb-node9]\n")
+    assert target_names() == ["local", "ssh:elsewhere"]
+    assert [h.host for h in get_target("ssh:elsewhere").hosts] == ["wb-node9"]

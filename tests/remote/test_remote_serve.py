@@ -100,7 +100,10 @@ def test_slurm_endpoint_runs_inside_its_job_with_an_api_key(trained, reference, 
         assert "#SBATCH --time=00:10:00" in script and "#SBATCH --no-requeue" in script
         assert "wb-serve-slurm-ep" in squeue_job_names()
         assert "VLLM_API_KEY" not in script and ep.api_key  # on every interface: a key, from a file
-        assert ep.listen_url.startswith("http://vm:") and ep.url == ep.listen_url
+        # The address names the node Slurm put the job on (whatever this machine is called).
+        node = subprocess.run(["squeue", "-h", "-o", "%N", "-n", "wb-serve-slurm-ep"],
+                              capture_output=True, text=True).stdout.strip()
+        assert node and ep.listen_url.startswith(f"http://{node}:") and ep.url == ep.listen_url
         denied = httpx.post(ep.api_base + "/chat/completions", json={"model": ep.model,
                             "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
         assert denied.status_code == 401
