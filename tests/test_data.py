@@ -364,6 +364,22 @@ def test_old_run_dirs_without_tokenized_data_still_load(tmp_path, tokenizer):
     assert len(rows) == n and any(lab != IGNORE for lab in rows[0]["labels"])
 
 
+def test_a_run_without_a_validation_split_loads_an_empty_one(tmp_path, tokenizer):
+    # validation_fraction 0: the tokenised validation split has no rows, and every rank must
+    # still load it (it did not: an empty split is saved as zero shards).
+    from workbench.data.tokenized import prepare_tokenized
+    from workbench.rundir import RunDir
+    from workbench.train.run import load_split
+
+    spec = RunSpec(data={"validation_fraction": 0.0})
+    rd = RunDir(tmp_path / "no-validation").create(spec)
+    prepare_data(spec, rd.data_dir)
+    prepare_tokenized(spec, rd, tokenizer)
+    n = len((rd.data_dir / "train.jsonl").read_text().splitlines())
+    assert len(load_split(rd, "train", tokenizer, spec)) == n > 0
+    assert len(load_split(rd, "validation", tokenizer, spec)) == 0
+
+
 def test_run_form_preview_shows_token_lengths_against_max_length(tmp_path):
     from workbench.widgets import RunForm
     from workbench.widgets.run_form import length_figure

@@ -231,6 +231,13 @@ def load_tokenized(data_dir: Path, split: str) -> Any:
         return None
     import datasets
 
+    if not any(path.glob("*.arrow")):
+        # An empty split (validation_fraction 0) is saved as zero shards, which load_from_disk
+        # cannot read back: it is an empty dataset of the same columns.
+        import pyarrow as pa
+
+        schema = pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32()))])
+        return datasets.Dataset(schema.empty_table())
     return datasets.load_from_disk(str(path))
 
 
