@@ -33,6 +33,10 @@ _LAZY = {"Job": "workbench.jobs", "get_job": "workbench.jobs", "jobs": "workbenc
 
 __version__ = "0.1.0"
 
+from workbench.train.quiet import install as _quiet  # noqa: E402
+
+_quiet()  # known library noise off (DeepSpeed's CPU notice, ...): see workbench.train.quiet
+
 __all__ = [
     "DatasetError",
     "DatasetFormatError",
