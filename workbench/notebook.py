@@ -8,6 +8,7 @@ left out. The notebook runs on the kernel it declares ("Python (Workbench)" for 
 from __future__ import annotations
 
 import base64
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,8 @@ def _kernel_name(nb: Any, path: Path) -> str:
 def run_notebook(path: str | Path, timeout: int = 900, figures: str | Path | None = None) -> None:
     """Execute ``path``; images go to ``figures`` (default: WORKBENCH_HOME/demo) as PNG files."""
     import nbformat
+    from jupyter_client.manager import KernelManager
+    from jupyter_core.paths import jupyter_runtime_dir
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError
 
@@ -68,9 +71,20 @@ def run_notebook(path: str | Path, timeout: int = 900, figures: str | Path | Non
             sys.stdout.flush()
             return result
 
-    client = _Printing(nb, timeout=timeout, kernel_name=_kernel_name(nb, path),
+    # IPC (local sockets only) spares the terminal ipykernel's "running over TCP without
+    # encryption" warning. An absolute socket path: the kernel runs in the notebook's folder.
+    runtime = Path(jupyter_runtime_dir())
+    runtime.mkdir(parents=True, exist_ok=True)
+    sockets = runtime / f"workbench-demo-{os.getpid()}"
+    km = KernelManager(kernel_name=_kernel_name(nb, path), transport="ipc", ip=str(sockets))
+    client = _Printing(nb, km=km, timeout=timeout,
                        resources={"metadata": {"path": str(path.parent)}})
     try:
         client.execute()
     except CellExecutionError as exc:
         raise WorkbenchError(f"{path.name} failed:\n{exc}") from None
+    finally:  # a kernel manager passed in is ours to stop, and it leaves its sockets behind
+        if km.has_kernel:
+            km.shutdown_kernel()
+        for leftover in runtime.glob(f"{sockets.name}-*"):
+            leftover.unlink(missing_ok=True)
