@@ -93,6 +93,24 @@ def _run_first_cell(page, attempts: int = 8, wait_s: float = 15) -> None:
     pytest.fail("the notebook never started running its cell")
 
 
+def _run_all_cells(page, attempts: int = 8, wait_s: float = 15) -> None:
+    """Run every cell, again if JupyterLab dropped the request (kernel not ready yet).
+
+    As in ``_run_first_cell``: re-asked only while the first code cell's prompt is still empty.
+    """
+    prompt = page.locator(".jp-Notebook .jp-CodeCell").first.locator(".jp-InputPrompt")
+    for _ in range(attempts):
+        _command(page, "notebook:run-all-cells")
+        deadline = time.time() + wait_s
+        while time.time() < deadline:
+            _accept_kernel_dialog(page)
+            text = prompt.text_content() or ""
+            if "*" in text or any(c.isdigit() for c in text):
+                return
+            time.sleep(0.5)
+    pytest.fail("the notebook never started running its cells")
+
+
 def _wait_accepting_dialogs(page, locator, timeout_s: float) -> None:
     """Wait for ``locator``, accepting the kernel dialogs JupyterLab may raise meanwhile."""
     def seen() -> bool:
@@ -282,7 +300,7 @@ def test_the_quickstart_runs_in_the_lab_with_plots_and_no_noise(page, lab_server
     # The notebook declares the kernel the lab installs: no kernel dialog, no "Python 3".
     page.locator(".jp-Toolbar-kernelName", has_text="Python (Workbench)").first.wait_for()
     shot(page, "11-quickstart-opened")
-    _command(page, "notebook:run-all-cells")
+    _run_all_cells(page)
     cells = page.locator(".jp-Notebook .jp-Cell.jp-CodeCell")
     last_prompt = cells.last.locator(".jp-InputPrompt")
 
