@@ -21,14 +21,16 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e ".[dev]"
 	# DeepSpeed builds its ops lazily; its sdist needs the installed torch at build time.
 	DS_BUILD_OPS=0 $(BIN)/pip install -q --no-build-isolation "deepspeed==0.19.8"
-	# The JupyterLab extension (Runs panel + server extension) and the Python (Workbench) kernel.
+	# The JupyterLab extension (Runs panel + server extension, and lab settings that turn the
+	# news feed and update check off) and the Python (Workbench) kernel the notebooks declare.
 	$(BIN)/pip install -q ./extensions/workbench_lab
 	$(BIN)/jupyter kernelspec install --sys-prefix --name workbench kernels/workbench
 	touch $(STAMP)
 
 $(STAMP): extensions/workbench_lab/package.json extensions/workbench_lab/pyproject.toml \
   $(wildcard extensions/workbench_lab/src/*.ts extensions/workbench_lab/style/*.css) \
-  $(wildcard extensions/workbench_lab/workbench_lab/*.py) kernels/workbench/kernel.json
+  $(wildcard extensions/workbench_lab/workbench_lab/*.py) kernels/workbench/kernel.json \
+  $(wildcard extensions/workbench_lab/jupyter-config/*/*.json extensions/workbench_lab/jupyter-config/*/*/*.json)
 
 lab: setup
 	$(BIN)/jupyter lab notebooks/quickstart.ipynb

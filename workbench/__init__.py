@@ -32,6 +32,10 @@ _LAZY = {"Job": "workbench.jobs", "get_job": "workbench.jobs", "jobs": "workbenc
          "launch": "workbench.jobs", "plan": "workbench.plan", "deploy": "workbench.serve",
          "RunSpec": "workbench.spec"}
 
+from workbench.train.quiet import install as _quiet  # noqa: E402
+
+_quiet()  # known library noise off (DeepSpeed's CPU notice, ...): see workbench.train.quiet
+
 __all__ = [
     "DatasetError",
     "DatasetFormatError",

@@ -127,7 +127,7 @@ def _spec(args: argparse.Namespace) -> Any:
 def _demo(args: argparse.Namespace) -> Any:
     from workbench.notebook import run_notebook
 
-    run_notebook(args.notebook, timeout=args.timeout)
+    run_notebook(args.notebook, timeout=args.timeout, figures=args.figures)
     return ""
 
 
@@ -245,6 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("demo", help="run the quickstart notebook headless, printing its outputs")
     c.add_argument("--notebook", default="notebooks/quickstart.ipynb")
     c.add_argument("--timeout", type=int, default=900, help="seconds per cell")
+    c.add_argument("--figures", help="folder for the plots, saved as PNG files "
+                                     "(default: WORKBENCH_HOME/demo)")
     c.set_defaults(func=_demo)
 
     c = sub.add_parser("targets", help="list the configured targets, or check one")

@@ -215,9 +215,33 @@ class Job:
         return list(self._metrics)
 
     def metrics_df(self) -> Any:
+        """The loss table: one row per training log line (step, loss, lr, grad_norm, ...).
+
+        Validation losses are a column, ``eval_loss``, on the row of the step they were
+        measured at (NaN between evaluations); an evaluation at a step with no training line
+        (``train.log_every`` > 1) is only in :meth:`eval_df`. Snapshot and other event lines
+        are not rows. Every row has a loss.
+        """
         import pandas as pd
 
-        return pd.DataFrame(self.metrics())
+        rows = self.metrics()
+        train = pd.DataFrame([m for m in rows if "loss" in m and "event" not in m])
+        if train.empty:
+            return pd.DataFrame(columns=["step", "loss", "eval_loss"])
+        evals = self.eval_df()
+        if evals.empty:
+            train["eval_loss"] = float("nan")
+            return train
+        # The last evaluation of a step wins (a resumed run may have measured one step twice).
+        at_step = evals.drop_duplicates("step", keep="last")[["step", "eval_loss"]]
+        return train.merge(at_step, on="step", how="left")
+
+    def eval_df(self) -> Any:
+        """Every validation measurement: step, eval_loss, eval_runtime, ... (one row each)."""
+        import pandas as pd
+
+        rows = [m for m in self.metrics() if "eval_loss" in m and "event" not in m]
+        return pd.DataFrame(rows, columns=None if rows else ["step", "eval_loss"])
 
     def logs(self, tail: int | None = 50, name: str | None = None) -> str:
         """The last ``tail`` lines of each log (or of the one called ``name``, e.g. 'rank-0.log')."""
@@ -370,6 +394,10 @@ class Job:
         return JobView(self)
 
     def plot(self, ax: Any = None) -> Any:
+        """Train and eval loss against step: a Figure that shows as a PNG in a notebook.
+
+        ``job.plot().savefig("loss.png")`` keeps it; ``ax=`` draws onto your own axes.
+        """
         from workbench.widgets.plots import loss_figure
 
         return loss_figure(self.metrics(), title=self.id, ax=ax)

@@ -24,6 +24,7 @@ from workbench.errors import SpecError
 
 BUILTIN_MODEL = "builtin:tiny-llama"
 BUILTIN_DATASET = "builtin:teaching"
+EVALS_PER_RUN = 10  # validation points of a run that leaves train.eval_every unset
 
 
 class _Section(BaseModel):
@@ -87,7 +88,9 @@ class TrainSpec(_Section):
     seed: int = 42
     gradient_checkpointing: bool = False  # trade ~30% speed for much less activation memory
     log_every: int = Field(1, ge=1)  # steps between metrics lines
-    eval_every: int | None = Field(None, ge=1)  # steps between validation losses (None: at end)
+    # Steps between validation losses. None: about EVALS_PER_RUN per run (a curve to read, for
+    # the forward passes of ~EVALS_PER_RUN x validation_fraction of an epoch); 0: only at the end.
+    eval_every: int | None = Field(None, ge=0)
 
 
 class ResourceSpec(_Section):

@@ -2,13 +2,14 @@
 
 The server gets the session's WORKBENCH_HOME (from tests/conftest.py), serves files from that
 folder (so run folders open in the file browser), keeps its config, runtime and user settings in
-a temp folder (news and update checks off), and is stopped by PID.
+a temp folder, reads its app settings from the folder the extension ships (news and update checks
+off), and is stopped by PID.
 """
 
 from __future__ import annotations
 
-import json
 import os
+import re
 import secrets
 import signal
 import socket
@@ -46,17 +47,22 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _quiet_user_settings(settings_dir: Path) -> None:
-    """No news feed and no update check: nothing may reach out of the machine."""
-    notif = settings_dir / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
-    notif.parent.mkdir(parents=True, exist_ok=True)
-    notif.write_text(json.dumps({"fetchNews": "false", "checkForUpdates": False}))
+def shipped_lab_settings() -> Path:
+    """The folder the extension installs as JupyterLab's app settings (share/jupyter/lab/settings).
+
+    The servers here read their settings from it, so the tests see what a user of ``make lab``
+    sees (news and update checks off) and not a setting only the tests write.
+    """
+    ext = Path(__file__).parents[2] / "extensions" / "workbench_lab"
+    # The wheel's shared-data line (tomllib is 3.11+; this line is all we need of the file).
+    (source,) = re.findall(r'^"([^"]+)" = "share/jupyter/lab/settings"$',
+                           (ext / "pyproject.toml").read_text(), re.MULTILINE)
+    return ext / source
 
 
 @pytest.fixture(scope="module")
 def lab_server(wb_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabServer]:
     state = tmp_path_factory.mktemp("jupyter-state")
-    _quiet_user_settings(state / "settings")
     ARTIFACTS.mkdir(exist_ok=True)
     log = ARTIFACTS / "jupyter-server.log"
     port, token = _free_port(), secrets.token_hex(16)
@@ -67,6 +73,7 @@ def lab_server(wb_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
            f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
            f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={wb_home}",
+           f"--LabApp.app_settings_dir={shipped_lab_settings()}",
            "--LabApp.news_url=", "--LabApp.expose_app_in_browser=True",
            "--ServerApp.terminals_enabled=False"]
     if os.geteuid() == 0:

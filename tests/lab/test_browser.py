@@ -93,6 +93,24 @@ def _run_first_cell(page, attempts: int = 8, wait_s: float = 15) -> None:
     pytest.fail("the notebook never started running its cell")
 
 
+def _run_all_cells(page, attempts: int = 8, wait_s: float = 15) -> None:
+    """Run every cell, again if JupyterLab dropped the request (kernel not ready yet).
+
+    As in ``_run_first_cell``: re-asked only while the first code cell's prompt is still empty.
+    """
+    prompt = page.locator(".jp-Notebook .jp-CodeCell").first.locator(".jp-InputPrompt")
+    for _ in range(attempts):
+        _command(page, "notebook:run-all-cells")
+        deadline = time.time() + wait_s
+        while time.time() < deadline:
+            _accept_kernel_dialog(page)
+            text = prompt.text_content() or ""
+            if "*" in text or any(c.isdigit() for c in text):
+                return
+            time.sleep(0.5)
+    pytest.fail("the notebook never started running its cells")
+
+
 def _wait_accepting_dialogs(page, locator, timeout_s: float) -> None:
     """Wait for ``locator``, accepting the kernel dialogs JupyterLab may raise meanwhile."""
     def seen() -> bool:
@@ -274,3 +292,60 @@ def test_a_budget_stopped_run_says_how_to_go_on(page, lab_server: LabServer) -> 
         assert yaml.safe_load(job.run_dir.resume_file.read_text()) == {"budget.limit": 1000.0}
     finally:
         job.cancel()
+
+
+NEWS_PROMPT = "official Jupyter news"  # JupyterLab's "Would you like to get notified about ..."
+
+
+def _outputs_text(page) -> str:
+    # text_content, not inner_text: cells scrolled out of view are not laid out, but in the DOM.
+    return "\n".join(page.locator(".jp-Notebook .jp-OutputArea").all_text_contents())
+
+
+def test_the_quickstart_runs_in_the_lab_with_plots_and_no_noise(page, lab_server: LabServer) -> None:
+    """What a newcomer sees: `make lab`'s quickstart, run top to bottom in the browser."""
+    nb = nbformat.read(Path(__file__).parents[2] / "notebooks" / "quickstart.ipynb", as_version=4)
+    nbformat.write(nb, lab_server.root / "quickstart.ipynb")
+    _open_lab(page, lab_server, "quickstart.ipynb")
+    _wait_accepting_dialogs(page, page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']"), 90)
+    # The notebook declares the kernel the lab installs: no kernel dialog, no "Python 3".
+    page.locator(".jp-Toolbar-kernelName", has_text="Python (Workbench)").first.wait_for()
+    shot(page, "11-quickstart-opened")
+    _run_all_cells(page)
+    cells = page.locator(".jp-Notebook .jp-Cell.jp-CodeCell")
+    last_prompt = cells.last.locator(".jp-InputPrompt")
+
+    def finished() -> bool:
+        _accept_kernel_dialog(page)
+        text = last_prompt.text_content() or ""
+        return any(c.isdigit() for c in text) and "*" not in text
+
+    wait_for(finished, 900, "the quickstart to run to its last cell")
+    # Every cell is in the DOM (JupyterLab's default windowing hides, never detaches, cells), so
+    # the checks below read the whole notebook and not only what is on screen.
+    assert page.locator(".jp-Notebook .jp-Cell").count() == len(nb.cells)
+    text = _outputs_text(page)
+    assert "succeeded" in text and "RUN" in text and "STATE" in text  # it ran, to the status table
+    errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+    assert errors.count() == 0, errors.all_text_contents()
+    assert page.locator(".jp-RenderedText[data-mime-type='application/vnd.jupyter.stderr']").count() == 0
+    assert "<Figure" not in text
+    assert "Setting accelerator to CPU" not in text and "Warning" not in text
+    # job.plot() shows a picture, and the loss table has no row without a loss.
+    plot_cell = cells.filter(has=page.locator(".jp-InputArea", has_text="job.plot()")).first
+    image = plot_cell.locator(".jp-OutputArea-output img")
+    assert image.count() == 1
+    image.scroll_into_view_if_needed()
+    page.wait_for_function("img => img.complete && img.naturalWidth > 100", arg=image.element_handle())
+    shot(page, "12-quickstart-plot")
+    table_cell = cells.filter(has=page.locator(".jp-InputArea", has_text="metrics_df()")).first
+    table = table_cell.locator(".jp-OutputArea-output table").first
+    table.scroll_into_view_if_needed()
+    assert "NaN" not in table.text_content()
+    shot(page, "13-quickstart-end")
+    # No news prompt, because the settings the extension ships say so (not because it is late).
+    assert page.get_by_text(NEWS_PROMPT).count() == 0
+    settings = page.evaluate("() => window.jupyterapp.serviceManager.settings"
+                             ".fetch('@jupyterlab/apputils-extension:notification')"
+                             ".then(p => p.schema.properties.fetchNews.default)")
+    assert settings == "false"

@@ -17,7 +17,7 @@ from typing import Any
 
 from workbench.data.tokenize import load_tokenizer
 from workbench.rundir import RunDir
-from workbench.spec import RunSpec
+from workbench.spec import EVALS_PER_RUN, RunSpec
 
 
 def _redirect_output(rd: RunDir, rank: int) -> None:
@@ -144,8 +144,8 @@ def training_arguments(spec: RunSpec, rd: RunDir, has_eval: bool) -> Any:
         gradient_checkpointing_kwargs={"use_reentrant": False} if t.gradient_checkpointing else None,
         logging_steps=t.log_every,
         logging_first_step=True,
-        eval_strategy="steps" if (has_eval and t.eval_every) else "no",
-        eval_steps=t.eval_every,
+        eval_strategy="steps" if (has_eval and t.eval_every != 0) else "no",
+        eval_steps=t.eval_every or 1 / EVALS_PER_RUN,  # a float < 1 is a ratio of total steps
         save_strategy="no",
         report_to=report_to,
         use_cpu=not cuda,
@@ -302,7 +302,8 @@ def main(run_dir: str) -> int:
     if snapshots.budget_stopped:
         if rank == 0:  # the supervisor writes the bill and the note when the attempt ends
             rd.write_status(stop_reason="budget")
-    elif len(eval_rows):
+    elif len(eval_rows) and not _evaluated_at(trainer.state.log_history,
+                                              trainer.state.global_step):
         trainer.evaluate()
     out = save_artefacts(trainer, tokenizer, spec, rd, source)
     print(f"saved {out}", flush=True)
@@ -310,6 +311,11 @@ def main(run_dir: str) -> int:
         uploader.close()
     _shutdown_distributed()
     return 0
+
+
+def _evaluated_at(log_history: list[dict[str, Any]], step: int) -> bool:
+    # Every rank keeps the same history, so all ranks agree to skip (evaluate is collective).
+    return any("eval_loss" in h and h.get("step") == step for h in log_history)
 
 
 def _shutdown_distributed() -> None:
