@@ -241,6 +241,16 @@ def estimate_memory(s: _Setup, st: Strategy, logit_bytes: float = _LOGIT_BYTES) 
     )
 
 
+def unsupported(st: Strategy) -> str | None:
+    """Why the trainer cannot run ``st`` (None: it can). Such a strategy is never chosen."""
+    if st.method == "qlora" and st.parallel == "zero3":
+        # bitsandbytes 4-bit weights are placed whole on each GPU (device_map) and are not
+        # parameters ZeRO-3 can partition; transformers skips zero.Init for quantised models.
+        return ("QLoRA cannot use ZeRO-3: it needs every GPU to hold the whole 4-bit model, "
+                "which ZeRO-3 cannot partition; use parallel.strategy: zero2 or auto")
+    return None
+
+
 def safety_margin_gib(capacity_gib: float) -> float:
     """Headroom kept free: 8% of the card, at least 2 GiB (6.4 GiB on an 80 GB card)."""
     return max(2.0, 0.08 * capacity_gib)

@@ -24,6 +24,7 @@ from workbench.plan.memory import (
     all_strategies,
     estimate_memory,
     safety_margin_gib,
+    unsupported,
 )
 from workbench.plan.result import Candidate, Plan, Suggestion
 from workbench.plan.shape import ModelShape, model_shape
@@ -126,7 +127,8 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
         mem = estimate_memory(s, st)
         secs, _ = step_seconds(s_time, st, run)
         hours = secs * steps / 3600 if steps else None
-        candidates.append(Candidate(st, mem, mem.total <= capacity - margin, hours, priced(hours)))
+        fits = mem.total <= capacity - margin and unsupported(st) is None
+        candidates.append(Candidate(st, mem, fits, hours, priced(hours)))
 
     wanted = spec.parallel
     reasons: list[str] = []
@@ -135,7 +137,7 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
         fitting = [c for c in mine if c.fits]
         # Cheapest = fastest (cost is time x cards); among equals the simpler one (list order).
         chosen = min(fitting, key=lambda c: c.hours or 0.0) if fitting else min(
-            mine, key=lambda c: c.memory.total)
+            [c for c in mine if unsupported(c.strategy) is None], key=lambda c: c.memory.total)
         reasons.append("parallel: auto -> " + (
             f"{chosen.strategy.label} is the fastest strategy that fits"
             if fitting else f"nothing fits; {chosen.strategy.label} needs the least memory"))
@@ -155,6 +157,9 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
             if target.offload_params and target.parallel != "zero3":
                 chosen.fits = False
                 reasons.append("parallel.offload_params needs parallel.strategy: zero3")
+        if unsupported(target):
+            chosen.fits = False
+            reasons.append(str(unsupported(target)))
         reasons.append(f"parallel.strategy: {wanted.strategy} as the spec says")
 
     mem = chosen.memory

@@ -58,6 +58,7 @@ def load_model(spec: RunSpec, source: str, precision: Precision | None = None) -
         )
         kwargs["device_map"] = {"": int(os.environ.get("LOCAL_RANK", 0))}
     model: Any = AutoModelForCausalLM.from_pretrained(source, **kwargs)  # or its peft wrapper
+    _log_partitioning(model)
     if spec.method.kind in ("lora", "qlora"):
         from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
@@ -75,6 +76,19 @@ def load_model(spec: RunSpec, source: str, precision: Precision | None = None) -
         # their Adam state never lose small updates.
         model = get_peft_model(model, lora, autocast_adapter_dtype=True)
     return model
+
+
+def _log_partitioning(model: Any) -> None:
+    """Under ZeRO-3, say how much of the model this rank holds right after loading."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if not is_deepspeed_zero3_enabled():
+        return
+    params = list(model.parameters())
+    total = sum(getattr(p, "ds_numel", p.numel()) for p in params)
+    local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in params)
+    print(f"zero3: loaded partitioned: this rank holds {local} of {total} parameter elements",
+          flush=True)
 
 
 def load_split(rd: RunDir, split: str, tokenizer: Any, spec: RunSpec) -> Any:
@@ -262,10 +276,20 @@ def main(run_dir: str) -> int:
     from transformers import set_seed
 
     set_seed(spec.train.seed)  # before the LoRA init, so the same spec trains the same way
-    model = load_model(spec, source)
     train_rows = load_split(rd, "train", tokenizer, spec)
     eval_rows = load_split(rd, "validation", tokenizer, spec)
+    # The arguments (and with them the DeepSpeed config) before the model: under ZeRO-3,
+    # from_pretrained then builds each layer already partitioned (deepspeed.zero.Init), so no rank
+    # ever holds the whole model. `args` stays alive to the end, and so does the config.
     args = training_arguments(spec, rd, has_eval=len(eval_rows) > 0)
+    if args.deepspeed:
+        # Join the process group now, and let DeepSpeed's comm wrap it (the Trainer would do
+        # both later): zero.Init reads the world size from it to partition over every rank.
+        import deepspeed
+
+        _ = args.device
+        deepspeed.init_distributed()
+    model = load_model(spec, source)
     status = rd.status()
     billing = Billing(spec, status)  # the supervisor's baseline: the same bill as its own
     uploader = None
