@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # workbench from this checkout
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # GPU machines often have no network: never ask
 
 from workbench.gpus import detect_gpu_type, get_gpu  # noqa: E402
 from workbench.plan import GiB, plan  # noqa: E402
