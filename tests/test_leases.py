@@ -81,6 +81,13 @@ def test_release_frees_only_the_holders_own_lease(tmp_path, sleeper):
     assert leases.acquire("run-b", 2, second, devices=["0", "1"], root=tmp_path) == ["0", "1"]
 
 
+def test_more_cards_than_the_machine_shows_says_so(tmp_path, sleeper):
+    start, _ = sleeper
+    with pytest.raises(ResourceError, match="shows 2 CUDA device.*at most 2"):
+        leases.acquire("run-a", 3, start(), devices=["0", "1"], root=tmp_path)
+    assert leases.held(tmp_path) == []
+
+
 def test_the_pool_is_the_cards_this_process_may_see(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 5")
     assert leases.visible_devices() == ["2", "5"]

@@ -100,6 +100,12 @@ def acquire(owner: str, count: int, holder: ProcessIdentity, *,
 
 
 def _free_or_raise(owner: str, count: int, pool: list[str], others: list[Lease]) -> list[str]:
+    if len(pool) < count:
+        raise ResourceError(
+            f"{owner} needs {count} GPU(s) but {hostname()} shows "
+            f"{len(pool) or 'no'} CUDA device(s) to this process (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); set resources.gpus_per_node "
+            f"to at most {len(pool)} (0 trains on CPU)")
     taken = {d for le in others for d in le.devices}
     free = [d for d in pool if d not in taken]
     if len(free) < count:
