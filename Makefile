@@ -9,7 +9,7 @@ export PATH := $(BIN):$(PATH)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 PYTEST_ARGS ?=
 
-.PHONY: setup lab demo test lint bench clean
+.PHONY: setup lab demo test lint bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -70,6 +70,11 @@ lint: setup
 
 bench: setup
 	$(BIN)/python bench/bench_train.py
+
+# One GPU: LoRA tokens/s + MFU (padded/packed), peak memory vs the plan, snapshot stall; <= 8 min,
+# nothing downloaded. JSON in bench/results/gpu_check-<card>.json. `--smoke` runs it on CPU.
+gpu-check: setup
+	$(BIN)/python bench/gpu_check.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -81,6 +82,15 @@ def test_deepspeed_zero_runs_on_cpu_with_two_ranks(stage, tmp_path, monkeypatch)
     assert job.wait(timeout=600, progress=False) == "succeeded", job.logs(tail=30)
     assert (stale / "lock").exists()  # fresh, so kept: the run simply built nothing
     assert f"strategy: lora + {stage}" in job.logs(tail=None, name="rank-0.log")
+    if stage == "zero3":
+        # Partitioned at load (zero.Init inside from_pretrained): each of the 2 ranks holds about
+        # half of the elements right after loading, never the whole model.
+        for rank in (0, 1):
+            log = job.logs(tail=None, name=f"rank-{rank}.log")
+            held = re.search(r"zero3: loaded partitioned: this rank holds (\d+) of (\d+)", log)
+            assert held, log[-2000:]
+            local, total = int(held[1]), int(held[2])
+            assert total > 100_000 and local <= total / 2 + 1000, (local, total)
     losses = [m["loss"] for m in job.metrics() if "loss" in m]
     assert len(losses) == 15 and losses[-1] < losses[0] - 1.0
     # DeepSpeed writes its own shards; the snapshot is still committed and verified.

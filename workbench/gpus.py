@@ -59,6 +59,8 @@ class GpuType:
     # Effective all-reduce bus bandwidth between cards of one node (GB/s): NVLink vs PCIe.
     interconnect_gbps: float = 20.0
     notes: str = ""
+    # False for cards before compute capability 8.0 (V100, T4): they train with fp16 autocast.
+    bf16: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -85,9 +87,9 @@ _DEFAULTS: tuple[GpuType, ...] = (
             notes="no NVLink; P2P over PCIe is disabled"),
     GpuType("RTX 3090", 24.0, 71.0, None, utilisation=0.35, interconnect_gbps=12.0),
     GpuType("V100", 32.0, 125.0, None, utilisation=0.30, interconnect_gbps=100.0,
-            notes="32 GB SXM2; no bf16: fp16 figure"),
+            notes="32 GB SXM2; no bf16: fp16 figure", bf16=False),
     GpuType("T4", 15.0, 65.0, None, utilisation=0.25, interconnect_gbps=8.0,
-            notes="no bf16: fp16 figure"),
+            notes="no bf16: fp16 figure", bf16=False),
     # Per core: AVX2 does 2 FMA x 8 fp32 lanes x 2 FLOP per cycle, ~3 GHz -> ~0.1 TFLOP/s peak;
     # small-matrix training gets a small fraction of it.
     GpuType("CPU", 0.0, 0.1, None, utilisation=0.10, interconnect_gbps=5.0,

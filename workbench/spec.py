@@ -183,6 +183,13 @@ class RunSpec(_Section):
         if self.method.kind == "qlora" and self.model.quantization == "none":
             # QLoRA means LoRA on a 4-bit base: make the spec say so instead of failing later.
             object.__setattr__(self.model, "quantization", "4bit")
+        res = self.resources
+        if res.gpus_per_node > 0 and (res.processes_per_node or 0) > res.gpus_per_node:
+            raise ValueError(
+                f"resources.processes_per_node ({res.processes_per_node}) is more than "
+                f"resources.gpus_per_node ({res.gpus_per_node}): ranks would share a GPU; set "
+                "processes_per_node to at most gpus_per_node (or leave it out: one per GPU)"
+            )
         if self.method.kind != "qlora" and self.model.quantization != "none":
             raise ValueError(
                 "model.quantization is only for method.kind 'qlora'; set method.kind: qlora "

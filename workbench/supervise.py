@@ -27,7 +27,9 @@ import psutil
 
 from workbench import procs
 from workbench.budget import KILL_GRACE_S, AttemptBill
+from workbench.errors import ResourceError
 from workbench.rundir import BUDGET_STOPPED, CANCELLED, FAILED, RUNNING, SUCCEEDED, RunDir
+from workbench.spec import RunSpec
 
 OWN_FOLDER_ENV = "WORKBENCH_OWN_FOLDER"  # set for ranks whose run directory no other node shares
 CANCEL_GRACE_S = 20.0  # SIGTERM first, SIGKILL after this long
@@ -188,6 +190,15 @@ def supervise(run_dir: str, role: NodeRole = NodeRole()) -> int:
         procs.start_attempt(rd, me)  # unless the backend that started us recorded it already
     write(state=RUNNING, supervisor_pid=os.getpid(), host=socket.gethostname(), command=cmd,
           stop_reason=None, note=None)
+    try:
+        gpus = _lease_gpus(rd, spec, me)
+    except ResourceError as exc:  # other local runs hold the cards: nothing started, say who
+        write(state=FAILED, ended=time.time(), exit_code=None, error=str(exc), **bill.close(),
+              released=time.time())
+        return 1
+    if gpus is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)  # torchrun and the ranks inherit it
+        write(gpus=gpus)
     _fetch_from_storage(rd, spec.checkpoint.storage, role)
     cancel_at: list[float] = []
     child: list[subprocess.Popen] = []
@@ -225,6 +236,10 @@ def supervise(run_dir: str, role: NodeRole = NodeRole()) -> int:
               f"(restart {restarts} of {MAX_RESTARTS})", flush=True)
         write(restarts=restarts, last_error=error_text(rd, since=since,
                                                       root_cause=error_file(rd, role)))
+    if gpus is not None:  # every rank is gone: the cards are free for the next run
+        from workbench import leases
+
+        leases.release(rd.path.name, me)
     final: dict[str, object] = {"ended": time.time(), "exit_code": rc}
     budget_stop = role.writes_status and rd.status().get("stop_reason") == "budget"
     if bill.stopped:
@@ -249,6 +264,16 @@ def supervise(run_dir: str, role: NodeRole = NodeRole()) -> int:
         done.update(_bundle(rd, final))
     write(**done, **bill.close(), released=time.time())
     return 0
+
+
+def _lease_gpus(rd: RunDir, spec: RunSpec, me: procs.ProcessIdentity) -> list[str] | None:
+    """This run's CUDA devices, leased from those no other live local run holds
+    (:mod:`workbench.leases`); None for a CPU run, or under Slurm, which gives each job its own."""
+    if spec.resources.gpus_per_node == 0 or os.environ.get("SLURM_JOB_ID"):
+        return None
+    from workbench import leases
+
+    return leases.acquire(rd.path.name, spec.resources.gpus_per_node, me)
 
 
 def _run_ranks(rd: RunDir, cmd: list[str], child: list[subprocess.Popen],

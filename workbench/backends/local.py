@@ -49,6 +49,12 @@ def check_local_resources(spec: RunSpec) -> None:
         raise ResourceError(
             "method.kind qlora needs a CUDA GPU (bitsandbytes 4-bit); on CPU use method.kind: lora"
         )
+    if want:
+        # The supervisor leases the cards when it starts; refusing here says so before anything
+        # starts (a run that starts in between still gets a clear error from the lease).
+        from workbench import leases
+
+        leases.check_free(spec.name, want)
 
 
 def _reap() -> None:

@@ -106,6 +106,8 @@ class _Setup:
     targets: list[str] | str
     checkpointing: bool
     on_gpu: bool
+    # What from_pretrained loads (workbench.precision): fp32 master weights for full fine-tuning.
+    load_bytes: int = 4
 
 
 def _activation_bytes(s: _Setup, checkpointing: bool, logit_bytes: float = 0.0) -> float:
@@ -166,9 +168,9 @@ def estimate_memory(s: _Setup, st: Strategy, logit_bytes: float = _LOGIT_BYTES) 
     else:
         frozen_bytes = p * b
     if full and not zero:
-        # torch AMP over fp32 weights: the fp32 parameters are the weights; autocast keeps a bf16
-        # copy of each weight until backward has used it.
-        weights = p * 4 + (p * b if b < 4 else 0)
+        # torch AMP over fp32 weights (workbench.precision): the fp32 parameters are the weights;
+        # autocast keeps a 16-bit copy of each weight until backward has used it.
+        weights = p * s.load_bytes + (p * b if b < s.load_bytes else 0)
     elif z3:
         gathered = 2 * b * sh.largest_layer_params  # one layer's weights + their gradients
         weights = (0 if st.offload_params else frozen_bytes / n) + gathered
@@ -184,7 +186,7 @@ def estimate_memory(s: _Setup, st: Strategy, logit_bytes: float = _LOGIT_BYTES) 
     if not zero:
         if full:
             trainable = 0.0  # the fp32 weights above are the trainable parameters
-            grads = t * 4
+            grads = t * s.load_bytes
         else:
             # peft keeps adapters in fp32 (autocast_adapter_dtype), so their grads are fp32 too.
             trainable = t * 4
@@ -237,6 +239,16 @@ def estimate_memory(s: _Setup, st: Strategy, logit_bytes: float = _LOGIT_BYTES) 
         activations_without_checkpointing=act_no / GiB,
         host_offloaded=host / GiB,
     )
+
+
+def unsupported(st: Strategy) -> str | None:
+    """Why the trainer cannot run ``st`` (None: it can). Such a strategy is never chosen."""
+    if st.method == "qlora" and st.parallel == "zero3":
+        # bitsandbytes 4-bit weights are placed whole on each GPU (device_map) and are not
+        # parameters ZeRO-3 can partition; transformers skips zero.Init for quantised models.
+        return ("QLoRA cannot use ZeRO-3: it needs every GPU to hold the whole 4-bit model, "
+                "which ZeRO-3 cannot partition; use parallel.strategy: zero2 or auto")
+    return None
 
 
 def safety_margin_gib(capacity_gib: float) -> float:

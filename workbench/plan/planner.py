@@ -24,10 +24,12 @@ from workbench.plan.memory import (
     all_strategies,
     estimate_memory,
     safety_margin_gib,
+    unsupported,
 )
 from workbench.plan.result import Candidate, Plan, Suggestion
 from workbench.plan.shape import ModelShape, model_shape
 from workbench.plan.timing import DataEstimate, _Run, estimate_data, step_seconds
+from workbench.precision import DeviceKind, Precision, resolve_precision
 from workbench.spec import ParallelSpec, RunSpec
 from workbench.startup import startup_estimate
 
@@ -49,13 +51,19 @@ def _resolve_gpu(spec: RunSpec, gpu_type: str | None) -> tuple[GpuType, bool]:
     return get_gpu(name, table), True
 
 
-def _setup(spec: RunSpec, shape: ModelShape, on_gpu: bool, seq_len: int) -> _Setup:
-    dtype = spec.model.dtype
-    if dtype == "auto":
-        dtype = "bfloat16" if on_gpu else "float32"
+def _precision(spec: RunSpec, on_gpu: bool, gpu: GpuType | None = None) -> Precision:
+    device: DeviceKind = "cpu" if not on_gpu else (
+        "cuda-bf16" if gpu is None or gpu.bf16 else "cuda-fp16")
+    return resolve_precision(spec.model.dtype, spec.method.kind, device)
+
+
+def _setup(spec: RunSpec, shape: ModelShape, on_gpu: bool, seq_len: int,
+           gpu: GpuType | None = None) -> _Setup:
+    precision = _precision(spec, on_gpu, gpu)  # the trainer resolves the same way
     return _Setup(
         shape=shape,
-        compute_bytes=4 if dtype == "float32" else 2,
+        compute_bytes=precision.compute_bytes,
+        load_bytes=precision.load_bytes,
         micro_batch=spec.train.batch_size,
         seq_len=seq_len,
         world=spec.resources.world_size,
@@ -70,7 +78,7 @@ def _setup(spec: RunSpec, shape: ModelShape, on_gpu: bool, seq_len: int) -> _Set
 def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
               data: DataEstimate) -> Plan:
     res = spec.resources
-    s = _setup(spec, shape, on_gpu, spec.data.max_length)
+    s = _setup(spec, shape, on_gpu, spec.data.max_length, gpu)
     if on_gpu:
         capacity = gpu.memory_gib
         n_devices = res.gpus_per_node * res.nodes
@@ -89,6 +97,7 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
                            f"{currency}: cost shown in {gpu.currency}")
         currency = gpu.currency
     margin = safety_margin_gib(capacity)
+    assumptions.append("precision: " + _precision(spec, on_gpu, gpu).reason)
     global_batch = spec.train.batch_size * spec.train.grad_accum * res.world_size
     tokens_per_step = int(round(global_batch * data.tokens_per_example))
     if spec.train.max_steps is not None:
@@ -111,14 +120,15 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
             return None
         return (hours + startup_h) * billed_units * price
     # Activations are planned at max_length (a padded batch can hit it); time at the estimate.
-    s_time = _setup(spec, shape, on_gpu, int(max(1, data.tokens_per_example)))
+    s_time = _setup(spec, shape, on_gpu, int(max(1, data.tokens_per_example)), gpu)
 
     candidates = []
     for st in all_strategies(res.world_size):
         mem = estimate_memory(s, st)
         secs, _ = step_seconds(s_time, st, run)
         hours = secs * steps / 3600 if steps else None
-        candidates.append(Candidate(st, mem, mem.total <= capacity - margin, hours, priced(hours)))
+        fits = mem.total <= capacity - margin and unsupported(st) is None
+        candidates.append(Candidate(st, mem, fits, hours, priced(hours)))
 
     wanted = spec.parallel
     reasons: list[str] = []
@@ -127,7 +137,7 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
         fitting = [c for c in mine if c.fits]
         # Cheapest = fastest (cost is time x cards); among equals the simpler one (list order).
         chosen = min(fitting, key=lambda c: c.hours or 0.0) if fitting else min(
-            mine, key=lambda c: c.memory.total)
+            [c for c in mine if unsupported(c.strategy) is None], key=lambda c: c.memory.total)
         reasons.append("parallel: auto -> " + (
             f"{chosen.strategy.label} is the fastest strategy that fits"
             if fitting else f"nothing fits; {chosen.strategy.label} needs the least memory"))
@@ -147,6 +157,9 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
             if target.offload_params and target.parallel != "zero3":
                 chosen.fits = False
                 reasons.append("parallel.offload_params needs parallel.strategy: zero3")
+        if unsupported(target):
+            chosen.fits = False
+            reasons.append(str(unsupported(target)))
         reasons.append(f"parallel.strategy: {wanted.strategy} as the spec says")
 
     mem = chosen.memory
@@ -216,11 +229,11 @@ def _suggest(spec: RunSpec, p: Plan, gpu: GpuType, on_gpu: bool, shape: ModelSha
     out: list[Suggestion] = []
 
     def check(changes: dict[str, Any], gpu_over: GpuType | None = None) -> Plan | None:
-        try:
+        try:  # a variant may be invalid, or ask a card for a dtype it lacks (bf16 on a T4)
             variant = spec.updated(**changes)
+            return _evaluate(variant, gpu_over or gpu, on_gpu, shape, data)
         except WorkbenchError:
             return None
-        return _evaluate(variant, gpu_over or gpu, on_gpu, shape, data)
 
     if not p.fits:
         if spec.parallel.strategy != "auto":

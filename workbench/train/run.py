@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.data.tokenize import load_tokenizer
+from workbench.precision import Precision, local_device_kind, resolve_precision
 from workbench.rundir import RunDir
 from workbench.spec import EVALS_PER_RUN, RunSpec
 
@@ -33,17 +34,17 @@ def _redirect_output(rd: RunDir, rank: int) -> None:
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
 
 
-def load_model(spec: RunSpec, source: str) -> Any:
+def load_model(spec: RunSpec, source: str, precision: Precision | None = None) -> Any:
+    """The model (peft-wrapped for LoRA/QLoRA) in the dtypes :mod:`workbench.precision` chose
+    for this device (``precision`` overrides the choice, e.g. to check a GPU's choice on CPU)."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    p = precision or resolve_precision(spec.model.dtype, spec.method.kind, local_device_kind())
+    print(f"precision: load {p.load_dtype}, amp {p.amp}: {p.reason}", flush=True)
     kwargs: dict[str, Any] = {"revision": spec.model.revision,
                               "trust_remote_code": spec.model.trust_remote_code}
-    cuda = torch.cuda.is_available()
-    if spec.model.dtype == "auto":
-        dtype = torch.bfloat16 if cuda and torch.cuda.is_bf16_supported() else torch.float32
-    else:
-        dtype = getattr(torch, spec.model.dtype)
+    dtype = getattr(torch, p.load_dtype)
     kwargs["dtype"] = dtype
     if spec.model.quantization != "none":
         from transformers import BitsAndBytesConfig
@@ -53,10 +54,11 @@ def load_model(spec: RunSpec, source: str) -> Any:
             load_in_8bit=spec.model.quantization == "8bit",
             bnb_4bit_quant_type="nf4",
             bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=dtype,
+            bnb_4bit_compute_dtype=getattr(torch, p.compute_dtype),
         )
         kwargs["device_map"] = {"": int(os.environ.get("LOCAL_RANK", 0))}
     model: Any = AutoModelForCausalLM.from_pretrained(source, **kwargs)  # or its peft wrapper
+    _log_partitioning(model)
     if spec.method.kind in ("lora", "qlora"):
         from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
@@ -70,8 +72,23 @@ def load_model(spec: RunSpec, source: str) -> Any:
             target_modules=spec.method.target_modules,
             task_type="CAUSAL_LM",
         )
-        model = get_peft_model(model, lora)
+        # peft keeps the adapters fp32 over a 16-bit base (autocast_adapter_dtype), so they and
+        # their Adam state never lose small updates.
+        model = get_peft_model(model, lora, autocast_adapter_dtype=True)
     return model
+
+
+def _log_partitioning(model: Any) -> None:
+    """Under ZeRO-3, say how much of the model this rank holds right after loading."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if not is_deepspeed_zero3_enabled():
+        return
+    params = list(model.parameters())
+    total = sum(getattr(p, "ds_numel", p.numel()) for p in params)
+    local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in params)
+    print(f"zero3: loaded partitioned: this rank holds {local} of {total} parameter elements",
+          flush=True)
 
 
 def load_split(rd: RunDir, split: str, tokenizer: Any, spec: RunSpec) -> Any:
@@ -127,7 +144,7 @@ def training_arguments(spec: RunSpec, rd: RunDir, has_eval: bool) -> Any:
         os.environ.setdefault("WANDB_MODE", spec.tracking.wandb)
         os.environ.setdefault("WANDB_DIR", str(rd.path))
         os.environ.setdefault("WANDB_PROJECT", "workbench")
-    bf16 = cuda and torch.cuda.is_bf16_supported() and spec.model.dtype in ("auto", "bfloat16")
+    precision = resolve_precision(spec.model.dtype, spec.method.kind, local_device_kind())
     return TrainingArguments(
         output_dir=str(rd.path / "checkpoints"),  # the Trainer's checkpoint-N, see SnapshotCallback
         per_device_train_batch_size=t.batch_size,
@@ -151,7 +168,8 @@ def training_arguments(spec: RunSpec, rd: RunDir, has_eval: bool) -> Any:
         use_cpu=not cuda,
         ddp_backend=None if cuda else "gloo",
         ddp_find_unused_parameters=False,
-        bf16=bf16,
+        bf16=precision.amp == "bf16",
+        fp16=precision.amp == "fp16",
         include_num_input_tokens_seen="non_padding",
         disable_tqdm=True,
         dataloader_num_workers=0,
@@ -265,10 +283,20 @@ def main(run_dir: str) -> int:
     from transformers import set_seed
 
     set_seed(spec.train.seed)  # before the LoRA init, so the same spec trains the same way
-    model = load_model(spec, source)
     train_rows = load_split(rd, "train", tokenizer, spec)
     eval_rows = load_split(rd, "validation", tokenizer, spec)
+    # The arguments (and with them the DeepSpeed config) before the model: under ZeRO-3,
+    # from_pretrained then builds each layer already partitioned (deepspeed.zero.Init), so no rank
+    # ever holds the whole model. `args` stays alive to the end, and so does the config.
     args = training_arguments(spec, rd, has_eval=len(eval_rows) > 0)
+    if args.deepspeed:
+        # Join the process group now, and let DeepSpeed's comm wrap it (the Trainer would do
+        # both later): zero.Init reads the world size from it to partition over every rank.
+        import deepspeed
+
+        _ = args.device
+        deepspeed.init_distributed()
+    model = load_model(spec, source)
     status = rd.status()
     billing = Billing(spec, status)  # the supervisor's baseline: the same bill as its own
     uploader = None

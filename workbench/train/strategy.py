@@ -50,7 +50,9 @@ def deepspeed_config(parallel: ParallelSpec, cuda: bool) -> dict[str, Any] | Non
         "gradient_accumulation_steps": "auto",
         "train_batch_size": "auto",
         "gradient_clipping": "auto",
+        # Both follow TrainingArguments' bf16/fp16, which workbench.precision sets (fp16 on V100/T4).
         "bf16": {"enabled": "auto"},
+        "fp16": {"enabled": "auto"},
         "zero_allow_untested_optimizer": True,
     }
     if parallel.offload_optimizer and not cuda:
