@@ -180,8 +180,6 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
     if steps is None:
         reasons.append("time and cost unknown: the number of training rows is unknown; "
                        "set train.max_steps")
-    if chosen.hours is not None and price is None:
-        reasons.append(f"no price for {gpu.name}: set budget.price_per_gpu_hour or edit gpus.yaml")
 
     limit = spec.budget.limit
     refusal = None
@@ -190,6 +188,8 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
     except BudgetError as exc:  # launch refuses such a limit: say so before anyone tries
         refusal = str(exc)
         reasons.append(f"launch will refuse this budget: {refusal}")
+    if refusal is None and chosen.hours is not None and price is None:
+        reasons.append(f"no price for {gpu.name}: set budget.price_per_gpu_hour or edit gpus.yaml")
     verdict: Literal["within budget", "over budget", "no limit", "unknown"]
     if limit is None:
         verdict = "no limit"
