@@ -247,6 +247,13 @@ def supervise(run_dir: str, role: NodeRole = NodeRole()) -> int:
     if role.writes_status and (rc is not None or not (rd.path / "reproduce.zip").exists()):
         done.update(_bundle(rd, final))
     write(**done, **bill.close(), released=time.time())
+    if role.writes_status:
+        from workbench.plan.history import record_run
+
+        try:
+            record_run(rd)  # planned against measured, for `plan --check` and the next plan
+        except OSError as exc:
+            print(f"supervisor: could not record the run's timing: {exc}", flush=True)
     return 0
 
 
