@@ -1,10 +1,11 @@
 """Planned against measured: every ended run's record, and the correction the planner learns.
 
 When a run ends, :func:`record_run` reads what its plan said (plan.json's ``clock``) and what the
-run did (status.json: supervisor start, first step, last step, bill), writes ``measured`` into
-status.json and appends one line to ``WORKBENCH_HOME/calibration/runs.jsonl``. :func:`correction`
-gives the planner the median ratio measured / modelled of the nearest earlier runs (same target,
-device, model shape and method; the same world size first) for step time and start-up.
+run did (status.json: supervisor start, first step, last step, bill), gives the supervisor
+``measured`` for status.json's last write and appends one line to
+``WORKBENCH_HOME/calibration/runs.jsonl``. :func:`correction` gives the planner the median ratio
+measured / modelled of the nearest earlier runs (same target, device, model shape and method; the
+same world size first) for step time and start-up.
 :func:`check_report` is ``workbench plan --check RUN``.
 """
 
@@ -47,18 +48,18 @@ def measured(plan: dict[str, Any], status: dict[str, Any]) -> dict[str, Any] | N
     return out
 
 
-def record_run(rd: Any) -> dict[str, Any] | None:
-    """Write ``measured`` into status.json and append the record; None when the plan had no
-    clock (a plan from before this module) or the run took no step."""
+def record_run(rd: Any, final: dict[str, Any]) -> dict[str, Any] | None:
+    """Append the run's record and return status.json's ``measured`` (the supervisor writes it
+    with ``final``, its last status fields); None when the plan had no clock (a plan from before
+    this module) or the run took no step."""
     try:
         plan = json.loads(rd.plan_file.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     clock = plan.get("clock")
-    m = measured(plan, rd.status())
+    m = measured(plan, {**rd.status(), **final})
     if not clock or m is None:
         return None
-    rd.write_status(measured=m)
     row = {k: clock.get(k) for k in ("target", "device", "shape", "method", "world_size")}
     row.update(run=rd.path.name, model_step_s=clock.get("model_step_s"),
                model_startup_s=clock.get("model_startup_s"), measured_step_s=m["step_s"],
