@@ -4,8 +4,8 @@ When a run ends, :func:`record_run` reads what its plan said (plan.json's ``cloc
 run did (status.json: supervisor start, first step, last step, bill), gives the supervisor
 ``measured`` for status.json's last write and appends one line to
 ``WORKBENCH_HOME/calibration/runs.jsonl``. :func:`correction` gives the planner the median ratio
-measured / modelled of the nearest earlier runs (same target, device, model shape and method; the
-same world size first) for step time and start-up.
+measured / modelled of the nearest earlier runs (same target, device, model shape, method and world
+size) for step time and start-up, and their median finish (last step to the end).
 :func:`check_report` is ``workbench plan --check RUN``.
 """
 
@@ -18,6 +18,9 @@ from pathlib import Path
 from typing import Any
 
 _NEAREST = 5  # earlier runs a correction is taken from (the newest of the nearest)
+# Last step to the supervisor's end (artefact saved, ranks exit) before any run measured it:
+# 3-8 s for the tiny model on this 2-core machine shared by several sessions.
+FINISH_S = 3.0
 
 
 def runs_file() -> Path:
@@ -34,11 +37,14 @@ def measured(plan: dict[str, Any], status: dict[str, Any]) -> dict[str, Any] | N
     if not step_s or started is None or first is None:
         return None
     steps_done = (status.get("step") or 0)
+    total = (status["ended"] - started) if status.get("ended") else None
+    finish = total - (first - started) - (status.get("elapsed_s") or 0.0) if total else None
     out: dict[str, Any] = {
         "startup_s": max(0.0, first - started),
+        "finish_s": max(0.0, finish) if finish is not None else None,
         "step_s": step_s,
         "steps": steps_done,
-        "total_s": (status["ended"] - started) if status.get("ended") else None,
+        "total_s": total,
         "billed_s": status.get("billed_s"), "cost": status.get("cost"),
         "tokens_per_s": (plan["tokens_per_step"] / step_s if plan.get("tokens_per_step")
                          else None),
@@ -63,7 +69,7 @@ def record_run(rd: Any, final: dict[str, Any]) -> dict[str, Any] | None:
     row = {k: clock.get(k) for k in ("target", "device", "shape", "method", "world_size")}
     row.update(run=rd.path.name, model_step_s=clock.get("model_step_s"),
                model_startup_s=clock.get("model_startup_s"), measured_step_s=m["step_s"],
-               measured_startup_s=m["startup_s"], planned_step_s=clock.get("step_s"),
+               measured_startup_s=m["startup_s"], finish_s=m["finish_s"], planned_step_s=clock.get("step_s"),
                planned_startup_s=clock.get("startup_s"), steps=m["steps"])
     with runs_file().open("a", encoding="utf-8") as fh:
         fh.write(json.dumps(row) + "\n")
@@ -74,12 +80,15 @@ def record_run(rd: Any, final: dict[str, Any]) -> dict[str, Any] | None:
 class Correction:
     step: float  # multiply the modelled step time by this
     startup: float  # and the modelled start-up by this
+    finish: float  # seconds from the last step to the end (save, exit)
     runs: int  # how many earlier runs it is taken from
 
 
 def correction(target: str, device: str, shape: str, method: str,
                world_size: int) -> Correction | None:
-    """Median measured / modelled ratios of the nearest earlier runs, or None without any."""
+    """Median measured / modelled ratios of the newest earlier runs of the same target, device,
+    shape, method and world size, or None without any. Other world sizes are not used: on CPU one
+    process trains with every core's threads and two with one each, measured 3-20x apart."""
     try:
         lines = runs_file().read_text(encoding="utf-8").splitlines()
     except OSError:
@@ -91,17 +100,19 @@ def correction(target: str, device: str, shape: str, method: str,
         except ValueError:
             continue  # a torn last line of a run killed while appending
         if (isinstance(r, dict) and (r.get("target"), r.get("device"), r.get("shape"),
-                                     r.get("method")) == (target, device, shape, method)
+                                     r.get("method"), r.get("world_size"))
+                == (target, device, shape, method, world_size)
                 and r.get("model_step_s") and r.get("measured_step_s")):
             rows.append(r)
     if not rows:
         return None
-    same = [r for r in rows if r.get("world_size") == world_size]
-    near = (same or rows)[-_NEAREST:]
+    near = rows[-_NEAREST:]
     step = statistics.median(r["measured_step_s"] / r["model_step_s"] for r in near)
     ups = [r["measured_startup_s"] / r["model_startup_s"] for r in near
            if r.get("model_startup_s") and r.get("measured_startup_s") is not None]
-    return Correction(step, statistics.median(ups) if ups else 1.0, len(near))
+    ends = [r["finish_s"] for r in near if r.get("finish_s") is not None]
+    return Correction(step, statistics.median(ups) if ups else 1.0,
+                      statistics.median(ends) if ends else FINISH_S, len(near))
 
 
 def _fmt(v: float | None, unit: str = "s") -> str:

@@ -101,7 +101,7 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
         steps = None
     # The clock: the target's calibration (else the table), then what earlier runs measured.
     from workbench.plan.calibrate import time_basis
-    from workbench.plan.history import correction
+    from workbench.plan.history import FINISH_S, correction
 
     compute_dtype = spec.model.dtype if spec.model.dtype != "auto" else (
         "bfloat16" if on_gpu else "float32")
@@ -109,7 +109,8 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
     assumptions.append(basis)
     shape_key = f"{shape.model_id}:{shape.params}"
     corr = correction(spec.target, device_key, shape_key, spec.method.kind, res.world_size)
-    time_scale, startup_scale = (corr.step, corr.startup) if corr else (1.0, 1.0)
+    time_scale, startup_scale, finish = (corr.step, corr.startup, corr.finish) if corr else (
+        1.0, 1.0, FINISH_S)
     if corr:
         assumptions.append(f"corrected from {corr.runs} earlier run(s) on {spec.target}: step "
                            f"time x{corr.step:.2f}, start-up x{corr.startup:.2f} (measured / "
@@ -210,7 +211,9 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
              "model_step_s": model_step, "model_startup_s": sum(v for v in model_startup.values()
                                                                 if v),
              "step_s": model_step * time_scale, "startup_s": startup_total,
-             "total_s": startup_total + model_step * time_scale * steps if steps else None,
+             "finish_s": finish,
+             "total_s": startup_total + model_step * time_scale * steps + finish if steps
+             else None,
              "basis": "; ".join(assumptions[-2 if corr else -1:]),
              "earlier_runs": corr.runs if corr else 0}
     return Plan(
