@@ -133,6 +133,8 @@ class Plan:
         lines += [f"  {line}" for line in token_lines(self.data_tokens)]
         if self.hours is not None:
             lines.append(f"Time: {_fmt_hours(self.hours)} training ({self.flops:.3g} FLOPs)")
+        if self.clock and self.clock.get("basis"):
+            lines.append(f"Clock: {self.clock['basis']}")
         if self.startup_s:
             known = {k: v for k, v in self.startup_s.items() if v}
             lines.append(f"Start-up (every attempt, billed): ~{_fmt_hours(sum(known.values()) / 3600)}"
