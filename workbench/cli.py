@@ -110,6 +110,14 @@ def _plan(args: argparse.Namespace) -> Any:
     from workbench.plan import plan
     from workbench.spec import RunSpec
 
+    if args.check:
+        from workbench.jobs import get_job
+        from workbench.plan.history import check_report
+
+        return check_report(get_job(args.check).run_dir)
+    if not args.spec:
+        raise WorkbenchError("give a spec file to plan, or --check RUN to compare a run's plan "
+                             "with what it measured")
     return plan(RunSpec.from_yaml(args.spec), gpu_type=args.gpu_type).summary()
 
 
@@ -214,8 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_reproduce)
 
     c = sub.add_parser("plan", help="memory, strategy, time and cost of a spec, before launch")
-    c.add_argument("spec")
+    c.add_argument("spec", nargs="?")
     c.add_argument("--gpu-type", help="plan for this GPU type (see workbench/gpus.py)")
+    c.add_argument("--check", metavar="RUN", help="planned against measured for a run")
     c.set_defaults(func=_plan)
 
     c = sub.add_parser("deploy", help="serve runs (LoRA adapters or merged) with vLLM")

@@ -417,6 +417,7 @@ class Job:
             "eval_loss": evals[-1]["eval_loss"] if evals else None,
             "tokens_per_s": sum(speeds) / len(speeds) if speeds else None,
             "elapsed_s": status.get("elapsed_s"), "eta_s": status.get("eta_s"),
+            "budget_warning": status.get("budget_warning"),  # projected cost past the limit
             "cost": status.get("cost"), "currency": status.get("currency"),
             "snapshot": (status.get("snapshot") or {}).get("path"),
             "upload": (status.get("upload") or {}).get("state"),

@@ -262,7 +262,15 @@ def supervise(run_dir: str, role: NodeRole = NodeRole()) -> int:
     done: dict[str, object] = {}
     if role.writes_status and (rc is not None or not (rd.path / "reproduce.zip").exists()):
         done.update(_bundle(rd, final))
-    write(**done, **bill.close(), released=time.time())
+    closing: dict[str, object] = {**done, **bill.close(), "released": time.time()}
+    if role.writes_status:
+        from workbench.plan.history import record_run
+
+        try:  # planned against measured, in the same write: whoever waited for the end sees it
+            closing["measured"] = record_run(rd, closing)
+        except OSError as exc:
+            print(f"supervisor: could not record the run's timing: {exc}", flush=True)
+    write(**closing)
     return 0
 
 

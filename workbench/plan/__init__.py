@@ -15,10 +15,13 @@ The modules follow the data, and this one re-exports their public names:
 :mod:`~workbench.plan.shape` (the model's shape) -> :mod:`~workbench.plan.memory` (peak memory of
 a strategy) -> :mod:`~workbench.plan.timing` (data, step time) -> :mod:`~workbench.plan.planner`
 (every strategy evaluated, the choice, suggestions), which returns a :class:`Plan`
-(:mod:`~workbench.plan.result`).
+(:mod:`~workbench.plan.result`). The clock under the time estimate is measured by
+:mod:`~workbench.plan.calibrate` (``calibrate("local")``) and learnt from ended runs by
+:mod:`~workbench.plan.history`.
 """
 
 from workbench.errors import PlanError
+from workbench.plan.calibrate import Calibration, CalibrationWarning, calibrate
 from workbench.plan.memory import (
     GiB,
     MemoryBreakdown,
@@ -38,6 +41,8 @@ from workbench.plan.timing import DataEstimate, estimate_data, step_seconds
 
 __all__ = [
     "OFFLINE_CONFIGS",
+    "Calibration",
+    "CalibrationWarning",
     "Candidate",
     "DataEstimate",
     "GiB",
@@ -50,6 +55,7 @@ __all__ = [
     "Strategy",
     "Suggestion",
     "all_strategies",
+    "calibrate",
     "check_fits",
     "choose_strategy",
     "estimate_data",

@@ -108,12 +108,30 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
         steps = max(1, math.ceil(spec.train.epochs * per_epoch))
     else:
         steps = None
-    run = _Run(tokens_per_step, steps, gpu, n_devices, on_gpu)
+    # The clock: the target's calibration (else the table), then what earlier runs measured.
+    from workbench.plan.calibrate import time_basis
+    from workbench.plan.history import FINISH_S, correction
+
+    compute_dtype = spec.model.dtype if spec.model.dtype != "auto" else (
+        "bfloat16" if on_gpu else "float32")
+    time_gpu, basis, device_key = time_basis(spec.target, gpu, on_gpu, compute_dtype, shape.hidden)
+    assumptions.append(basis)
+    shape_key = f"{shape.model_id}:{shape.params}"
+    corr = correction(spec.target, device_key, shape_key, spec.method.kind, res.world_size)
+    time_scale, startup_scale, finish = (corr.step, corr.startup, corr.finish) if corr else (
+        1.0, 1.0, FINISH_S)
+    if corr:
+        assumptions.append(f"corrected from {corr.runs} earlier run(s) on {spec.target}: step "
+                           f"time x{corr.step:.2f}, start-up x{corr.startup:.2f} (measured / "
+                           "modelled)")
+    run = _Run(tokens_per_step, steps, time_gpu, n_devices, on_gpu)
     # What the bill counts: cards, or processes on CPU (workbench.budget bills process-core-hours),
     # held from the supervisor's start to its exit, so start-up and release are paid too.
     billed_units = n_devices if on_gpu else res.world_size
-    startup = startup_estimate(spec, params=shape.params)
-    startup_h = (sum(v for v in startup.values() if v) + KILL_GRACE_S + RELEASE_S) / 3600
+    model_startup = startup_estimate(spec, params=shape.params)
+    startup = {k: (v * startup_scale if v is not None else None) for k, v in model_startup.items()}
+    startup_total = sum(v for v in startup.values() if v)
+    startup_h = (startup_total + KILL_GRACE_S + RELEASE_S) / 3600
 
     def priced(hours: float | None) -> float | None:
         if hours is None or price is None:
@@ -125,7 +143,7 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
     candidates = []
     for st in all_strategies(res.world_size):
         mem = estimate_memory(s, st)
-        secs, _ = step_seconds(s_time, st, run)
+        secs = step_seconds(s_time, st, run)[0] * time_scale
         hours = secs * steps / 3600 if steps else None
         fits = mem.total <= capacity - margin and unsupported(st) is None
         candidates.append(Candidate(st, mem, fits, hours, priced(hours)))
@@ -148,7 +166,7 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
         if chosen is None:
             # e.g. ZeRO-1/2/3 without offload on one process, or ddp + offload: still evaluate.
             mem = estimate_memory(s, target)
-            secs, _ = step_seconds(s_time, target, run)
+            secs = step_seconds(s_time, target, run)[0] * time_scale
             hours = secs * steps / 3600 if steps else None
             chosen = Candidate(target, mem, mem.total <= capacity - margin, hours, priced(hours))
             if target.parallel == "ddp" and (target.offload_optimizer or target.offload_params):
@@ -198,15 +216,19 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
     else:
         verdict = "within budget" if chosen.cost <= limit else "over budget"
 
-    _, flops_step = step_seconds(s_time, chosen.strategy, run)
+    model_step, flops_step = step_seconds(s_time, chosen.strategy, run)
     trainable = shape.params if spec.method.kind == "full" else shape.lora_params(
         spec.method.lora_r, spec.method.target_modules)
-    if not on_gpu:
-        assumptions.append("CPU run: memory is host RAM shared by the processes; time at "
-                           f"{gpu.utilisation:.0%} of {gpu.bf16_tflops} TFLOP/s per core")
-    else:
-        assumptions.append(f"{gpu.name}: {gpu.bf16_tflops:g} TFLOP/s bf16 peak at "
-                           f"{gpu.utilisation:.0%} utilisation")
+    clock = {"target": spec.target, "device": device_key, "shape": shape_key,
+             "method": spec.method.kind, "world_size": res.world_size,
+             "model_step_s": model_step, "model_startup_s": sum(v for v in model_startup.values()
+                                                                if v),
+             "step_s": model_step * time_scale, "startup_s": startup_total,
+             "finish_s": finish,
+             "total_s": startup_total + model_step * time_scale * steps + finish if steps
+             else None,
+             "basis": "; ".join(assumptions[-2 if corr else -1:]),
+             "earlier_runs": corr.runs if corr else 0}
     return Plan(
         model_id=spec.model.id, model_source=shape.source, params=shape.params,
         trainable_params=trainable, gpu_type=gpu.name, device="gpu" if on_gpu else "cpu",
@@ -220,6 +242,7 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
         suggestions=[], data_note=data.note, assumptions=assumptions,
         data_tokens=data.tokens, startup_s=startup,
         startup_cost=startup_h * billed_units * price if price is not None else None,
+        clock=clock,
     )
 
 

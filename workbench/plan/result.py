@@ -82,6 +82,9 @@ class Plan:
     # and part of ``cost`` (which also holds the release: exit, bundle), shown apart from training.
     startup_s: dict[str, float | None] | None = None
     startup_cost: float | None = None
+    # The clock and its basis (calibration or table, earlier runs), with the modelled figures
+    # before correction: workbench.plan.history compares them with what the run measured.
+    clock: dict[str, Any] | None = None
 
     @property
     def headroom_gib(self) -> float:
@@ -93,7 +96,7 @@ class Plan:
             "devices_per_node", "nodes", "world_size", "capacity_gib", "safety_margin_gib",
             "fits", "reasons", "tokens_per_step", "steps", "total_tokens", "flops", "hours",
             "cost", "currency", "price_per_hour", "budget_limit", "budget_verdict", "data_note",
-            "assumptions", "data_tokens", "startup_s", "startup_cost")}
+            "assumptions", "data_tokens", "startup_s", "startup_cost", "clock")}
         d["headroom_gib"] = round(self.headroom_gib, 4)
         d["memory_gib"] = self.memory.to_dict()
         d["strategy"] = {**asdict(self.strategy), "label": self.strategy.label}
@@ -130,6 +133,8 @@ class Plan:
         lines += [f"  {line}" for line in token_lines(self.data_tokens)]
         if self.hours is not None:
             lines.append(f"Time: {_fmt_hours(self.hours)} training ({self.flops:.3g} FLOPs)")
+        if self.clock and self.clock.get("basis"):
+            lines.append(f"Clock: {self.clock['basis']}")
         if self.startup_s:
             known = {k: v for k, v in self.startup_s.items() if v}
             lines.append(f"Start-up (every attempt, billed): ~{_fmt_hours(sum(known.values()) / 3600)}"

@@ -140,6 +140,11 @@ def estimate_data(spec: RunSpec) -> DataEstimate:
     measured = train is not None and train.kept > 0
     if train is not None and measured:
         lengths = [min(L, n) for n in train.lengths]
+        if not lengths and train.tokens:
+            # Stats from the tokenised-data cache (a run prepared this data) keep no per-example
+            # lengths: a padded batch's longest is about the p95 (one example: the median).
+            n = train.tokens["p95" if spec.train.batch_size > 1 else "median"]
+            lengths = [min(L, n)] * train.kept
         how = (f"measured with the model's tokenizer on {train.examples} sampled rows "
                f"({train.truncated} truncated, {train.dropped} dropped at max_length {L})")
         if total is not None and train.dropped:

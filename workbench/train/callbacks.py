@@ -37,6 +37,9 @@ class RunDirCallback(TrainerCallback):
         self._first_step = 0
         self._status_at = 0.0
         self._pending: dict[str, Any] | None = None  # progress not yet in status.json
+        self._bill: dict[str, Any] = {}  # the supervisor's attempt start and price (projection)
+        self._paces: list[float] = []  # seconds per step between logs: the projection's range
+        self._at: tuple[float, int] | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self._first_step = state.global_step
@@ -45,6 +48,8 @@ class RunDirCallback(TrainerCallback):
             self._last = (self._t0, state.num_input_tokens_seen or 0)
             self.rd.write_status(state=RUNNING, started=self._t0, total_steps=state.max_steps,
                                  step=state.global_step, world_size=self.world_size)
+            self._bill = projection_basis(self.rd)
+            self._at = (self._t0, state.global_step)
             earlier = self.rd.metrics_file.is_file() and self.rd.metrics_file.stat().st_size > 0
             if state.global_step > 0 or earlier:
                 # Readers drop what an earlier attempt logged after this step (Job.metrics), also
@@ -81,6 +86,11 @@ class RunDirCallback(TrainerCallback):
         step_s = elapsed / done_here if done_here > 0 else None
         self._pending = {"step": step, "total_steps": total, "eta_s": eta, "elapsed_s": elapsed,
                          "step_s": step_s, "last_loss": logs.get("loss"), "epoch": state.epoch}
+        if self._at is not None and step > self._at[1]:
+            self._paces = [*self._paces[-19:], (now - self._at[0]) / (step - self._at[1])]
+            self._at = (now, step)
+        if step_s is not None and done_here >= 2:  # the first step compiles: not yet a pace
+            self._pending.update(project(self._bill, now, step_s, self._paces, total - step))
         if now - self._status_at >= STATUS_EVERY_S or step >= total:
             self._flush_status(now)
 
@@ -92,6 +102,50 @@ class RunDirCallback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if state.is_world_process_zero:
             self._flush_status(time.time())
+
+
+def projection_basis(rd: RunDir) -> dict[str, Any]:
+    """What the live projection needs from status.json and the spec: the attempt's start, what
+    earlier attempts billed, the price per hour and the budget limit."""
+    try:
+        status, spec = rd.status(), rd.spec()
+    except Exception:  # no spec or status to read (a bare trainer in a test): no projection
+        return {}
+    return {"attempt_started": status.get("attempt_started"),
+            "billed_before_s": status.get("billed_before_s") or 0.0,
+            "price_per_hour": status.get("price_per_hour"),
+            "currency": status.get("currency"), "limit": spec.budget.limit}
+
+
+def project(basis: dict[str, Any], now: float, step_s: float, paces: list[float],
+            remaining: int) -> dict[str, Any]:
+    """status.json's projection: total seconds held and cost at the end, from the measured step
+    time (range: the slowest and fastest pace between logs), and a warning once it passes the
+    budget limit, well before the stop fires."""
+    from workbench.budget import RELEASE_S
+
+    if basis.get("attempt_started") is None:
+        return {}
+    held = basis["billed_before_s"] + now - basis["attempt_started"] + RELEASE_S
+    lo, hi = (min(paces), max(paces)) if paces else (step_s, step_s)
+    out: dict[str, Any] = {
+        "projected_total_s": held + step_s * remaining,
+        "projected_total_range_s": [held + min(lo, step_s) * remaining,
+                                    held + max(hi, step_s) * remaining]}
+    price = basis.get("price_per_hour")
+    if price:
+        out["projected_cost"] = price * out["projected_total_s"] / 3600
+        out["projected_cost_range"] = [price * t / 3600 for t in out["projected_total_range_s"]]
+        limit = basis.get("limit")
+        if limit is not None and out["projected_cost"] > limit:
+            out["budget_warning"] = (
+                f"projected cost {out['projected_cost']:.4g} {basis.get('currency') or ''} "
+                f"(range {out['projected_cost_range'][0]:.4g}-{out['projected_cost_range'][1]:.4g})"
+                f" passes the budget limit {limit:g}: the run will be stopped before its last "
+                "step; raise budget.limit (job.resume(budget=...)) or lower train.max_steps")
+        else:
+            out["budget_warning"] = None
+    return out
 
 
 def _agree(flags: list[bool]) -> list[bool]:

@@ -80,6 +80,8 @@ class JobView(W.VBox):
             f"elapsed {_duration(status.get('elapsed_s'))}",
             (f"cost {status['cost']:.2f} {status.get('currency', '')}"
              if status.get("cost") is not None else ""),
+            (f"projected {status['projected_cost']:.2f} {status.get('currency', '')}"
+             if status.get("projected_cost") is not None and state not in TERMINAL else ""),
             (f"snapshot {status['snapshot']['path']}" if status.get("snapshot") else ""),
             (f"upload {status['upload']['state']}" if status.get("upload") else ""),
             (f"restarts {status['restarts']}" if status.get("restarts") else ""),
@@ -88,6 +90,8 @@ class JobView(W.VBox):
         self.stats.value = " &nbsp;·&nbsp; ".join(p for p in parts if p)
         self.cancel_button.disabled = state in TERMINAL
         err, note = status.get("error"), status.get("note")  # note: why a run stopped short
+        if not note and state not in TERMINAL:
+            note = status.get("budget_warning")  # the projection passes the limit: say so early
         text, colour = (err, "#d62728") if err else (note, _STATE_COLOURS["budget_stopped"])
         self.error.value = (f"<pre style='color:{colour};white-space:pre-wrap'>"
                             f"{html.escape(text)}</pre>") if text else ""

@@ -1,0 +1,133 @@
+"""The plan's clock: calibration per target, learning from real runs, the live projection."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+import workbench
+from workbench.cli import run as cli
+from workbench.plan import plan
+from workbench.plan.calibrate import CalibrationWarning, calibrate, calibration_file
+from workbench.train.callbacks import project
+
+SPEC = {"name": "clock", "train": {"max_steps": 12},
+        "resources": {"processes_per_node": 2}}
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A WORKBENCH_HOME of the test's own: no calibration or run history from other tests."""
+    monkeypatch.setenv("WORKBENCH_HOME", str(tmp_path))
+    from workbench.assets import builtin_model_path
+
+    builtin_model_path()
+    return tmp_path
+
+
+def _step_s(spec: dict = SPEC) -> float:
+    return plan(spec).clock["step_s"]
+
+
+def test_calibration_is_written_with_device_and_date_and_drives_the_plan(home):
+    table = plan(SPEC)
+    assert "not calibrated" in table.clock["basis"]
+    cal = calibrate("local")
+    stored = json.loads(calibration_file("local").read_text())
+    assert stored["date"] == time.strftime("%Y-%m-%d")
+    assert stored["device"]["cores"] >= 1 and stored["device"]["name"]
+    assert all(v > 0 for v in stored["layers"].values()) and stored["matmul_gflops"] > 0
+    p = plan(SPEC)
+    assert any(a.startswith(f"calibrated on this machine {cal.date}") for a in p.assumptions)
+    assert p.clock["step_s"] != table.clock["step_s"]
+    # Twice the measured throughput must plan (about) half the compute time.
+    stored["layers"] = {k: 2 * v for k, v in stored["layers"].items()}
+    calibration_file("local").write_text(json.dumps(stored))
+    assert _step_s() == pytest.approx(p.clock["step_s"] / 2, rel=0.05)
+
+
+def test_a_calibration_from_another_device_is_not_used(home):
+    table = _step_s()
+    calibrate("local")
+    stored = json.loads(calibration_file("local").read_text())
+    stored["device"]["name"] = "Some Other CPU 9000"
+    stored["layers"] = {k: v * 100 for k, v in stored["layers"].items()}
+    calibration_file("local").write_text(json.dumps(stored))
+    with pytest.warns(CalibrationWarning, match="Some Other CPU 9000"):
+        p = plan(SPEC)
+    assert p.clock["step_s"] == pytest.approx(table)
+    assert not any(a.startswith("calibrated") for a in p.assumptions)
+
+
+@pytest.mark.parametrize("text", ["{not json", json.dumps({"target": "local"}),
+                                  json.dumps({"target": "local", "date": "2026-12-01",
+                                              "device": {}, "dtype": "float32",
+                                              "matmul_gflops": -1, "layers": {"64": 1}})])
+def test_a_corrupt_calibration_warns_and_falls_back_to_the_table(home, text):
+    table = _step_s()
+    calibration_file("local").write_text(text)
+    with pytest.warns(CalibrationWarning, match="targets check local"):
+        p = plan(SPEC)
+    assert p.clock["step_s"] == pytest.approx(table)
+    assert "not calibrated" in p.clock["basis"]
+
+
+def test_targets_check_local_stores_a_calibration(home):
+    from workbench.targets import check_target
+
+    report = check_target("local")
+    line = next(c for c in report.checks if c.name == "calibration")
+    assert line.ok, line.detail
+    assert calibration_file("local").is_file()
+
+
+def test_a_real_run_teaches_the_next_plan_and_projects_its_cost_live(home):
+    spec = {**SPEC, "budget": {"price_per_cpu_core_hour": 1.0, "limit": 100.0}}
+    calibrate("local")
+    first = plan(spec)
+    job = workbench.launch(spec)
+    seen: dict = {}
+    deadline = time.time() + 240
+    while time.time() < deadline and job.state not in ("succeeded", "failed", "cancelled"):
+        st = job.status()
+        if st.get("projected_total_s") is not None:
+            seen = st
+        time.sleep(0.2)
+    job.wait(timeout=120)
+    status = job.status()
+    assert status["state"] == "succeeded", status.get("error")
+    # The live projection: total held seconds, and its cost, inside a range; no warning under
+    # a limit far above the cost.
+    if not seen:  # the run may finish between polls; the last projection stays in status.json
+        seen = status
+    lo, hi = seen["projected_total_range_s"]
+    assert lo <= seen["projected_total_s"] <= hi
+    assert seen["projected_cost"] == pytest.approx(2 * seen["projected_total_s"] / 3600)
+    assert seen.get("budget_warning") is None
+    assert job.summary()["budget_warning"] is None
+    measured = status["measured"]
+    actual = status["ended"] - status["attempt_started"]
+    assert measured["total_s"] == pytest.approx(actual)
+    second = plan(spec)
+    assert any("from 1 earlier run(s) on local" in a for a in second.assumptions)
+    # The data cache (the run tokenised it) keeps the estimate: not max_length per example.
+    assert second.tokens_per_step == pytest.approx(first.tokens_per_step, rel=0.05)
+    assert abs(second.clock["total_s"] - actual) < abs(first.clock["total_s"] - actual)
+    out = cli(["plan", "--check", job.id])
+    assert "start-up" in out and "step" in out and "succeeded" in out
+
+
+def test_the_projection_warns_once_it_passes_the_limit():
+    now = 1000.0
+    basis = {"attempt_started": now - 10, "billed_before_s": 0.0, "price_per_hour": 3600.0,
+             "currency": "CNY", "limit": 50.0}
+    # 1 currency unit per second held: 10 s held + 100 steps of 1 s is past 50.
+    over = project(basis, now, 1.0, [0.8, 1.3], 100)
+    assert over["projected_cost"] > 110
+    assert over["projected_cost_range"][0] < over["projected_cost"] < over["projected_cost_range"][1]
+    assert "passes the budget limit 50" in over["budget_warning"]
+    under = project({**basis, "limit": 1000.0}, now, 1.0, [1.0], 100)
+    assert under["budget_warning"] is None

@@ -1,0 +1,264 @@
+"""Calibration: what a target really achieves for training-shaped work, measured and stored.
+
+:func:`calibrate` times, with torch at the run's dtype, a square matrix product and a forward and
+backward pass of a transformer MLP block (``hidden -> 4 hidden -> hidden``, SiLU) at a few hidden
+sizes (and the model's own, given a spec), and writes ``WORKBENCH_HOME/calibration/TARGET.json``
+with the date and the device it ran on (CPU model and core count, or GPU name). ``workbench
+targets check local`` runs it. :func:`load_calibration` gives the planner the stored figures only
+for the device being planned: a calibration from another device is not used, and a file that
+cannot be read is reported (``CalibrationWarning``) and ignored, so the planner falls back to the
+GPU table's peak times its stated utilisation.
+
+    >>> calibrate("local").train_gflops(64)  # doctest: +SKIP
+    3.1
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import re
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from workbench.errors import WorkbenchError
+
+VERSION = 1
+_CPU_HIDDENS = (64, 256, 1024)  # tiny model, small, 0.5B-class (Qwen2.5-0.5B: 896)
+_GPU_HIDDENS = (1024, 4096)
+_MEASURE_S = 0.3  # per measurement, after one warm-up call
+
+
+class CalibrationWarning(UserWarning):
+    """A stored calibration cannot be used (unreadable, or from another device)."""
+
+
+class CalibrationError(WorkbenchError):
+    """The measurement itself cannot run here (no torch, an unknown dtype, a broken device)."""
+
+
+def calibration_dir() -> Path:
+    from workbench.home import home
+
+    path = home() / "calibration"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def calibration_file(target: str) -> Path:
+    return calibration_dir() / (re.sub(r"[^A-Za-z0-9_.-]", "_", target) + ".json")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_identity(on_gpu: bool) -> dict[str, Any]:
+    """What a calibration was measured on: {"kind", "name", "cores"} (and the table's GPU type).
+
+    Two machines with the same identity are taken to train at the same speed."""
+    if not on_gpu:
+        return {"kind": "cpu", "name": _cpu_model(), "cores": os.cpu_count() or 1}
+    import torch
+
+    from workbench.gpus import gpu_type_from_device_name
+
+    name = torch.cuda.get_device_name(0)
+    mem = torch.cuda.get_device_properties(0).total_memory / 2**30
+    return {"kind": "gpu", "name": name, "cores": torch.cuda.device_count(),
+            "gpu_type": gpu_type_from_device_name(name, mem)}
+
+
+@dataclass
+class Calibration:
+    """Measured throughputs of one device, in GFLOP/s of the whole device (all cores of a CPU,
+    one card of a GPU)."""
+
+    target: str
+    date: str  # ISO date of the measurement
+    device: dict[str, Any]
+    dtype: str
+    matmul_gflops: float
+    layers: dict[str, float] = field(default_factory=dict)  # hidden size -> fwd+bwd GFLOP/s
+    version: int = VERSION
+
+    def train_gflops(self, hidden: int) -> tuple[float, int]:
+        """(GFLOP/s of a forward+backward at the measured hidden size nearest ``hidden``, that
+        size)."""
+        if not self.layers:
+            raise CalibrationError("this calibration has no layer measurement")
+        h = min((int(k) for k in self.layers), key=lambda k: abs(k - hidden) / max(k, hidden))
+        return self.layers[str(h)], h
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _time(fn: Any, sync: Any) -> float:
+    """Seconds per call of fn: one warm-up, then as many calls as fit in _MEASURE_S."""
+    fn()
+    sync()
+    n, t0 = 0, time.perf_counter()
+    while True:
+        fn()
+        n += 1
+        sync()
+        elapsed = time.perf_counter() - t0
+        if elapsed >= _MEASURE_S:
+            return elapsed / n
+
+
+def measure(on_gpu: bool, dtype: str = "float32", hiddens: tuple[int, ...] = (),
+            tokens: int | None = None) -> tuple[float, dict[str, float]]:
+    """(matmul GFLOP/s, {hidden: forward+backward GFLOP/s}) on this machine's CPU or first GPU."""
+    try:
+        import torch
+    except ImportError as exc:
+        raise CalibrationError(f"torch is not importable here ({exc}): install it to calibrate"
+                               ) from exc
+    tdtype = getattr(torch, dtype, None)
+    if not isinstance(tdtype, torch.dtype):
+        raise CalibrationError(f"unknown dtype {dtype!r}: use float32, bfloat16 or float16")
+    dev = torch.device("cuda" if on_gpu else "cpu")
+
+    def sync() -> None:
+        if on_gpu:
+            torch.cuda.synchronize()
+
+    n = 4096 if on_gpu else 512
+    a = torch.randn(n, n, device=dev, dtype=tdtype)
+    b = torch.randn(n, n, device=dev, dtype=tdtype)
+    matmul = 2 * n**3 / _time(lambda: a @ b, sync) / 1e9
+    ntok = tokens or (8192 if on_gpu else 512)
+    layers: dict[str, float] = {}
+    for h in sorted(set(hiddens or (_GPU_HIDDENS if on_gpu else _CPU_HIDDENS))):
+        up = torch.nn.Linear(h, 4 * h, bias=False, device=dev, dtype=tdtype)
+        down = torch.nn.Linear(4 * h, h, bias=False, device=dev, dtype=tdtype)
+        x = torch.randn(ntok, h, device=dev, dtype=tdtype, requires_grad=True)
+
+        def step(up: Any = up, down: Any = down, x: Any = x) -> None:
+            down(torch.nn.functional.silu(up(x))).sum().backward()
+
+        # forward 2 FLOPs per multiply-add of both products; backward twice that.
+        flops = 3 * 2 * ntok * (2 * 4 * h * h)
+        layers[str(h)] = flops / _time(step, sync) / 1e9
+    return matmul, layers
+
+
+def calibrate(target: str = "local", *, spec: Any = None, dtype: str | None = None) -> Calibration:
+    """Measure this machine for ``target`` and store it (WORKBENCH_HOME/calibration/TARGET.json).
+
+    With a spec, the model's hidden size and the run's dtype are measured too, and the stored
+    layer figures of other sizes are kept. Only the machine this runs on can be measured: a
+    remote target's calibration is written by a process on that target."""
+    on_gpu = bool(spec is not None and spec.resources.gpus_per_node > 0)
+    if spec is None:
+        try:
+            import torch
+
+            on_gpu = torch.cuda.is_available()
+        except ImportError:
+            on_gpu = False
+    dtype = dtype or (spec.model.dtype if spec is not None else "auto")
+    if dtype == "auto":
+        dtype = "bfloat16" if on_gpu else "float32"
+    hiddens: tuple[int, ...] = ()
+    old = load_calibration(target, quiet=True)
+    if spec is not None:
+        from workbench.plan.shape import model_shape
+
+        hidden = model_shape(spec.model.id, spec.model.revision,
+                             spec.model.trust_remote_code).hidden
+        hiddens = (hidden,) if old is not None and old.dtype == dtype else (
+            *(_GPU_HIDDENS if on_gpu else _CPU_HIDDENS), hidden)
+    matmul, layers = measure(on_gpu, dtype, hiddens)
+    ident = device_identity(on_gpu)
+    if old is not None and old.device == ident and old.dtype == dtype:
+        layers = {**old.layers, **layers}
+    cal = Calibration(target=target, date=_dt.date.today().isoformat(), device=ident, dtype=dtype,
+                      matmul_gflops=matmul, layers=layers)
+    path = calibration_file(target)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(cal.to_dict(), indent=2))
+    tmp.replace(path)
+    return cal
+
+
+def load_calibration(target: str, device: dict[str, Any] | None = None, dtype: str | None = None,
+                     *, quiet: bool = False) -> Calibration | None:
+    """The stored calibration of ``target``, or None: none stored, unreadable (warned), measured on
+    another device than ``device`` or at another dtype than ``dtype`` (warned)."""
+    path = calibration_file(target)
+    if not path.is_file():
+        return None
+
+    def skip(why: str) -> None:
+        if not quiet:
+            warnings.warn(f"calibration {path} not used: {why}", CalibrationWarning, stacklevel=3)
+
+    try:
+        raw = json.loads(path.read_text())
+        cal = Calibration(**raw)
+        if not isinstance(cal.device, dict) or not isinstance(cal.layers, dict):
+            raise TypeError("device and layers must be mappings")
+        cal.matmul_gflops = float(cal.matmul_gflops)
+        cal.layers = {str(int(k)): float(v) for k, v in cal.layers.items()}
+        if cal.matmul_gflops <= 0 or any(v <= 0 for v in cal.layers.values()):
+            raise ValueError("throughputs must be positive")
+    except (OSError, ValueError, TypeError) as exc:
+        skip(f"it cannot be read ({exc}); run `workbench targets check {target}` to measure "
+             "again (the planner uses the GPU table meanwhile)")
+        return None
+    if device is not None and {k: cal.device.get(k) for k in device} != device:
+        skip(f"it was measured on {cal.device.get('name')} ({cal.device.get('cores')} cores), "
+             f"not on {device.get('name')} ({device.get('cores')} cores); run `workbench targets "
+             f"check {target}` on this device")
+        return None
+    if dtype is not None and cal.dtype != dtype:
+        skip(f"it was measured at {cal.dtype}, the run trains at {dtype}; run "
+             f"workbench.plan.calibrate({target!r}, spec=spec)")
+        return None
+    return cal
+
+
+def time_basis(target: str, gpu: Any, on_gpu: bool, dtype: str, hidden: int
+               ) -> tuple[Any, str, str]:
+    """(the GpuType whose peak x utilisation step_seconds should use, the plan's assumption line,
+    the device key runs are grouped by): the target's calibration when it was measured on this
+    device at this dtype, else the GPU table's peak at its stated utilisation."""
+    import dataclasses
+
+    if on_gpu:
+        want: dict[str, Any] = {"kind": "gpu", "gpu_type": gpu.name}
+        key = gpu.name
+    elif target == "local":
+        want = {k: v for k, v in device_identity(False).items() if k in ("kind", "name", "cores")}
+        key = f"{want['name']} x{want['cores']}"
+    else:  # a remote CPU target: only a calibration measured there describes it
+        want, key = {"kind": "cpu"}, "CPU"
+    cal = load_calibration(target, want, dtype)
+    if cal is None:
+        if on_gpu:
+            return gpu, (f"{gpu.name}: {gpu.bf16_tflops:g} TFLOP/s bf16 peak at "
+                         f"{gpu.utilisation:.0%} utilisation (the GPU table; not calibrated)"), key
+        return gpu, ("CPU run: memory is host RAM shared by the processes; time at "
+                     f"{gpu.utilisation:.0%} of {gpu.bf16_tflops} TFLOP/s per core (the GPU "
+                     "table; not calibrated)"), key
+    gflops, h = cal.train_gflops(hidden)
+    units = 1 if on_gpu else max(1, int(cal.device.get("cores") or 1))
+    eff = dataclasses.replace(gpu, bf16_tflops=gflops / 1e3 / units, utilisation=1.0)
+    where = "on this machine" if target == "local" else f"on {target}"
+    return eff, (f"calibrated {where} {cal.date}: {gflops:,.1f} GFLOP/s for a forward+backward "
+                 f"of a hidden-{h} layer at {cal.dtype} ({cal.device.get('name')}, "
+                 f"{cal.device.get('cores')} {'GPUs' if on_gpu else 'cores'})"), key

@@ -1,0 +1,154 @@
+"""Planned against measured: every ended run's record, and the correction the planner learns.
+
+When a run ends, :func:`record_run` reads what its plan said (plan.json's ``clock``) and what the
+run did (status.json: supervisor start, first step, last step, bill), gives the supervisor
+``measured`` for status.json's last write and appends one line to
+``WORKBENCH_HOME/calibration/runs.jsonl``. :func:`correction` gives the planner the median ratio
+measured / modelled of the nearest earlier runs (same target, device, model shape, method and world
+size) for step time and start-up, and their median finish (last step to the end).
+:func:`check_report` is ``workbench plan --check RUN``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+_NEAREST = 5  # earlier runs a correction is taken from (the newest of the nearest)
+# Last step to the supervisor's end (artefact saved, ranks exit) before any run measured it:
+# 3-8 s for the tiny model on this 2-core machine shared by several sessions.
+FINISH_S = 3.0
+
+
+def runs_file() -> Path:
+    from workbench.plan.calibrate import calibration_dir
+
+    return calibration_dir() / "runs.jsonl"
+
+
+def measured(plan: dict[str, Any], status: dict[str, Any]) -> dict[str, Any] | None:
+    """What the run's last attempt measured, beside what its plan said; None before a step."""
+    clock = plan.get("clock") or {}
+    step_s, started, first = status.get("step_s"), status.get("attempt_started"), \
+        status.get("started")
+    if not step_s or started is None or first is None:
+        return None
+    steps_done = (status.get("step") or 0)
+    total = (status["ended"] - started) if status.get("ended") else None
+    finish = total - (first - started) - (status.get("elapsed_s") or 0.0) if total else None
+    out: dict[str, Any] = {
+        "startup_s": max(0.0, first - started),
+        "finish_s": max(0.0, finish) if finish is not None else None,
+        "step_s": step_s,
+        "steps": steps_done,
+        "total_s": total,
+        "billed_s": status.get("billed_s"), "cost": status.get("cost"),
+        "tokens_per_s": (plan["tokens_per_step"] / step_s if plan.get("tokens_per_step")
+                         else None),
+        "planned_step_s": clock.get("step_s"), "planned_startup_s": clock.get("startup_s"),
+        "planned_total_s": clock.get("total_s"), "planned_cost": plan.get("cost"),
+    }
+    return out
+
+
+def record_run(rd: Any, final: dict[str, Any]) -> dict[str, Any] | None:
+    """Append the run's record and return status.json's ``measured`` (the supervisor writes it
+    with ``final``, its last status fields); None when the plan had no clock (a plan from before
+    this module) or the run took no step."""
+    try:
+        plan = json.loads(rd.plan_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    clock = plan.get("clock")
+    m = measured(plan, {**rd.status(), **final})
+    if not clock or m is None:
+        return None
+    row = {k: clock.get(k) for k in ("target", "device", "shape", "method", "world_size")}
+    row.update(run=rd.path.name, model_step_s=clock.get("model_step_s"),
+               model_startup_s=clock.get("model_startup_s"), measured_step_s=m["step_s"],
+               measured_startup_s=m["startup_s"], finish_s=m["finish_s"], planned_step_s=clock.get("step_s"),
+               planned_startup_s=clock.get("startup_s"), steps=m["steps"])
+    with runs_file().open("a", encoding="utf-8") as fh:
+        fh.write(json.dumps(row) + "\n")
+    return m
+
+
+@dataclass(frozen=True)
+class Correction:
+    step: float  # multiply the modelled step time by this
+    startup: float  # and the modelled start-up by this
+    finish: float  # seconds from the last step to the end (save, exit)
+    runs: int  # how many earlier runs it is taken from
+
+
+def correction(target: str, device: str, shape: str, method: str,
+               world_size: int) -> Correction | None:
+    """Median measured / modelled ratios of the newest earlier runs of the same target, device,
+    shape, method and world size, or None without any. Other world sizes are not used: on CPU one
+    process trains with every core's threads and two with one each, measured 3-20x apart."""
+    try:
+        lines = runs_file().read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return None
+    rows = []
+    for line in lines:
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue  # a torn last line of a run killed while appending
+        if (isinstance(r, dict) and (r.get("target"), r.get("device"), r.get("shape"),
+                                     r.get("method"), r.get("world_size"))
+                == (target, device, shape, method, world_size)
+                and r.get("model_step_s") and r.get("measured_step_s")):
+            rows.append(r)
+    if not rows:
+        return None
+    near = rows[-_NEAREST:]
+    step = statistics.median(r["measured_step_s"] / r["model_step_s"] for r in near)
+    ups = [r["measured_startup_s"] / r["model_startup_s"] for r in near
+           if r.get("model_startup_s") and r.get("measured_startup_s") is not None]
+    ends = [r["finish_s"] for r in near if r.get("finish_s") is not None]
+    return Correction(step, statistics.median(ups) if ups else 1.0,
+                      statistics.median(ends) if ends else FINISH_S, len(near))
+
+
+def _fmt(v: float | None, unit: str = "s") -> str:
+    if v is None:
+        return "-"
+    return f"{v:,.4g} {unit}".strip()
+
+
+def check_report(rd: Any) -> str:
+    """Planned against measured for one run (``workbench plan --check RUN``)."""
+    from workbench.errors import WorkbenchError
+
+    try:
+        plan = json.loads(rd.plan_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise WorkbenchError(f"run {rd.path.name} has no readable plan.json ({exc}): it was "
+                             "launched without a plan, so there is nothing to check") from exc
+    status = rd.status()
+    m = status.get("measured") or measured(plan, status)
+    if m is None:
+        raise WorkbenchError(f"run {rd.path.name} has not finished a step yet (state "
+                             f"{status.get('state')}): check again once it has")
+    if not plan.get("clock"):
+        raise WorkbenchError(f"run {rd.path.name} was planned before plans kept their clock: "
+                             "re-plan its spec (`workbench plan SPEC`) to compare")
+    cur = plan.get("currency") or ""
+    rows = [("start-up", m["planned_startup_s"], m["startup_s"], "s"),
+            ("step", m["planned_step_s"], m["step_s"], "s"),
+            ("total (start to end)", m["planned_total_s"], m["total_s"], "s"),
+            ("cost", m["planned_cost"], m["cost"], cur)]
+    lines = [f"Run {rd.path.name} ({status.get('state')}, {m['steps']} steps): planned -> "
+             "measured"]
+    for name, p, a, unit in rows:
+        err = f"  ({(p - a) / a:+.0%} planned vs measured)" if p and a else ""
+        lines.append(f"  {name:<22}{_fmt(p, unit):>14} -> {_fmt(a, unit):<14}{err}")
+    basis = plan.get("clock", {}).get("basis")
+    if basis:
+        lines.append(f"  basis: {basis}")
+    return "\n".join(lines)
