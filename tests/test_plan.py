@@ -183,12 +183,48 @@ def _rss(key: str) -> int:
     raise KeyError(key)
 
 
-@pytest.mark.parametrize("batch, gc", [(8, False), (16, False), (16, True)])
-def test_tiny_model_cpu_peak_matches_measurement(batch, gc):
+def _measured_peak(batch: int, gc: bool, seq: int) -> int:
+    """Bytes a LoRA training step of the tiny model adds at its peak (runs in a fresh process)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     from workbench.assets import builtin_model_path
+
+    libc = ctypes.CDLL("libc.so.6")
+    M_MMAP_THRESHOLD = -3
+    # Big tensors get their own mmap and go back to the OS when freed, so RSS follows live
+    # memory instead of glibc's heap high-water mark.
+    libc.mallopt(M_MMAP_THRESHOLD, 64 * 1024)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(builtin_model_path(), dtype=torch.float32)
+    if gc:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+    model.train()
+    opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-3)
+
+    def step(ids: torch.Tensor) -> None:
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    vocab = model.config.vocab_size
+    step(torch.randint(0, vocab, (1, 32)))  # one-time lazy initialisation, not training memory
+    ids = torch.randint(0, vocab, (batch, seq))
+    opt.state.clear()  # measure optimizer state allocation too
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    base = _rss("VmRSS:")
+    for _ in range(2):
+        step(ids)
+    return _rss("VmHWM:") - base
+
+
+@pytest.mark.parametrize("batch, gc", [(8, False), (16, False), (16, True)])
+def test_tiny_model_cpu_peak_matches_measurement(batch, gc):
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
 
     seq = 256
     spec = RunSpec.parse({
@@ -198,41 +234,10 @@ def test_tiny_model_cpu_peak_matches_measurement(batch, gc):
     })
     p = plan(spec)
     predicted = (p.memory.gradients + p.memory.optimizer + p.memory.activations) * GiB
-
-    libc = ctypes.CDLL("libc.so.6")
-    M_MMAP_THRESHOLD = -3
-    # Big tensors get their own mmap and go back to the OS when freed, so RSS follows live
-    # memory instead of glibc's heap high-water mark.
-    libc.mallopt(M_MMAP_THRESHOLD, 64 * 1024)
-    try:
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_pretrained(builtin_model_path(), dtype=torch.float32)
-        if gc:
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False})
-            model.enable_input_require_grads()
-        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32,
-                                                 target_modules="all-linear"))
-        model.train()
-        opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-3)
-
-        def step(ids: torch.Tensor) -> None:
-            out = model(input_ids=ids, labels=ids)
-            out.loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        vocab = model.config.vocab_size
-        step(torch.randint(0, vocab, (1, 32)))  # one-time lazy initialisation, not training memory
-        ids = torch.randint(0, vocab, (batch, seq))
-        opt.state.clear()  # measure optimizer state allocation too
-        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-        base = _rss("VmRSS:")
-        for _ in range(2):
-            step(ids)
-        measured = _rss("VmHWM:") - base
-    finally:
-        libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024)  # glibc's default
+    # A fresh interpreter: what earlier tests allocated in this process (glibc's heap keeps it)
+    # would otherwise be reused by the step without raising RSS, and the peak would read low.
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        measured = pool.submit(_measured_peak, batch, gc, seq).result(timeout=600)
     assert measured > 0
     print(f"tiny CPU batch {batch} gc={gc}: predicted {predicted / 2**20:.1f} MiB, "
           f"measured {measured / 2**20:.1f} MiB")
