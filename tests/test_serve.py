@@ -299,5 +299,8 @@ def test_guard_stops_the_server_when_the_deploying_process_ends(tmp_path):
     while _alive(server) and time.time() < deadline:
         time.sleep(0.2)
     assert not _alive(server)
+    # The guard records how the server ended just after it is gone: wait for that file.
+    while not (tmp_path / "exit.json").is_file() and time.time() < deadline:
+        time.sleep(0.2)
     ended = json.loads((tmp_path / "exit.json").read_text())
     assert ended["reason"] == "watched process ended"
