@@ -170,9 +170,14 @@ def calibrate(target: str = "local", *, spec: Any = None, dtype: str | None = No
             on_gpu = torch.cuda.is_available()
         except ImportError:
             on_gpu = False
-    dtype = dtype or (spec.model.dtype if spec is not None else "auto")
-    if dtype == "auto":
-        dtype = "bfloat16" if on_gpu else "float32"
+    if dtype in (None, "auto"):  # what the run's matmuls use: the trainer's and planner's resolver
+        from workbench.precision import local_device_kind, resolve_precision
+
+        device = local_device_kind() if on_gpu else "cpu"
+        wanted = spec.model.dtype if spec is not None and dtype is None else "auto"
+        dtype = resolve_precision(wanted,
+                                  spec.method.kind if spec is not None else "lora",
+                                  device).compute_dtype
     hiddens: tuple[int, ...] = ()
     old = load_calibration(target, quiet=True)
     if spec is not None:

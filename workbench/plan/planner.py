@@ -97,7 +97,8 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
                            f"{currency}: cost shown in {gpu.currency}")
         currency = gpu.currency
     margin = safety_margin_gib(capacity)
-    assumptions.append("precision: " + _precision(spec, on_gpu, gpu).reason)
+    precision = _precision(spec, on_gpu, gpu)  # the same resolution _setup made
+    assumptions.append("precision: " + precision.reason)
     global_batch = spec.train.batch_size * spec.train.grad_accum * res.world_size
     tokens_per_step = int(round(global_batch * data.tokens_per_example))
     if spec.train.max_steps is not None:
@@ -112,9 +113,8 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
     from workbench.plan.calibrate import time_basis
     from workbench.plan.history import FINISH_S, correction
 
-    compute_dtype = spec.model.dtype if spec.model.dtype != "auto" else (
-        "bfloat16" if on_gpu else "float32")
-    time_gpu, basis, device_key = time_basis(spec.target, gpu, on_gpu, compute_dtype, shape.hidden)
+    time_gpu, basis, device_key = time_basis(spec.target, gpu, on_gpu, precision.compute_dtype,
+                                             shape.hidden)
     assumptions.append(basis)
     shape_key = f"{shape.model_id}:{shape.params}"
     corr = correction(spec.target, device_key, shape_key, spec.method.kind, res.world_size)
