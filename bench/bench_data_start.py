@@ -47,7 +47,7 @@ def _one(label: str, spec: dict) -> dict:
 
     import workbench
 
-    jobs = importlib.import_module("workbench.jobs")  # workbench.jobs is also a function name
+    jobs = importlib.import_module("workbench.launching")
 
     original = jobs._prepare_data
     if label == "per_rank":

@@ -29,7 +29,7 @@ from workbench.errors import (
 # serving guard) import only the modules they need, which saves ~0.4 s of pydantic and friends
 # on every launch and deploy.
 _LAZY = {"Job": "workbench.jobs", "get_job": "workbench.jobs", "jobs": "workbench.jobs",
-         "launch": "workbench.jobs", "plan": "workbench.plan", "deploy": "workbench.serve",
+         "launch": "workbench.launching", "plan": "workbench.plan", "deploy": "workbench.serve",
          "RunSpec": "workbench.spec"}
 
 from workbench.train.quiet import install as _quiet  # noqa: E402

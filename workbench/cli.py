@@ -36,7 +36,7 @@ def status_table(jobs: list[Any]) -> str:
 
 
 def _launch(args: argparse.Namespace) -> Any:
-    from workbench.jobs import launch
+    from workbench.launching import launch
 
     job = launch(args.spec, force=args.force)
     print(f"launched {job.id}  (run dir {job.run_dir.path})", flush=True)

@@ -225,7 +225,7 @@ class RunForm(W.VBox):
         return stats
 
     def launch(self, force: bool = False) -> Any:
-        from workbench.jobs import launch
+        from workbench.launching import launch
 
         spec = self.validate()
         if spec is None:

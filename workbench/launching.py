@@ -1,0 +1,126 @@
+"""launch(): the one launch path every front end (widgets, magics, CLI, panel) calls.
+
+    >>> job = launch(RunSpec(train={"max_steps": 20}))   # doctest: +SKIP
+    >>> job.wait()                                       # doctest: +SKIP
+    'succeeded'
+
+``launch`` validates the spec, checks the model and the resources, prepares the data into a new
+run directory, records the run in the registry and hands it to the target's backend; it returns
+the run's :class:`~workbench.jobs.Job`.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from workbench.backends import get_backend
+from workbench.errors import LaunchError
+from workbench.home import runs_dir
+from workbench.jobs import Job
+from workbench.registry import Registry, RunRecord
+from workbench.rundir import PENDING, QUEUED, RunDir, write_json_atomic
+from workbench.spec import RunSpec
+
+
+def _new_run_id(name: str) -> str:
+    return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+
+
+def _validate_model(spec: RunSpec) -> None:
+    from workbench.models import load_config
+
+    load_config(spec.model.id, spec.model.revision, spec.model.trust_remote_code)
+
+
+def _validate_tracking(spec: RunSpec) -> None:
+    import importlib.util
+
+    if spec.tracking.wandb != "disabled" and importlib.util.find_spec("wandb") is None:
+        raise LaunchError(
+            f"tracking.wandb is {spec.tracking.wandb!r} but wandb is not installed here; "
+            "pip install 'workbench[wandb]' or set tracking.wandb: disabled"
+        )
+
+
+def _plan(spec: RunSpec, force: bool) -> dict[str, Any]:
+    """The planner's verdict; refuses a plan that cannot fit unless ``force``."""
+    from workbench.plan import check_fits, plan
+
+    result = plan(spec)
+    if not force:
+        check_fits(result)
+    return result.to_dict()
+
+
+def _prepare_data(spec: RunSpec, rd: RunDir) -> None:
+    """Read, clean and split the data, then tokenise it once for every rank (see
+    workbench.data.tokenized); refuses data that truncation would leave with too little to train."""
+    from workbench.data.prepare import prepare_data
+    from workbench.data.tokenized import check_trainable, prepare_tokenized
+
+    summary = prepare_data(spec, rd.data_dir)
+    rd.write_status(data=summary.counts)
+    from workbench.data.tokenize import load_tokenizer
+    from workbench.models import resolve_model
+
+    try:
+        tokenizer = load_tokenizer(spec, resolve_model(spec.model.id))
+    except (OSError, ValueError) as exc:  # the tokenizer lives only on the target: ranks tokenise
+        rd.write_status(prepare={"skipped": f"tokenizer not loadable here: {exc}"})
+        return
+    stats = prepare_tokenized(spec, rd, tokenizer)
+    check_trainable(stats, spec)
+    # The plan measured a sample; what the run will train on is now known exactly.
+    plan = json.loads(rd.plan_file.read_text(encoding="utf-8"))
+    write_json_atomic(rd.plan_file, {**plan, "data_tokens": {**stats.to_dict(), "sampled": False}})
+
+
+def launch(spec: RunSpec | dict | str | Path | None = None, *, force: bool = False,
+           registry: Registry | None = None) -> Job:
+    """Start a run and return its Job. ``spec`` may be a RunSpec, a mapping, or a YAML path.
+
+    Nothing is left behind when a check fails: the run directory is only kept (and the run only
+    registered) once the spec, model, resources, plan and data have all been accepted.
+    """
+    spec = RunSpec.coerce(spec)
+    registry = registry or Registry()
+    backend = get_backend(spec.target)
+    if spec.target != "local":  # a named target's defaults fill what the spec left unset
+        from workbench.targets import apply_defaults, get_target
+
+        spec = apply_defaults(spec, get_target(spec.target))
+    from workbench.budget import check_enforceable
+
+    check_enforceable(spec)  # a limit without a price (or in another currency) is no limit
+    # Cheapest first: the target's resources, then the plan (which knows common configs offline,
+    # so a run that cannot fit says so even where the weights are out of reach), then the model.
+    if spec.target == "local":
+        from workbench.backends.local import check_local_resources
+
+        check_local_resources(spec)
+    _validate_tracking(spec)
+    plan = _plan(spec, force)
+    _validate_model(spec)
+    run_id = _new_run_id(spec.name)
+    rd = RunDir(runs_dir() / run_id)
+    rd.create(spec)
+    now = time.time()
+    # Registered before the data step so `workbench status` and the panel show it preparing;
+    # removed again (with its run dir) if the data is refused.
+    registry.add_run(RunRecord(id=run_id, name=spec.name, target=spec.target, backend_job_id=None,
+                               run_dir=str(rd.path), state=PENDING, created=now, updated=now))
+    try:
+        write_json_atomic(rd.plan_file, plan)
+        _prepare_data(spec, rd)
+    except BaseException:
+        registry.delete_run(run_id)
+        shutil.rmtree(rd.path, ignore_errors=True)
+        raise
+    job_id = backend.submit(rd.path, spec)
+    registry.update_run(run_id, backend_job_id=job_id, state=QUEUED)
+    return Job(registry.get_run(run_id), registry=registry, backend=backend)
