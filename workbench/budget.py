@@ -40,24 +40,39 @@ KILL_GRACE_S = 3.0
 TICK_S = 2.0  # how often the supervisor rewrites billed_s/cost while the ranks run
 
 
-def _price(spec: RunSpec) -> tuple[float | None, str, str]:
-    """(price per hour of the whole run or None when unknown, its currency, where it came from)."""
+def billed_units(spec: RunSpec) -> int:
+    """What the bill counts: cards on a GPU run, processes on a CPU run."""
+    r = spec.resources
+    return r.world_size if r.gpus_per_node == 0 else r.gpus_per_node * r.nodes
+
+
+def unit_price(spec: RunSpec, gpu_name: str | None = None) -> tuple[float | None, str, str]:
+    """(price per hour of one billed unit or None when unknown, its currency, where it came from).
+
+    ``gpu_name`` prices the run on that card instead of the spec's (the planner's suggestions
+    price other cards with it); the bill and the plan both ask here, so they cannot disagree.
+    """
     r, b = spec.resources, spec.budget
     if r.gpus_per_node == 0:
-        return b.price_per_cpu_core_hour * r.world_size, b.currency, "budget.price_per_cpu_core_hour"
-    cards = r.gpus_per_node * r.nodes
+        return b.price_per_cpu_core_hour, b.currency, "budget.price_per_cpu_core_hour"
     if b.price_per_gpu_hour is not None:
-        return b.price_per_gpu_hour * cards, b.currency, "budget.price_per_gpu_hour"
+        return b.price_per_gpu_hour, b.currency, "budget.price_per_gpu_hour"
     from workbench.gpus import detect_gpu_type, get_gpu
 
     # Only a local run can look at its own cards; a remote one must name its type.
-    name = r.gpu_type or (detect_gpu_type() if spec.target == "local" else None)
+    name = gpu_name or r.gpu_type or (detect_gpu_type() if spec.target == "local" else None)
     if name is None:
         return None, b.currency, "no GPU type known (resources.gpu_type is unset)"
     gpu = get_gpu(name)
     if gpu.price_per_hour is None:
         return None, gpu.currency, f"the GPU table has no price for {gpu.name}"
-    return gpu.price_per_hour * cards, gpu.currency, f"the GPU table's price for {gpu.name}"
+    return gpu.price_per_hour, gpu.currency, f"the GPU table's price for {gpu.name}"
+
+
+def _price(spec: RunSpec) -> tuple[float | None, str, str]:
+    """(price per hour of the whole run or None when unknown, its currency, where it came from)."""
+    price, currency, source = unit_price(spec)
+    return (None if price is None else price * billed_units(spec)), currency, source
 
 
 def hourly_price(spec: RunSpec) -> tuple[float, str]:

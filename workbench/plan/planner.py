@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from workbench.budget import KILL_GRACE_S, RELEASE_S, check_enforceable
+from workbench.budget import KILL_GRACE_S, RELEASE_S, billed_units, check_enforceable, unit_price
 from workbench.errors import BudgetError, PlanError, WorkbenchError
 from workbench.gpus import GpuType, get_gpu, gpu_table
 from workbench.plan.memory import (
@@ -82,20 +82,17 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
     if on_gpu:
         capacity = gpu.memory_gib
         n_devices = res.gpus_per_node * res.nodes
-        price = spec.budget.price_per_gpu_hour
     else:
         capacity = gpu.memory_gib / res.procs_per_node  # every process shares the host's RAM
         n_devices = (os.cpu_count() or 1) * res.nodes
-        price = spec.budget.price_per_cpu_core_hour
-    if price is None:
-        price = gpu.price_per_hour
-    currency = spec.budget.currency
+    # The bill's own rule (workbench.budget), asked for the card this plan is for.
+    price, currency, _ = unit_price(spec, gpu.name if on_gpu else None)
     assumptions = []
-    if on_gpu and spec.budget.price_per_gpu_hour is None and gpu.price_per_hour is not None \
-            and gpu.currency != currency:
-        assumptions.append(f"prices in the GPU table are in {gpu.currency}, the budget in "
-                           f"{currency}: cost shown in {gpu.currency}")
-        currency = gpu.currency
+    if price is None:
+        currency = spec.budget.currency
+    elif currency != spec.budget.currency:
+        assumptions.append(f"prices in the GPU table are in {currency}, the budget in "
+                           f"{spec.budget.currency}: cost shown in {currency}")
     margin = safety_margin_gib(capacity)
     precision = _precision(spec, on_gpu, gpu)  # the same resolution _setup made
     assumptions.append("precision: " + precision.reason)
@@ -127,7 +124,7 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
     run = _Run(tokens_per_step, steps, time_gpu, n_devices, on_gpu)
     # What the bill counts: cards, or processes on CPU (workbench.budget bills process-core-hours),
     # held from the supervisor's start to its exit, so start-up and release are paid too.
-    billed_units = n_devices if on_gpu else res.world_size
+    units = billed_units(spec)
     model_startup = startup_estimate(spec, params=shape.params)
     startup = {k: (v * startup_scale if v is not None else None) for k, v in model_startup.items()}
     startup_total = sum(v for v in startup.values() if v)
@@ -136,7 +133,7 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
     def priced(hours: float | None) -> float | None:
         if hours is None or price is None:
             return None
-        return (hours + startup_h) * billed_units * price
+        return (hours + startup_h) * units * price
     # Activations are planned at max_length (a padded batch can hit it); time at the estimate.
     s_time = _setup(spec, shape, on_gpu, int(max(1, data.tokens_per_example)), gpu)
 
@@ -241,7 +238,7 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
         currency=currency, price_per_hour=price, budget_limit=limit, budget_verdict=verdict,
         suggestions=[], data_note=data.note, assumptions=assumptions,
         data_tokens=data.tokens, startup_s=startup,
-        startup_cost=startup_h * billed_units * price if price is not None else None,
+        startup_cost=startup_h * units * price if price is not None else None,
         clock=clock,
     )
 
