@@ -113,6 +113,27 @@ def test_a_failed_upload_shows_in_status_until_an_upload_gets_through(rd, tmp_pa
     assert verify(blocker / "store" / "step-20") is None
 
 
+def test_a_snapshot_whose_upload_a_crash_cut_short_is_uploaded_by_the_next_attempt(rd, tmp_path):
+    store = tmp_path / "store"
+    first = Uploader(rd, str(store), keep=3)
+    commit(rd, _trainer_checkpoint(rd, 10), 10, keep=3, uploader=first)
+    first.close()
+    # The attempt dies right after committing step-20, before its uploader got to it.
+    commit(rd, _trainer_checkpoint(rd, 20), 20, keep=3)
+    assert (store / "latest").read_text().strip() == "step-10"
+    second = Uploader(rd, str(store), keep=3)  # the next attempt, at start
+    second.catch_up(snapshots(rd)[0])
+    second.close()
+    assert verify(store / "step-20") is None
+    assert (store / "latest").read_text().strip() == "step-20"
+    # Storage already has it: a third start copies nothing again.
+    before = {p: p.stat().st_mtime_ns for p in (store / "step-20").rglob("*")}
+    third = Uploader(rd, str(store), keep=3)
+    third.catch_up(snapshots(rd)[0])
+    third.close()
+    assert {p: p.stat().st_mtime_ns for p in (store / "step-20").rglob("*")} == before
+
+
 def _write_marker(folder: str, rank: int, text: str, go: str) -> None:
     """Another rank's process: waits for the test's go-ahead, then drops its marker."""
     while not Path(go).exists():

@@ -204,6 +204,15 @@ def upload(folder: Path, url: str) -> None:
         fh.write(folder.name + "\n")
 
 
+def stored_latest(url: str) -> str | None:
+    """The snapshot name storage at ``url`` calls latest (None: nothing uploaded yet)."""
+    fs, root = _fs(url)
+    try:
+        return str(fs.cat_file(f"{root}/latest").decode().strip())
+    except FileNotFoundError:
+        return None
+
+
 def fetch_latest(url: str, rd: RunDir) -> Path | None:
     """Download the newest snapshot in ``url`` that verifies into RUN_DIR/checkpoints."""
     fs, root = _fs(url)
@@ -241,7 +250,8 @@ class Uploader:
 
     def __init__(self, rd: RunDir, url: str, keep: int | None = None) -> None:
         self.rd, self.url, self.keep = rd, url, keep
-        self._queue: queue.Queue[Path | None] = queue.Queue()
+        # (snapshot, only if storage lacks it as latest), or None to stop.
+        self._queue: queue.Queue[tuple[Path, bool] | None] = queue.Queue()
         self._owed: set[str] = set()  # snapshot names queued or being uploaded
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._work, daemon=True, name="snapshot-upload")
@@ -256,12 +266,25 @@ class Uploader:
         with self._lock:
             self._owed.add(folder.name)
         self.rd.write_status(upload={"state": "pending", "step": folder.name})
-        self._queue.put(folder)
+        self._queue.put((folder, False))
+
+    def catch_up(self, folder: Path | None) -> None:
+        """Upload ``folder``, the newest verified snapshot when an attempt starts, unless storage
+        already names it latest: an earlier attempt that died before its upload ended still owes
+        it, and a resume elsewhere would otherwise start from an older stored step."""
+        if folder is None:
+            return
+        with self._lock:
+            self._owed.add(folder.name)
+        self._queue.put((folder, True))
 
     def _work(self) -> None:
-        while (folder := self._queue.get()) is not None:
+        while (item := self._queue.get()) is not None:
+            folder, only_if_missing = item
             step = int(folder.name.split("-", 1)[1])
             try:
+                if only_if_missing and stored_latest(self.url) == folder.name:
+                    continue
                 self.rd.write_status(upload={"state": "uploading", "step": folder.name})
                 upload(folder, self.url)
                 self.rd.write_status(upload={"state": "uploaded", "step": folder.name,

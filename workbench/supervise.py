@@ -161,19 +161,14 @@ def publish_snapshot(run_dir: str) -> int:
     """Upload this run directory's newest verified snapshot to checkpoint.storage unless storage
     already names it latest: the backend does this on node 0 before nodes that do not share its
     folder fetch from storage."""
-    from workbench.snapshots import _fs, newest_verified, storage_prefix, upload
+    from workbench.snapshots import newest_verified, storage_prefix, stored_latest, upload
 
     rd = RunDir(run_dir)
     url, folder = rd.spec().checkpoint.storage, newest_verified(rd)
     if not url or folder is None:
         return 0
     prefix = storage_prefix(url, rd.path.name)
-    fs, root = _fs(prefix)
-    try:
-        stored = fs.cat_file(f"{root}/latest").decode().strip()
-    except FileNotFoundError:
-        stored = None
-    if stored != folder.name:
+    if stored_latest(prefix) != folder.name:
         upload(folder, prefix)
         print(f"supervisor: uploaded {folder.name} to {url}", flush=True)
     return 0

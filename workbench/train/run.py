@@ -271,7 +271,7 @@ def main(run_dir: str) -> int:
     from workbench.budget import Billing
     from workbench.data.tokenize import Collator
     from workbench.models import resolve_model
-    from workbench.snapshots import Uploader, agreed_resume_point, storage_prefix
+    from workbench.snapshots import Uploader, agreed_resume_point, newest_verified, storage_prefix
     from workbench.train.callbacks import BudgetSpentAtStart, RunDirCallback, SnapshotCallback
 
     spec = rd.spec()
@@ -303,6 +303,7 @@ def main(run_dir: str) -> int:
     if rank == 0 and spec.checkpoint.storage:
         uploader = Uploader(rd, storage_prefix(spec.checkpoint.storage, rd.path.name),
                             keep=spec.checkpoint.keep)
+        uploader.catch_up(newest_verified(rd))  # what a crashed attempt had not uploaded yet
     snapshots = SnapshotCallback(spec, billing, status.get("step_s"))
     trainer = snapshotting_trainer_class()(
         model=model,
