@@ -90,3 +90,44 @@ def test_a_served_endpoint_script_holds_no_secret_and_sources_them(tmp_path):
     assert sourced and (tmp_path / "endpoints") in Path(sourced[0]).parents
     assert Path(sourced[0]).parent.name == ".secrets"
     assert "VLLM_API_KEY=***" in script
+
+
+class _Recording:
+    """A real shell (bash -c, as ssh runs it on the host) that keeps every command line it ran:
+    what ``ps`` would show on either end of an ssh connection."""
+
+    def __init__(self):
+        from workbench.backends.remote import LocalTransport
+
+        self.inner, self.commands = LocalTransport(), []
+        self.where = "this machine"
+
+    def run(self, command, **kwargs):
+        self.commands.append(command)
+        return self.inner.run(command, **kwargs)
+
+
+def test_ssh_commands_get_the_secrets_from_a_private_file_not_their_command_line(tmp_path):
+    from workbench.targets import SSHTarget
+
+    target = SSHTarget(name="box", hosts=[{"host": "localhost"}],
+                       env={**SECRETS, "HF_HOME": "/scratch/hf"})
+    tr = _Recording()
+    prefix = target.remote_shell_prefix(tr, str(tmp_path / "runs" / "r1"), {"PORT": "8011"})
+    out = tr.run(prefix + 'printf "%s|%s|%s|%s|%s" "$HF_TOKEN" "$WANDB_API_KEY" "$DB_PASSWORD" '
+                          '"$HF_HOME" "$PORT"').stdout.decode()
+    assert out.split("|") == [*SECRETS.values(), "/scratch/hf", "8011"]  # all reached the command
+    for command in tr.commands:
+        for value in SECRETS.values():
+            assert value not in command
+    env_file = tmp_path / "runs" / ".secrets" / "r1.env"
+    assert stat.S_IMODE(env_file.stat().st_mode) == 0o600
+    # A `~/` place expands on the host, as the target's workdir does.
+    home_place = target.remote_shell_prefix(tr, "~/.wb-secret-test/r2")
+    try:
+        assert str(Path.home() / ".wb-secret-test" / ".secrets" / "r2.env") in subprocess.run(
+            ["bash", "-c", f"ls {Path.home()}/.wb-secret-test/.secrets/r2.env"],
+            capture_output=True, text=True).stdout
+        assert "$HOME" in home_place
+    finally:
+        subprocess.run(["rm", "-rf", str(Path.home() / ".wb-secret-test")])

@@ -60,6 +60,15 @@ def split_env(env: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
     return plain, {k: v for k, v in env.items() if k not in plain}
 
 
+def remote_quote(path: str) -> str:
+    """``path`` quoted for a remote shell, with a leading ``~/`` still expanding there."""
+    if path == "~":
+        return '"$HOME"'
+    if path.startswith("~/"):
+        return '"$HOME"/' + shlex.quote(path[2:])
+    return shlex.quote(path)
+
+
 def env_file_path(run_dir: str) -> str:
     """Where the secret env file of the run in ``run_dir`` lives on the machine that runs it:
     beside the run directory (same shared filesystem), never inside it, so no copy, sync or
@@ -83,7 +92,7 @@ def write_secret_env(transport: Any, env: dict[str, str], run_dir: str) -> str |
     if not secret:
         return None
     path = env_file_path(run_dir)
-    q, folder = shlex.quote(path), shlex.quote(str(PurePosixPath(path).parent))
+    q, folder = remote_quote(path), remote_quote(str(PurePosixPath(path).parent))
     transport.run(f"umask 077 && mkdir -p {folder} && chmod 700 {folder} && cat > {q}.tmp "
                   f"&& mv -f {q}.tmp {q}", input=env_file_text(secret).encode(), timeout=60)
     return path

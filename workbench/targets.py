@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from workbench.errors import TargetError
 from workbench.home import home
-from workbench.secrets import split_env
+from workbench.secrets import remote_quote, split_env
 
 if TYPE_CHECKING:
     from workbench.spec import RunSpec
@@ -87,18 +87,34 @@ class _TargetBase(SSHOptions):
     def _one_line_is_a_list(cls, v: Any) -> Any:
         return [v] if isinstance(v, str) else v
 
-    def shell_prefix(self, secrets: bool = True) -> str:
-        """``set -e; set-up lines; export K=V ...; `` to put before a remote shell command
-        (``secrets=False``: without the env entries workbench.secrets finds secret).
+    def shell_prefix(self, env_file: str | None = None) -> str:
+        """``set -e; set-up lines; export K=V ...; . ENV_FILE; `` to put before a remote shell
+        command. Only the plain ``env`` entries are inline: a command line shows in ``ps`` on both
+        ends, so the secret ones come from ``env_file`` (see :meth:`remote_shell_prefix`).
 
         ``set -e`` makes a failing set-up line stop the command (with its error text) instead
         of starting the run in a half-prepared environment.
         """
         parts = ["set -e", *self.setup]
-        env = self.env if secrets else split_env(self.env)[0]
-        if env:
-            parts.append("export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()))
+        plain = split_env(self.env)[0]
+        if plain:
+            parts.append("export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in plain.items()))
+        if env_file:
+            parts.append(f". {remote_quote(env_file)}")
         return "".join(f"{p}; " for p in parts)
+
+    def remote_shell_prefix(self, transport: Any, place: str,
+                            extra: dict[str, str] | None = None) -> str:
+        """:meth:`shell_prefix` for commands run through ``transport``, secrets included: the
+        secret entries of ``env`` (and of ``extra``) go through stdin into an owner-only file
+        beside ``place`` (workbench.secrets.env_file_path), which the command sources. The plain
+        entries of ``extra`` are exported inline after it."""
+        from workbench.secrets import write_secret_env
+
+        extra = extra or {}
+        env_file = write_secret_env(transport, {**self.env, **extra}, place)
+        exports = "".join(f"export {k}={shlex.quote(v)}; " for k, v in split_env(extra)[0].items())
+        return self.shell_prefix(env_file=env_file) + exports
 
 
 class SSHTarget(_TargetBase):
@@ -325,7 +341,8 @@ MIN_FREE_DISK_GB = 5.0
 def probe_environment(transport: Any, target: Target, workdir: str, report: TargetReport,
                       where: str, gpus_expected: int | None = None) -> dict[str, Any] | None:
     """Run PROBE on ``transport`` with the target's Python; add findings to ``report``."""
-    cmd = (f"{target.shell_prefix()}{shlex.quote(target.python)} - {shlex.quote(workdir)}")
+    prefix = target.remote_shell_prefix(transport, f"{workdir.rstrip('/')}/.probe")
+    cmd = f"{prefix}{shlex.quote(target.python)} - {shlex.quote(workdir)}"
     res = transport.run(cmd, input=PROBE.encode(), check=False, timeout=120)
     line = next((ln for ln in res.stdout.decode(errors="replace").splitlines()
                  if ln.startswith("WORKBENCH-PROBE ")), None)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from workbench.rundir import RunDir, write_json_atomic
+from workbench.secrets import remote_quote
 from workbench.targets import HostSpec, SSHOptions, TargetError
 
 # The remote run directory is authoritative for these; the local copy is a mirror.
@@ -70,7 +71,6 @@ class LocalTransport:
         if check and res.returncode != 0:
             raise TargetError(f"command failed on {self.where}: {command}\n{res.text}")
         return res
-
 
 
 class SSHTransport:
@@ -186,13 +186,8 @@ def _untar(data: bytes, local_parent: Path) -> None:
         tar.extractall(local_parent, filter="data")
 
 
-def shell_path(path: str) -> str:
-    """``path`` quoted for a remote shell, with a leading ``~/`` still expanding there."""
-    if path == "~":
-        return '"$HOME"'
-    if path.startswith("~/"):
-        return '"$HOME"/' + shlex.quote(path[2:])
-    return shlex.quote(path)
+# ``path`` quoted for a remote shell, with a leading ``~/`` still expanding there.
+shell_path = remote_quote
 
 
 # Merges fields into the remote status.json (atomically, as RunDir does) without workbench.

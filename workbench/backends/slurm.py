@@ -99,7 +99,7 @@ class SlurmBackend:
     def scheduler(self, command: str, timeout: float = 60.0) -> Any:
         # Without the secret env: sbatch would pass it on to the job from its own environment,
         # and a failing command's text would show it. The job script sources it from its file.
-        return self.transport.run(f"{self.target.shell_prefix(secrets=False)}{command}",
+        return self.transport.run(f"{self.target.shell_prefix()}{command}",
                                   check=False, timeout=timeout)
 
     def preview(self, spec: RunSpec, run_dir: Path) -> str:

@@ -13,7 +13,7 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from workbench.secrets import MASK, env_file_path, split_env
+from workbench.secrets import MASK, env_file_path, remote_quote, split_env
 
 if TYPE_CHECKING:
     from workbench.spec import RunSpec
@@ -69,7 +69,7 @@ def sbatch_script(spec: RunSpec, target: SlurmTarget, run_dir: str, job_name: st
         *target.setup,
         *(f"export {k}={shlex.quote(v)}" for k, v in plain.items()),
         *([f"# {' '.join(f'{k}={MASK}' for k in secret)}: from a file only you can read",
-           f". {shlex.quote(env_file_path(d))}"] if secret else []),
+           f". {remote_quote(env_file_path(d))}"] if secret else []),
         f"RUN_DIR={shlex.quote(d)}",
         f"PY={shlex.quote(target.python)}",
         'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',

@@ -84,9 +84,12 @@ class SSHBackend:
         hosts = t.hosts[:nnodes]
         transports = [self._transport(h) for h in hosts]
         port = None
+        prefixes: list[str] = []  # per host: set-up and env, secrets from an owner-only file
         for i, tr in enumerate(transports):
             try:
-                res = tr.run(f"{t.shell_prefix()}{shlex.quote(t.python)} -c "
+                prefixes.append(t.remote_shell_prefix(
+                    tr, f"{self._workdir(hosts[i]).rstrip('/')}/{rd.path.name}"))
+                res = tr.run(f"{prefixes[i]}{shlex.quote(t.python)} -c "
                              f"{shlex.quote(PREFLIGHT)}", check=False, timeout=120)
             except TargetError as exc:
                 raise self._refuse(mirror, str(exc)) from None
@@ -124,7 +127,7 @@ class SSHBackend:
             write_remote_status(transports[0], dirs[0], t.python, rd.path, **fields, error=None,
                                 stop_reason=None, note=None, ended=None, warning=None)
             if not all(shared):
-                self._publish_snapshot(transports[0], dirs[0])
+                self._publish_snapshot(transports[0], dirs[0], prefixes[0])
         except TargetError as exc:
             raise self._refuse(mirror, f"could not copy the run directory: {exc}") from None
         nodes: list[dict[str, Any]] = []
@@ -132,11 +135,11 @@ class SSHBackend:
         save_placement(rd.path, target=t.ref, kind="ssh", rdzv=f"{master}:{port}", nodes=nodes,
                        final=False, artefact_fetched=False, shared=shared)
         try:
-            for rank, (tr, h, d) in enumerate(zip(transports, hosts, dirs)):
+            for rank, (tr, h, d, prefix) in enumerate(zip(transports, hosts, dirs, prefixes)):
                 # Node 0 too, when any node is apart: it must not restart on its own then.
                 own = not shared[rank] or (rank == 0 and not all(shared))
-                pid = self._start_node(tr, d, rank, nnodes, f"{master}:{port}", rd.path.name,
-                                       own)
+                pid = self._start_node(tr, d, prefix, rank, nnodes, f"{master}:{port}",
+                                       rd.path.name, own)
                 nodes.append({"host": h.host, "dir": d, "pid": pid, "rank": rank})
                 save_placement(rd.path, nodes=nodes)
         except TargetError as exc:
@@ -161,23 +164,23 @@ class SSHBackend:
             transports[0].run(f"rm -f {marker[0]}", check=False, timeout=60)
         return [True] + [s == token for s in seen]
 
-    def _publish_snapshot(self, tr: SSHTransport, d: str) -> None:
+    def _publish_snapshot(self, tr: SSHTransport, d: str, prefix: str) -> None:
         # Nodes without node 0's folder start from storage: first make sure storage holds node
         # 0's newest snapshot (its upload may have been cut short when the run stopped).
         t, q = self.target, shell_path(d)
-        res = tr.run(f"{t.shell_prefix()}cd {q}; {shlex.quote(t.python)} -m workbench.supervise "
+        res = tr.run(f"{prefix}cd {q}; {shlex.quote(t.python)} -m workbench.supervise "
                      f"{q} --publish-snapshot", check=False, timeout=3600)
         if res.returncode != 0:
             raise TargetError(f"could not upload the newest snapshot to checkpoint.storage from "
                               f"{tr.where}, so the nodes could not resume from the same step:\n"
                               f"{res.text[-1500:]}")
 
-    def _start_node(self, tr: SSHTransport, d: str, rank: int, nnodes: int, rdzv: str,
-                    run_id: str, own_folder: bool) -> int:
+    def _start_node(self, tr: SSHTransport, d: str, prefix: str, rank: int, nnodes: int,
+                    rdzv: str, run_id: str, own_folder: bool) -> int:
         t, q = self.target, shell_path(d)
         # Only the supervisor goes to the background (not the whole command list), so $! is
         # its PID and ssh returns at once: its output is the log, not this session.
-        cmd = (f"{t.shell_prefix()}cd {q}; PYTHONUNBUFFERED=1 setsid nohup "
+        cmd = (f"{prefix}cd {q}; PYTHONUNBUFFERED=1 setsid nohup "
                f"{shlex.quote(t.python)} -m workbench.supervise {q} --nnodes {nnodes} "
                f"--node-rank {rank} --rdzv-endpoint {shlex.quote(rdzv)} --rdzv-id "
                f"{shlex.quote(run_id)}{' --own-folder' if own_folder else ''} "

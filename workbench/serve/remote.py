@@ -56,14 +56,15 @@ class _Remote:
 
         tr, t = self.transport(), self.target
         try:
+            prefix = t.remote_shell_prefix(tr, f"{(self.remote_parent() or '~').rstrip('/')}/.probe")
             # The guard needs workbench in the target's python; vLLM may live in another one.
-            guard = tr.run(f"{t.shell_prefix()}{shlex.quote(t.python)} -c 'import workbench.serve'",
+            guard = tr.run(f"{prefix}{shlex.quote(t.python)} -c 'import workbench.serve'",
                            check=False, timeout=120)
             if guard.returncode != 0:
                 raise DeployError(f"{t.python} on {tr.where} cannot import workbench, which runs "
                                   f"the server's guard:\n{guard.text[-800:]}\n-> fix 'python:' "
                                   f"(or 'setup:') of {t.ref}; `workbench targets check {t.ref}`")
-            res = tr.run(f"{t.shell_prefix()}{shlex.quote(python)} -c {shlex.quote(PROBE)}",
+            res = tr.run(f"{prefix}{shlex.quote(python)} -c {shlex.quote(PROBE)}",
                          check=False, timeout=120)
         except TargetError as exc:
             raise DeployError(str(exc)) from None

@@ -28,7 +28,7 @@ def serve_sbatch_script(target: SlurmTarget, server_dir: str, job_name: str, env
                         command: list[str], gpus: int) -> str:
     """The batch script that runs one endpoint's guard (and vLLM) in a one-node job."""
     from workbench.backends.slurm import allocation_lines
-    from workbench.secrets import MASK, env_file_path, split_env
+    from workbench.secrets import MASK, env_file_path, remote_quote, split_env
 
     # Secret values (the target's tokens, the endpoint's API key) stay in a 0600 file beside the
     # endpoint folder (write_secret_env in start): never in serve.sbatch, which is shown and kept.
@@ -52,7 +52,7 @@ def serve_sbatch_script(target: SlurmTarget, server_dir: str, job_name: str, env
         *target.setup,
         *(f"export {k}={shlex.quote(v)}" for k, v in plain.items()),
         *([f"# {' '.join(f'{k}={MASK}' for k in secret)}: from a file only you can read",
-           f". {shlex.quote(env_file_path(server_dir))}"] if secret else []),
+           f". {remote_quote(env_file_path(server_dir))}"] if secret else []),
         "exec " + " ".join(shlex.quote(c) for c in command),
         "",
     ]

@@ -52,11 +52,12 @@ class SSHServeTarget(_Remote):
         sdir = self.server_dir(workdir)
         self._upload_folder_files(workdir, sdir)
         q = shell_path(sdir)
-        exports = "".join(f"export {k}={shlex.quote(v)}; " for k, v in env.items())
+        # Secrets (the target's tokens) come from an owner-only file, never the command line.
+        prefix = self.target.remote_shell_prefix(self.transport(), sdir, env)
         guard = " ".join(shlex.quote(c) for c in command)
         if watch_pid:
             # Foreground in an ssh session whose stdin this process holds (--watch-stdin).
-            cmd = f"{self.target.shell_prefix()}{exports}cd {q}; exec {guard} >> {q}/server.log 2>&1"
+            cmd = f"{prefix}cd {q}; exec {guard} >> {q}/server.log 2>&1"
             with (workdir / "ssh.log").open("ab") as fh:
                 session = subprocess.Popen(
                     self.transport().ssh_argv() + ["--", "bash -c " + shlex.quote(cmd)],
@@ -64,7 +65,7 @@ class SSHServeTarget(_Remote):
                     start_new_session=True)
             _sessions[str(workdir)] = session
         else:
-            cmd = (f"{self.target.shell_prefix()}{exports}cd {q}; setsid nohup {guard} "
+            cmd = (f"{prefix}cd {q}; setsid nohup {guard} "
                    f">> {q}/server.log 2>&1 < /dev/null & echo $!")
             self.transport().run(cmd, timeout=60)
         return self._wait_pids(workdir, sdir)
