@@ -60,3 +60,58 @@ def test_a_run_without_weights_says_its_state_as_its_run_directory_has_it(wb_hom
 def test_an_unknown_run_name_says_how_to_list_the_runs():
     with pytest.raises(AdapterNotFoundError, match="neither a run.*`workbench status` lists"):
         plan_serving(["no-run-has-this-name"])
+
+
+def _trained_run(wb_home: Path, name: str, spec: dict) -> Path:
+    """A finished run's folder as training leaves it: spec.yaml beside an adapter of a hub base."""
+    import yaml
+
+    run_dir = wb_home / "runs" / f"{name}-20260101-000000-{secrets.token_hex(2)}"
+    (run_dir / "adapter").mkdir(parents=True)
+    (run_dir / "adapter" / "adapter_config.json").write_text(json.dumps(
+        {"r": 8, "base_model_name_or_path": "acme/chat-7b"}))
+    (run_dir / "spec.yaml").write_text(yaml.safe_dump({"name": name, **spec}))
+    return run_dir / "adapter"
+
+
+def test_the_server_loads_the_base_revision_and_code_the_run_trained_with(wb_home, tmp_path):
+    from workbench.serve.server import vllm_command
+
+    adapter = _trained_run(wb_home, "pinned", {
+        "model": {"id": "acme/chat-7b", "revision": "3f2a9c1", "trust_remote_code": True},
+        "method": {"kind": "qlora"}, "resources": {"gpus_per_node": 2, "gpu_type": "A100-80G"}})
+    plan = plan_serving([adapter])
+    cmd = vllm_command("python", plan, "127.0.0.1", 8000, 256, 8, on_cpu=False, workdir=tmp_path)
+    assert cmd[cmd.index("--revision") + 1] == "3f2a9c1"
+    assert "--trust-remote-code" in cmd
+    assert plan.gpus == 2
+    assert any("QLoRA" in n and "unquantised" in n for n in plan.notes)
+    # An adapter folder from elsewhere (no spec beside it) pins nothing and notes nothing.
+    loose = tmp_path / "downloaded-adapter"
+    loose.mkdir()
+    (loose / "adapter_config.json").write_text(json.dumps({"r": 8,
+                                                           "base_model_name_or_path": "acme/chat-7b"}))
+    plain = plan_serving([loose])
+    cmd = vllm_command("python", plain, "127.0.0.1", 8000, 256, 8, on_cpu=False, workdir=tmp_path)
+    assert "--revision" not in cmd and "--trust-remote-code" not in cmd and not plain.notes
+
+
+def test_runs_on_two_revisions_of_a_base_cannot_share_a_server(wb_home):
+    from workbench.errors import DeployError
+
+    a = _trained_run(wb_home, "rev-a", {"model": {"id": "acme/chat-7b", "revision": "aaa111"}})
+    b = _trained_run(wb_home, "rev-b", {"model": {"id": "acme/chat-7b", "revision": "bbb222"}})
+    with pytest.raises(DeployError, match="different revisions"):
+        plan_serving([a, b])
+
+
+def test_a_slurm_endpoint_of_a_gpu_run_asks_for_a_gpu_even_if_the_target_defaults_to_cpu():
+    from workbench.serve.slurm import SlurmServeTarget
+    from workbench.targets import SlurmTarget
+
+    cpu_default = SlurmServeTarget(SlurmTarget(name="c", partition="p"))
+    assert cpu_default.gpus(0) == 0
+    assert cpu_default.gpus(2) == 1  # one vLLM process, one card
+    gpu_default = SlurmServeTarget(SlurmTarget(name="g", partition="p",
+                                               defaults={"resources.gpus_per_node": 1}))
+    assert gpu_default.gpus(0) == 1

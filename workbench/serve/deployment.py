@@ -13,6 +13,7 @@ import os
 import re
 import secrets
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -69,8 +70,10 @@ def deploy(source: Any, *more: Any, name: str | None = None, target: str = "loca
     host = host or serve_target.default_host
 
     plan = plan_serving(sources, merge=merge)
+    for note in plan.notes:
+        warnings.warn(note, stacklevel=2)
     info = probe_serving_python(py, target)
-    gpus = serve_target.gpus()
+    gpus = serve_target.gpus(plan.gpus)
     on_cpu = _on_cpu(info, None if gpus is None else gpus > 0)
     check_head_size(plan.model, on_cpu)
     lora_rank = _max_lora_rank(plan.adapters, max_lora_rank)
@@ -109,12 +112,12 @@ def deploy(source: Any, *more: Any, name: str | None = None, target: str = "loca
     serves = {"model": plan.model, "models": plan.names, "merged": plan.merged,
               "adapters": {a.name: str(a.path) for a in plan.adapters},
               "max_lora_rank": lora_rank, "runs": plan.run_ids, "python": py, "host": host,
-              "keep": keep}
+              "keep": keep, "notes": plan.notes}
     watch = "" if keep or target.startswith("slurm:") else (
         f"--watch-pid {os.getpid()}" if target == "local" else "--watch-stdin")
     pid, server_pid = serve_target.start(
         guard_command(serve_target.guard_python, sdir, host, port or 0, watch, command), env, workdir,
-        0 if keep else os.getpid())
+        0 if keep else os.getpid(), gpus=gpus or 0)
     now = time.time()
     url_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     registry.delete_endpoint(name)  # a stopped endpoint of that name: its row is replaced

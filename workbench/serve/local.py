@@ -55,7 +55,7 @@ class LocalServeTarget:
             return _parse_probe(str(exc), python, "this machine")
         return _parse_probe(out.stdout + out.stderr, python, "this machine")
 
-    def gpus(self) -> int | None:
+    def gpus(self, wanted: int = 0) -> int | None:
         return None
 
     def server_dir(self, workdir: Path) -> str:
@@ -65,7 +65,7 @@ class LocalServeTarget:
         return plan
 
     def start(self, command: list[str], env: dict[str, str], workdir: Path,
-              watch_pid: int) -> tuple[int, int]:
+              watch_pid: int, gpus: int = 0) -> tuple[int, int]:
         full_env = {k: v for k, v in os.environ.items()
                     if k not in ("VIRTUAL_ENV", "PYTHONHOME", "VLLM_API_KEY")}
         full_env.update(env)

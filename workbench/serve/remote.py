@@ -71,7 +71,7 @@ class _Remote:
         return _parse_probe(res.stdout.decode(errors="replace") + res.stderr.decode(
             errors="replace"), python, tr.where)
 
-    def gpus(self) -> int | None:
+    def gpus(self, wanted: int = 0) -> int | None:
         return None
 
     def server_dir(self, workdir: Path) -> str:

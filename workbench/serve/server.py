@@ -62,6 +62,11 @@ def vllm_command(python: str, plan: ServePlan, host: str, port: int | str, max_m
     cmd = [python, "-m", VLLM_MODULE, "--model", plan.model, "--served-model-name",
            plan.model_name, "--host", host, "--port", str(port),
            "--max-model-len", str(max_model_len), "--distributed-executor-backend", "uni"]
+    hub_id = not plan.model.startswith(("/", "~", ".")) and not Path(plan.model).is_dir()
+    if plan.revision and hub_id:  # the commit of the base the runs trained on
+        cmd += ["--revision", plan.revision]
+    if plan.trust_remote_code:
+        cmd += ["--trust-remote-code"]
     if on_cpu:
         # float32 matches transformers on CPU token for token; eager skips minutes of compiling.
         cmd += ["--dtype", "float32", "--enforce-eager"]

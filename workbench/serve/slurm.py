@@ -77,16 +77,19 @@ class SlurmServeTarget(_Remote):
         t = self.target
         return t.workdir or ("~/workbench-runs" if t.login else None)
 
-    def gpus(self) -> int | None:
-        return 1 if int(self.target.defaults.get("resources.gpus_per_node") or 0) > 0 else 0
+    def gpus(self, wanted: int = 0) -> int | None:
+        # One vLLM process (the uni executor) uses one card: ask for one when the runs served
+        # trained on GPUs or the target's runs default to GPUs.
+        default = int(self.target.defaults.get("resources.gpus_per_node") or 0)
+        return 1 if max(default, wanted) > 0 else 0
 
     def start(self, command: list[str], env: dict[str, str], workdir: Path,
-              watch_pid: int) -> tuple[int, int]:
+              watch_pid: int, gpus: int = 0) -> tuple[int, int]:
         from workbench.backends.remote import shell_path
 
         sdir = self.server_dir(workdir)
         script = serve_sbatch_script(self.target, sdir, f"wb-serve-{workdir.name}", env, command,
-                                     self.gpus() or 0)
+                                     gpus)
         (workdir / "serve.sbatch").write_text(script, encoding="utf-8")
         self._upload_folder_files(workdir, sdir)
         from workbench.secrets import write_secret_env

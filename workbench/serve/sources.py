@@ -41,6 +41,10 @@ class ServePlan:
     chat_template: str | None = None  # the template the run trained with
     run_ids: list[str] = field(default_factory=list)
     merged: bool = False
+    revision: str | None = None  # the base model's revision the runs trained on (hub ids)
+    trust_remote_code: bool = False
+    gpus: int = 0  # the most GPUs per node any run served trained with (a Slurm job asks for one)
+    notes: list[str] = field(default_factory=list)  # what differs from training, said at deploy
 
     @property
     def names(self) -> list[str]:
@@ -152,11 +156,13 @@ def plan_serving(sources: Sequence[Any], merge: bool = False) -> ServePlan:
         raise DeployError("nothing to deploy; pass a run (Job, id or name) or a model folder")
     adapters: list[Adapter] = []
     models: list[tuple[str, str, str | None]] = []  # (folder/id, name, run id)
+    trained = _TrainedWith()
     for source in sources:
         where, run_name, run_id = _source_to_path(source)
         if isinstance(where, str):  # a built-in or hub model id
             models.append((_resolve_base(where), where, None))
             continue
+        trained.add(where)
         if (where / "adapter_config.json").is_file():
             cfg = _read_json(where / "adapter_config.json")
             meta = _read_json(where / "workbench.json")
@@ -179,8 +185,9 @@ def plan_serving(sources: Sequence[Any], merge: bool = False) -> ServePlan:
         if len(adapters) != 1 or models:
             raise DeployError("merge=True serves exactly one adapter's merged weights; pass one run")
         a = adapters[0]
-        return ServePlan(str(merge_adapter(a.path)), a.name, [], _chat_template_of(str(a.path)),
-                         [a.run_id] if a.run_id else [], merged=True)
+        return trained.apply(ServePlan(str(merge_adapter(a.path)), a.name, [],
+                                       _chat_template_of(str(a.path)),
+                                       [a.run_id] if a.run_id else [], merged=True))
     bases = {a.base for a in adapters} | {m[0] for m in models}
     if len(bases) > 1:
         raise DeployError(
@@ -200,7 +207,43 @@ def plan_serving(sources: Sequence[Any], merge: bool = False) -> ServePlan:
         run_id = None
     template_from = str(adapters[0].path) if adapters else model
     run_ids = [a.run_id for a in adapters if a.run_id] + ([run_id] if run_id else [])
-    return ServePlan(model, model_name, adapters, _chat_template_of(template_from), run_ids)
+    return trained.apply(ServePlan(model, model_name, adapters, _chat_template_of(template_from),
+                                   run_ids))
+
+
+class _TrainedWith:
+    """What the runs served were trained with (from RUN_DIR/spec.yaml beside their adapter or
+    model folder) that the server must match: the base's revision and remote code, the GPUs,
+    and QLoRA's 4-bit base, which vLLM serves unquantised."""
+
+    def __init__(self) -> None:
+        self.specs: list[tuple[Path, Any]] = []
+
+    def add(self, folder: Path) -> None:
+        spec_file = folder.parent / "spec.yaml"
+        if folder.name not in ("adapter", "model", "merged") or not spec_file.is_file():
+            return  # a folder from elsewhere: nothing known about its training
+        from workbench.spec import RunSpec
+
+        try:
+            self.specs.append((folder, RunSpec.from_yaml(spec_file)))
+        except Exception:  # noqa: BLE001 - an unreadable spec must not stop serving its weights
+            return
+
+    def apply(self, plan: ServePlan) -> ServePlan:
+        revisions = {s.model.revision for _, s in self.specs if s.model.revision}
+        if len(revisions) > 1:
+            raise DeployError(f"these runs trained on different revisions of the base model "
+                              f"({', '.join(sorted(revisions))}); deploy them separately")
+        plan.revision = next(iter(revisions), None)
+        plan.trust_remote_code = any(s.model.trust_remote_code for _, s in self.specs)
+        plan.gpus = max((s.resources.gpus_per_node for _, s in self.specs), default=0)
+        for folder, s in self.specs:
+            if s.method.kind == "qlora":
+                plan.notes.append(
+                    f"{folder.parent.name} trained QLoRA on a 4-bit base; the server loads the "
+                    "base unquantised (its answers can differ slightly from training's)")
+        return plan
 
 
 def _base_name(model: str) -> str:

@@ -46,7 +46,7 @@ class SSHServeTarget(_Remote):
         return self.host.workdir or self.target.workdir
 
     def start(self, command: list[str], env: dict[str, str], workdir: Path,
-              watch_pid: int) -> tuple[int, int]:
+              watch_pid: int, gpus: int = 0) -> tuple[int, int]:
         from workbench.backends.remote import shell_path
 
         sdir = self.server_dir(workdir)

@@ -58,8 +58,10 @@ class ServeTarget(Protocol):
     def probe(self, python: str) -> dict[str, Any]:
         """PROBE's answer for ``python`` on the target (raises if it cannot run)."""
 
-    def gpus(self) -> int | None:
-        """GPUs the server gets, where the target decides (a Slurm job); None: as probed."""
+    def gpus(self, wanted: int = 0) -> int | None:
+        """GPUs the server gets where the target decides (a Slurm job asks for one when the
+        runs served trained on GPUs, ``wanted`` > 0, or the target's default has GPUs);
+        None: as probed."""
 
     def server_dir(self, workdir: Path) -> str:
         """The endpoint folder as the server sees it (``workdir`` is the local one)."""
@@ -68,7 +70,7 @@ class ServeTarget(Protocol):
         """``plan`` with the paths the server reads, copying adapters/models there if needed."""
 
     def start(self, command: list[str], env: dict[str, str], workdir: Path,
-              watch_pid: int) -> tuple[int, int]:
+              watch_pid: int, gpus: int = 0) -> tuple[int, int]:
         """Start the guard (``command`` is the guard's); its id and vLLM's PID (0: not yet)."""
 
     def alive(self, record: EndpointRecord) -> bool: ...
