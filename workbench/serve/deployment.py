@@ -116,7 +116,8 @@ def deploy(source: Any, *more: Any, name: str | None = None, target: str = "loca
     watch = "" if keep or target.startswith("slurm:") else (
         f"--watch-pid {os.getpid()}" if target == "local" else "--watch-stdin")
     pid, server_pid = serve_target.start(
-        guard_command(serve_target.guard_python, sdir, host, port or 0, watch, command), env, workdir,
+        guard_command(serve_target.guard_python, sdir, host, port or 0, watch, command,
+                      gpus=0 if on_cpu or target != "local" else 1), env, workdir,
         0 if keep else os.getpid(), gpus=gpus or 0)
     now = time.time()
     url_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host

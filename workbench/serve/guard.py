@@ -41,6 +41,7 @@ def _guard_main(argv: Sequence[str]) -> int:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--watch-pid", type=int, default=0)
     p.add_argument("--watch-stdin", action="store_true")
+    p.add_argument("--gpus", type=int, default=0, help="lease this many of the machine's GPUs")
     p.add_argument("command", nargs=argparse.REMAINDER)
     from workbench.rundir import write_json_atomic, write_text_atomic
 
@@ -54,6 +55,70 @@ def _guard_main(argv: Sequence[str]) -> int:
     env.pop("VLLM_API_KEY", None)
     if (d / "api_key").is_file():
         env["VLLM_API_KEY"] = (d / "api_key").read_text().strip()
+    lease = _lease(d, args.gpus)
+    if isinstance(lease, str):  # no free card: nothing started, say who holds them
+        print(lease, file=sys.stderr, flush=True)
+        write_json_atomic(d / "exit.json", {"code": None, "reason": lease, "time": time.time()})
+        return 1
+    try:
+        if lease is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(lease[1])
+            command = _with_memory_fraction(command, lease[1][0])
+        return _serve(d, args, port, command, env)
+    finally:
+        if lease is not None:
+            from workbench import leases
+
+            leases.release(f"endpoint:{d.name}", lease[0])
+
+
+def _lease(d: Path, gpus: int) -> Any:
+    """(holder, devices) of this endpoint's GPU lease (workbench.leases: disjoint from every live
+    local run's and endpoint's), None when it needs none (CPU, or Slurm, which gives the job its
+    own cards), or why none could be had."""
+    if gpus <= 0 or "SLURM_JOB_ID" in os.environ:
+        return None
+    from workbench import leases
+    from workbench.errors import ResourceError
+    from workbench.procs import ProcessIdentity
+
+    me = ProcessIdentity.me("guard")
+    try:
+        return me, leases.acquire(f"endpoint:{d.name}", gpus, me)
+    except ResourceError as exc:
+        return f"no free GPU for endpoint {d.name}: {exc}"
+
+
+# GiB left free beside vLLM on its card (the CUDA context of other processes, fragmentation).
+HEADROOM_GIB = 1.0
+
+
+def memory_fraction(device: str) -> float | None:
+    """The ``--gpu-memory-utilization`` vLLM can have on ``device`` with what other processes
+    already hold there (vLLM's default, 0.9 of the card, assumes an empty card and fails to start
+    beside a training run); None when nvidia-smi cannot say."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used,memory.total",
+                              "--format=csv,noheader,nounits", "-i", device],
+                             capture_output=True, text=True, timeout=30)
+        used, total = (float(x) for x in out.stdout.strip().splitlines()[0].split(","))
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return None
+    return max(0.0, min(0.9, (total - used - HEADROOM_GIB * 1024) / total))
+
+
+def _with_memory_fraction(command: list[str], device: str) -> list[str]:
+    if any(c.startswith("--gpu-memory-utilization") for c in command):
+        return command  # the user's extra_args said it
+    fraction = memory_fraction(device)
+    if fraction is None:
+        return command
+    return [*command, "--gpu-memory-utilization", f"{fraction:.3f}"]
+
+
+def _serve(d: Path, args: Any, port: int, command: list[str], env: dict[str, str]) -> int:
+    from workbench.rundir import write_json_atomic, write_text_atomic
+
     server = subprocess.Popen(command, stdin=subprocess.DEVNULL, env=env)
     write_text_atomic(d / "server.pid", str(server.pid))
     write_json_atomic(d / "address.json", {"node": socket.gethostname(), "host": args.host,

@@ -34,10 +34,11 @@ GUARD = ("-m", "workbench.serve", "--guard")
 
 
 def guard_command(python: str, server_dir: str, host: str, port: int, watch: str,
-                  vllm: list[str]) -> list[str]:
-    """The guard's command line; ``watch`` is ``--watch-pid N`` / ``--watch-stdin`` / ``""``."""
+                  vllm: list[str], gpus: int = 0) -> list[str]:
+    """The guard's command line; ``watch`` is ``--watch-pid N`` / ``--watch-stdin`` / ``""``;
+    ``gpus`` > 0 makes the guard lease that many of its machine's cards for the server."""
     return [python, *GUARD, server_dir, "--host", host, "--port", str(port), *watch.split(),
-            "--", *vllm]
+            *(["--gpus", str(gpus)] if gpus else []), "--", *vllm]
 
 
 def free_port(host: str) -> int:
