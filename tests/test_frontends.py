@@ -20,7 +20,7 @@ def test_public_api_is_exactly_the_intended_names():
     assert sorted(workbench.__all__) == sorted([
         "DatasetError", "DatasetFormatError", "EmptyDatasetError", "Job", "JobFailedError",
         "LaunchError", "ModelNotFoundError", "ResourceError", "RunNotFoundError", "RunSpec",
-        "SpecError", "WorkbenchError", "__version__", "deploy", "get_job", "jobs", "launch",
+        "SpecError", "WorkbenchError", "__version__", "compare", "deploy", "get_job", "jobs", "launch",
         "load_ipython_extension", "plan",
     ])
     for name in workbench.__all__:
@@ -53,7 +53,8 @@ def test_run_form_shows_errors_instead_of_launching(tmp_path):
 def test_job_view_renders_a_finished_run(finished_job):  # noqa: F811
     view = JobView(finished_job)
     assert "succeeded" in view.header.value
-    assert view.plot.value[:8] == b"\x89PNG\r\n\x1a\n"
+    train = view.chart.figure.data[0]  # the interactive chart holds every train step
+    assert list(train.x) == list(range(1, 41)) and len(view.chart.figure.data[2].x) > 0
     assert "step <b>40</b>" in view.stats.value
     assert view.cancel_button.disabled
     assert view.progress.value == view.progress.max == 40

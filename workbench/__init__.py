@@ -29,6 +29,7 @@ from workbench.errors import (
 # serving guard) import only the modules they need, which saves ~0.4 s of pydantic and friends
 # on every launch and deploy.
 _LAZY = {"Job": "workbench.jobs", "get_job": "workbench.jobs", "jobs": "workbench.jobs",
+         "compare": "workbench.widgets.compare",
          "launch": "workbench.launching", "plan": "workbench.plan", "deploy": "workbench.serve",
          "RunSpec": "workbench.spec"}
 
@@ -50,6 +51,7 @@ __all__ = [
     "SpecError",
     "WorkbenchError",
     "__version__",
+    "compare",
     "deploy",
     "get_job",
     "jobs",

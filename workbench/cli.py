@@ -1,4 +1,4 @@
-"""The ``workbench`` command line: launch, status, logs, cancel, plan, data, spec, demo.
+"""The ``workbench`` command line: launch, status, logs, cancel, compare, plan, data, spec, demo.
 
 Each command is a few lines over the same library calls the widgets use. ``run(argv)`` executes a
 command and returns its result object (a Job, a list of Jobs, text); ``main`` prints it. The
@@ -95,6 +95,16 @@ def _resume(args: argparse.Namespace) -> Any:
         changes["train.max_steps"] = args.max_steps
     job = get_job(args.run).resume(**changes)
     return f"resumed {job.id} ({job.state})"
+
+
+def _compare(args: argparse.Namespace) -> Any:
+    from workbench.widgets.compare import compare_df, compare_figure, compare_table
+
+    table = compare_table(compare_df(args.runs))
+    if args.html:
+        compare_figure(args.runs, metric=args.metric).write_html(args.html, include_plotlyjs=True)
+        table += f"\nwrote {args.html}"
+    return table
 
 
 def _reproduce(args: argparse.Namespace) -> Any:
@@ -215,6 +225,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--budget", type=float, help="a new budget limit (e.g. after a budget stop)")
     c.add_argument("--max-steps", type=int, help="train longer than first asked")
     c.set_defaults(func=_resume)
+
+    c = sub.add_parser("compare", help="compare runs: losses, eval scores, spec differences")
+    c.add_argument("runs", nargs="+", metavar="RUN", help="two or more run ids or names")
+    c.add_argument("--html", metavar="FILE",
+                   help="also write the overlaid curves (by step and by tokens) as standalone HTML")
+    c.add_argument("--metric", default="loss", help="the series drawn in --html (default: loss)")
+    c.set_defaults(func=_compare)
 
     c = sub.add_parser("reproduce", help="re-create a run's spec from reproduce.zip and diff envs")
     c.add_argument("bundle", help="RUN_DIR/reproduce.zip")

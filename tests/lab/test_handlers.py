@@ -264,3 +264,38 @@ def test_resume_with_a_bad_budget_is_refused_before_anything_starts(lab_server: 
     assert reply.status_code == 400 and says in reply.reason, (reply.status_code, reply.reason)
     assert short_run.status() == before  # not queued again
     assert not short_run.run_dir.resume_file.exists()  # and nothing recorded for a resume
+
+
+def test_compare_notebook_for_selected_runs(lab_server: LabServer, tmp_path) -> None:
+    """The panel's Compare: a notebook whose first code cell compares exactly the ticked runs."""
+    import json as _json
+    import time as _time
+
+    from workbench.registry import Registry, RunRecord
+    from workbench.rundir import RunDir
+    from workbench.spec import RunSpec
+
+    ids = ["cmp-nb-a", "cmp-nb-b"]
+    for run_id in ids:
+        rd = RunDir(tmp_path / run_id).create(RunSpec(name=run_id))
+        now = _time.time()
+        Registry().add_run(RunRecord(id=run_id, name=run_id, target="local", backend_job_id=None,
+                                     run_dir=str(rd.path), state="pending", created=now,
+                                     updated=now))
+    try:
+        url = lab_server.api("notebooks")
+        reply = requests.post(url, json={"directory": "", "runs": ids}, headers=lab_server.auth,
+                              timeout=30)
+        assert reply.status_code == 201, reply.text
+        nb = _json.loads((lab_server.root / reply.json()["path"]).read_text())
+        code = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+        assert 'workbench.compare(["cmp-nb-a", "cmp-nb-b"])' in code[0]
+        assert nb["metadata"]["kernelspec"]["name"] == "workbench"
+        for runs, status in (([ids[0]], 400), ([ids[0], ids[0]], 400), ("cmp-nb-a", 400),
+                             ([ids[0], "no-such-run"], 404), ([ids[0], "../x"], 400)):
+            bad = requests.post(url, json={"directory": "", "runs": runs},
+                                headers=lab_server.auth, timeout=30)
+            assert bad.status_code == status, (runs, bad.text)
+    finally:
+        for run_id in ids:
+            Registry().delete_run(run_id)

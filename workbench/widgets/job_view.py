@@ -1,7 +1,11 @@
-"""JobView: a live view of one run — loss curve, throughput, progress, ETA, state, cancel.
+"""JobView: a live view of one run — interactive metric chart, eval scores, throughput,
+progress, ETA, state, cancel.
 
 A daemon thread polls the run directory (through the Job) and updates the widgets, so the view
 keeps moving while the kernel is idle or busy with other cells, and stops once the run has ended.
+Each poll hands the chart only the metrics lines that are new since the last one; the chart
+redraws at most every ``redraw_s`` seconds (see :mod:`workbench.widgets.charts`). Scores from
+``eval.jsonl`` are re-read only when the file has grown.
 """
 
 from __future__ import annotations
@@ -13,8 +17,9 @@ from typing import Any
 
 import ipywidgets as W
 
+from workbench.evaluate import results
 from workbench.rundir import TERMINAL
-from workbench.widgets.plots import figure_png, loss_figure
+from workbench.widgets.charts import SeriesChart
 
 _STATE_COLOURS = {"succeeded": "#2ca02c", "failed": "#d62728", "cancelled": "#7f7f7f",
                   "budget_stopped": "#ff7f0e", "running": "#1f77b4"}
@@ -29,21 +34,43 @@ def _duration(seconds: float | None) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
+def eval_table(lines: list[dict[str, Any]], limit: int = 20) -> str:
+    """The newest ``limit`` eval.jsonl lines as a small HTML table (one row per task and point)."""
+    if not lines:
+        return ""
+    head = "".join(f"<th style='text-align:left'>{h}</th>"
+                   for h in ("phase", "step", "model", "task", "scores", "n"))
+    rows = []
+    for ln in lines[-limit:]:
+        scores = ", ".join(f"{html.escape(k)} <b>{v:.4g}</b>" for k, v in ln["metrics"].items())
+        cells = (html.escape(str(ln.get("phase", ""))), str(ln.get("step", "")),
+                 html.escape(str(ln.get("model", ""))), html.escape(str(ln.get("task", ""))),
+                 scores, str(ln.get("n", "")))
+        rows.append("<tr>" + "".join(f"<td style='text-align:left'>{c}</td>" for c in cells)
+                    + "</tr>")
+    return (f"<b>evaluations</b><table style='font-size:12px'><tr>{head}</tr>{''.join(rows)}"
+            "</table>")
+
+
 class JobView(W.VBox):
-    def __init__(self, job: Any, interval: float = 1.0, autostart: bool = True) -> None:
+    def __init__(self, job: Any, interval: float = 1.0, autostart: bool = True,
+                 redraw_s: float = 1.5) -> None:
         self.job = job
         self.interval = interval
         self.header = W.HTML()
-        self.plot = W.Image(format="png", layout=W.Layout(width="540px"))
+        self.chart = SeriesChart([job.id], min_redraw_s=redraw_s)
+        self.evals = W.HTML()
         self.stats = W.HTML()
         self.progress = W.IntProgress(min=0, max=1, value=0, layout=W.Layout(width="540px"))
         self.cancel_button = W.Button(description="Cancel run", icon="stop",
                                       button_style="danger", tooltip="Stop every process")
         self.cancel_button.on_click(lambda _b: self._cancel())
         self.error = W.HTML()
-        self._n_metrics = -1
+        self._seen = 0  # metrics lines already handed to the chart
+        self._last_row: dict[str, Any] | None = None
+        self._eval_size = -1
         self._stop = threading.Event()
-        super().__init__([self.header, self.progress, self.plot, self.stats,
+        super().__init__([self.header, self.progress, self.chart, self.stats, self.evals,
                           self.cancel_button, self.error])
         self.refresh()
         if autostart and not self.finished:
@@ -63,19 +90,18 @@ class JobView(W.VBox):
                              f" &nbsp;<small>{html.escape(self.job.target)}</small>")
         total, step = status.get("total_steps") or 1, status.get("step") or 0
         self.progress.max, self.progress.value = total, min(step, total)
-        if len(metrics) != self._n_metrics:  # re-render only when there is something new
-            self._n_metrics = len(metrics)
-            self.plot.value = figure_png(loss_figure(metrics, title="loss"))
-        train = [m for m in metrics if "loss" in m]
-        evals = [m for m in metrics if "eval_loss" in m]
-        speed = train[-1].get("tokens_per_s") if train else None
+        self._push(metrics)
+        self.chart.flush(force=state in TERMINAL)
+        self._read_evals()
+        src = self.chart.sources[0]
+        loss, eval_loss, speed = src.last("loss"), src.last("eval_loss"), src.last("tokens_per_s")
         prep = status.get("prepare") or {}
         parts = [
             (f"preparing data: {prep.get('split', '')} {prep.get('done', 0):,}/"
              f"{prep.get('total', '?')}" if status.get("phase") == "preparing" else ""),
             f"step <b>{step}</b> / {status.get('total_steps') or '?'}",
-            f"loss <b>{train[-1]['loss']:.4f}</b>" if train else "loss –",
-            f"eval loss {evals[-1]['eval_loss']:.4f}" if evals else "",
+            f"loss <b>{loss:.4f}</b>" if loss is not None else "loss –",
+            f"eval loss {eval_loss:.4f}" if eval_loss is not None else "",
             f"{speed:,.0f} tokens/s" if speed else "",
             f"elapsed {_duration(status.get('elapsed_s'))}",
             (f"cost {status['cost']:.2f} {status.get('currency', '')}"
@@ -96,6 +122,23 @@ class JobView(W.VBox):
         self.error.value = (f"<pre style='color:{colour};white-space:pre-wrap'>"
                             f"{html.escape(text)}</pre>") if text else ""
         return status
+
+    def _push(self, metrics: list[dict[str, Any]]) -> None:
+        """Hand the chart the lines it has not seen; start over if a resume rewrote the tail."""
+        seen = self._seen
+        if seen and (len(metrics) < seen or metrics[seen - 1] is not self._last_row):
+            self.chart.reset(0)
+            seen = 0
+        if len(metrics) > seen:
+            self.chart.push(0, metrics[seen:])
+            self._seen, self._last_row = len(metrics), metrics[-1]
+
+    def _read_evals(self) -> None:
+        path = self.job.run_dir.path / results.FILE
+        size = path.stat().st_size if path.is_file() else 0
+        if size != self._eval_size:
+            self._eval_size = size
+            self.evals.value = eval_table(results.read(self.job.run_dir.path))
 
     def _loop(self) -> None:
         while not self._stop.is_set():

@@ -27,6 +27,7 @@ const KERNEL_NAME = 'workbench';
 namespace CommandIDs {
   export const openPanel = 'workbench:open-panel';
   export const newRun = 'workbench:new-run';
+  export const compare = 'workbench:compare-runs';
   export const openDetails = 'workbench:open-details';
 }
 
@@ -61,7 +62,8 @@ const plugin: JupyterFrontEndPlugin<void> = {
       openDetails: run => void app.commands.execute(CommandIDs.openDetails, { id: run.id }),
       openFolder: path =>
         void app.commands.execute('filebrowser:go-to-path', { path: `/${path}` }),
-      newRun: () => void app.commands.execute(CommandIDs.newRun)
+      newRun: () => void app.commands.execute(CommandIDs.newRun),
+      compare: (runs: string[]) => void app.commands.execute(CommandIDs.compare, { runs })
     });
     panel.title.icon = workbenchIcon;
     app.shell.add(panel, 'left', { rank: 650 });
@@ -88,6 +90,24 @@ const plugin: JupyterFrontEndPlugin<void> = {
           });
         } catch (error) {
           void showErrorMessage('Could not create the notebook', (error as Error).message);
+        }
+      }
+    });
+
+    app.commands.addCommand(CommandIDs.compare, {
+      label: 'Compare runs',
+      caption: 'Open a notebook comparing the runs selected in the Workbench panel',
+      execute: async args => {
+        const runs = (args.runs as string[]) ?? [];
+        try {
+          const { path } = await service.compareNotebook(fileBrowser?.model.path ?? '', runs);
+          return await app.commands.execute('docmanager:open', {
+            path,
+            factory: 'Notebook',
+            kernel: { name: KERNEL_NAME }
+          });
+        } catch (error) {
+          void showErrorMessage('Could not open the comparison', (error as Error).message);
         }
       }
     });

@@ -24,6 +24,7 @@ export interface IRunsPanelHost {
   openDetails(run: IRun): void;
   openFolder(path: string): void;
   newRun(): void;
+  compare(runIds: string[]): void;
 }
 
 function button(label: string, aria: string, onClick: () => void): HTMLButtonElement {
@@ -45,6 +46,7 @@ class RunCard {
   private readonly errorNode = document.createElement('div');
   private readonly spark = document.createElementNS('http://www.w3.org/2000/svg', 'svg');
   private readonly actions = document.createElement('div');
+  private readonly pick = document.createElement('input');
   private actionsKey = '';
   run: IRun;
 
@@ -60,7 +62,12 @@ class RunCard {
     head.className = 'jp-WorkbenchRuns-head';
     this.nameNode.className = 'jp-WorkbenchRuns-name';
     this.stateNode.className = 'jp-WorkbenchRuns-state';
-    head.append(this.nameNode, this.stateNode);
+    // Ticked runs are what the panel's Compare button opens side by side.
+    this.pick.type = 'checkbox';
+    this.pick.className = 'jp-WorkbenchRuns-pick';
+    this.pick.setAttribute('aria-label', `select ${run.name} to compare`);
+    this.pick.addEventListener('change', () => panel.select(this.run.id, this.pick.checked));
+    head.append(this.pick, this.nameNode, this.stateNode);
     this.metaNode.className = 'jp-WorkbenchRuns-meta';
     this.errorNode.className = 'jp-WorkbenchRuns-error';
     this.spark.classList.add('jp-WorkbenchSpark');
@@ -213,6 +220,12 @@ export class RunsPanel extends Widget {
   private inFlight = false;
   private endpointsKey = '';
   private targets: string[] = ['local'];
+  private readonly selected = new Set<string>();
+  private readonly compareButton = button(
+    'Compare',
+    'compare the selected runs in a new notebook',
+    () => this.host.compare([...this.selected])
+  );
 
   constructor(
     private readonly service: WorkbenchService,
@@ -229,6 +242,7 @@ export class RunsPanel extends Widget {
     header.append(
       h,
       button('New run', 'new fine-tuning run notebook', () => this.host.newRun()),
+      this.compareButton,
       button('Refresh', 'refresh the runs now', () => void this.refresh())
     );
     this.list.className = 'jp-WorkbenchRuns-list';
@@ -241,6 +255,20 @@ export class RunsPanel extends Widget {
     this.endpointsSection.append(eh, this.endpointsList);
     this.endpointsSection.hidden = true;
     this.node.append(header, this.statusNode, this.list, this.endpointsSection);
+    this.select('', false);
+  }
+
+  /** Tick or untick a run for comparison; Compare needs two. */
+  select(runId: string, on: boolean): void {
+    if (runId) {
+      if (on) {
+        this.selected.add(runId);
+      } else {
+        this.selected.delete(runId);
+      }
+    }
+    this.compareButton.disabled = this.selected.size < 2;
+    this.compareButton.textContent = `Compare (${this.selected.size})`;
   }
 
   /** Seconds between refreshes (from the Settings Editor). */

@@ -144,6 +144,14 @@ export class WorkbenchService {
     });
   }
 
+  /** A notebook whose first cell is `workbench.compare([...runs])`. */
+  compareNotebook(directory: string, runs: string[]): Promise<{ path: string }> {
+    return this.request('notebooks', {
+      method: 'POST',
+      body: JSON.stringify({ directory, runs })
+    });
+  }
+
   private async request<T>(path: string, init: RequestInit = {}): Promise<T> {
     const url = URLExt.join(this.settings.baseUrl, 'workbench', 'api', path);
     let response: Response;

@@ -13,6 +13,7 @@ to status codes with the error's message as the reason the panel shows.
                                                 resume: optional {"budget_limit": 100}
     POST /workbench/api/endpoints/NAME/stop     stop a deployed endpoint
     POST /workbench/api/notebooks               {"directory": "", "target": "local"} -> {"path"}
+                                                {"directory": "", "runs": [ID, ID, ...]}: compare
     GET|POST /workbench/tensorboard/RUN_ID/...  the run's TensorBoard (started by the POST above)
 """
 
@@ -31,7 +32,7 @@ from jupyter_server.utils import ensure_async, url_path_join
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 
 from workbench.errors import WorkbenchError
-from workbench_lab.template import new_run_notebook
+from workbench_lab.template import compare_notebook, new_run_notebook
 from workbench_lab.tensorboard import TensorBoardError, TensorBoards
 from workbench_lab.view import RUN_ID_PATTERN, InvalidRequestError, RunsView, UnsupportedError
 
@@ -123,9 +124,18 @@ class NotebooksHandler(WorkbenchHandler):
         cm = self.contents_manager
         if ".." in directory.split("/") or not await ensure_async(cm.dir_exists(directory)):
             raise tornado.web.HTTPError(400, reason=f"no folder {directory!r} in the file browser")
-        name = await ensure_async(cm.increment_filename("fine-tune.ipynb", directory, insert="-"))
+        runs = body.get("runs")
+        if runs is None:
+            stem, content = "fine-tune.ipynb", new_run_notebook(target)
+        else:
+            if not isinstance(runs, list) or len(set(map(str, runs))) < 2:
+                raise tornado.web.HTTPError(400, reason='"runs" must list two different run ids')
+            for run_id in runs:  # exact ids of registered runs only (400 malformed, 404 unknown)
+                await self.call(self.view.job, str(run_id))
+            stem, content = "compare.ipynb", compare_notebook([str(r) for r in runs])
+        name = await ensure_async(cm.increment_filename(stem, directory, insert="-"))
         path = f"{directory}/{name}" if directory else name
-        model = {"type": "notebook", "format": "json", "content": new_run_notebook(target)}
+        model = {"type": "notebook", "format": "json", "content": content}
         await ensure_async(cm.save(model, path))
         self.set_status(201)
         self.reply({"path": path})

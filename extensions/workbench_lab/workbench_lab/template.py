@@ -1,4 +1,4 @@
-"""The "New fine-tuning run" notebook: a short quickstart on the Workbench kernel.
+"""The notebooks the panel creates: "New fine-tuning run" (a short quickstart) and "Compare runs".
 
 The cells follow ``notebooks/quickstart.ipynb`` (describe, check the plan, launch, watch), trimmed
 to what a new run needs; the notebook opens on the "Python (Workbench)" kernel, where the
@@ -38,6 +38,25 @@ def new_run_notebook(target: str = "local") -> dict[str, Any]:
         new_code_cell("job = workbench.launch(form.spec)\njob.show()"),
         new_code_cell("%workbench status"),
     ]
+    return _notebook(cells)
+
+
+def compare_notebook(run_ids: list[str]) -> dict[str, Any]:
+    """A notebook (as JSON) whose first cell opens ``workbench.compare`` on the given runs."""
+    runs = ", ".join(json.dumps(r) for r in run_ids)
+    cells = [
+        new_markdown_cell(
+            "# Compare runs\n\nCurves overlaid (by step, tokens or time), final and best losses, "
+            "eval scores and the spec keys that differ (yellow), and answers side by side. "
+            "See docs/compare.md."
+        ),
+        new_code_cell(f"import workbench\n\nview = workbench.compare([{runs}])\nview"),
+        new_code_cell("view.df  # the table as a DataFrame"),
+    ]
+    return _notebook(cells)
+
+
+def _notebook(cells: list[Any]) -> dict[str, Any]:
     nb = new_notebook(cells=cells, metadata={
         "kernelspec": {"name": KERNEL_NAME, "display_name": "Python (Workbench)", "language": "python"},
         "language_info": {"name": "python"},
