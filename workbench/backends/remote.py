@@ -26,7 +26,7 @@ from workbench.secrets import remote_quote
 from workbench.targets import HostSpec, SSHOptions, TargetError
 
 # The remote run directory is authoritative for these; the local copy is a mirror.
-MIRRORED = ("status.json", "metrics.jsonl")
+MIRRORED = ("status.json", "metrics.jsonl", "eval.jsonl")
 MAX_CHUNK = 4 << 20  # bytes per file per sync, so one poll never stalls on a huge log
 
 
@@ -267,7 +267,7 @@ print("WORKBENCH-SYNC " + json.dumps(out))
 def sync_run_dir(transport: Transport, remote_dir: str, local_dir: Path, *, python: str = "python3",
                  prefix: str = "", pids: list[int] | None = None, chunk: int = MAX_CHUNK,
                  complete: bool = False) -> dict[str, bool]:
-    """Bring new bytes of status.json, metrics.jsonl and logs/* into ``local_dir``.
+    """Bring new bytes of status.json, metrics.jsonl, eval.jsonl and logs/* into ``local_dir``.
 
     Offsets are the local files' sizes, so the mirror needs no bookkeeping and survives a
     kernel restart. ``prefix`` names the logs of a node other than 0 (``node-1-``), whose run
@@ -285,8 +285,9 @@ def sync_run_dir(transport: Transport, remote_dir: str, local_dir: Path, *, pyth
 def _sync_once(transport: Transport, remote_dir: str, local_dir: Path, python: str, prefix: str,
                pids: list[int], chunk: int) -> tuple[dict[str, bool], bool]:
     (local_dir / "logs").mkdir(parents=True, exist_ok=True)
-    files: dict[str, int] = {} if prefix else {"status.json": 0, "metrics.jsonl": _size(
-        local_dir / "metrics.jsonl")}
+    files: dict[str, int] = {} if prefix else {
+        "status.json": 0, "metrics.jsonl": _size(local_dir / "metrics.jsonl"),
+        "eval.jsonl": _size(local_dir / "eval.jsonl")}
     offsets = {}
     logs = local_dir / "logs"
     for p in logs.iterdir():
