@@ -47,17 +47,17 @@ def _validate_tracking(spec: RunSpec) -> None:
         )
 
 
-def _plan(spec: RunSpec, force: bool) -> dict[str, Any]:
+def _plan(spec: RunSpec, force: bool, longest: int | None = None) -> dict[str, Any]:
     """The planner's verdict; refuses a plan that cannot fit unless ``force``."""
     from workbench.plan import check_fits, plan
 
-    result = plan(spec)
+    result = plan(spec, longest=longest)
     if not force:
         check_fits(result)
     return result.to_dict()
 
 
-def _prepare_data(spec: RunSpec, rd: RunDir) -> None:
+def _prepare_data(spec: RunSpec, rd: RunDir, force: bool = False) -> None:
     """Read, clean and split the data, then tokenise it once for every rank (see
     workbench.data.tokenized); refuses data that truncation would leave with too little to train."""
     from workbench.data.prepare import prepare_data
@@ -77,6 +77,11 @@ def _prepare_data(spec: RunSpec, rd: RunDir) -> None:
     check_trainable(stats, spec)
     # The plan measured a sample; what the run will train on is now known exactly.
     plan = json.loads(rd.plan_file.read_text(encoding="utf-8"))
+    longest = (stats.splits["train"].summarised().tokens or {}).get("max")
+    if longest and plan.get("memory_seq_len") and min(longest, spec.data.max_length) > \
+            plan["memory_seq_len"]:
+        # The sample missed longer rows: their batches need more activation memory than planned.
+        plan = _plan(spec, force, longest=longest)
     write_json_atomic(rd.plan_file, {**plan, "data_tokens": {**stats.to_dict(), "sampled": False}})
 
 
@@ -116,7 +121,7 @@ def launch(spec: RunSpec | dict | str | Path | None = None, *, force: bool = Fal
                                run_dir=str(rd.path), state=PENDING, created=now, updated=now))
     try:
         write_json_atomic(rd.plan_file, plan)
-        _prepare_data(spec, rd)
+        _prepare_data(spec, rd, force)
     except BaseException:
         registry.delete_run(run_id)
         shutil.rmtree(rd.path, ignore_errors=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -78,7 +79,10 @@ def _setup(spec: RunSpec, shape: ModelShape, on_gpu: bool, seq_len: int,
 def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
               data: DataEstimate) -> Plan:
     res = spec.resources
-    s = _setup(spec, shape, on_gpu, spec.data.max_length, gpu)
+    # Activations are sized by the longest batch the data can produce: its longest example
+    # (padding goes to the batch's longest), max_length when packed or when lengths are unknown.
+    seq_mem = data.longest or spec.data.max_length
+    s = _setup(spec, shape, on_gpu, seq_mem, gpu)
     if on_gpu:
         capacity = gpu.memory_gib
         n_devices = res.gpus_per_node * res.nodes
@@ -93,6 +97,11 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
     elif currency != spec.budget.currency:
         assumptions.append(f"prices in the GPU table are in {currency}, the budget in "
                            f"{spec.budget.currency}: cost shown in {currency}")
+    assumptions.append(
+        f"activations sized at {seq_mem} tokens per sequence: the longest example of "
+        f"{data.longest_of} (max_length {spec.data.max_length})" if data.longest else
+        f"activations sized at max_length {spec.data.max_length}"
+        + (" (packed)" if spec.data.packing else " (example lengths unknown)"))
     margin = safety_margin_gib(capacity)
     precision = _precision(spec, on_gpu, gpu)  # the same resolution _setup made
     assumptions.append("precision: " + precision.reason)
@@ -134,7 +143,7 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
         if hours is None or price is None:
             return None
         return (hours + startup_h) * units * price
-    # Activations are planned at max_length (a padded batch can hit it); time at the estimate.
+    # Time at the average padded length (memory above at the longest).
     s_time = _setup(spec, shape, on_gpu, int(max(1, data.tokens_per_example)), gpu)
 
     candidates = []
@@ -239,7 +248,7 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
         suggestions=[], data_note=data.note, assumptions=assumptions,
         data_tokens=data.tokens, startup_s=startup,
         startup_cost=startup_h * units * price if price is not None else None,
-        clock=clock,
+        clock=clock, memory_seq_len=seq_mem,
     )
 
 
@@ -354,19 +363,24 @@ def _suggest(spec: RunSpec, p: Plan, gpu: GpuType, on_gpu: bool, shape: ModelSha
 
 
 def plan(spec: RunSpec | dict | str | Path | None = None, *,
-         gpu_type: str | None = None) -> Plan:
+         gpu_type: str | None = None, longest: int | None = None) -> Plan:
     """Plan ``spec``: memory per GPU for every strategy, the choice, time, cost and verdict.
 
     ``spec`` takes the forms ``launch`` takes (a RunSpec, a mapping, a YAML path; None: the
     embedded default). ``gpu_type`` overrides ``spec.resources.gpu_type`` (which defaults to the
     detected card). Raises SpecError for an invalid spec, UnknownGPUError for a card not in the
     table, ModelNotFoundError for an unknown model.
+    ``longest`` is the longest training example in tokens when every row has been measured
+    (launch passes it after tokenising, when the sample the plan read missed longer rows).
     """
     spec = RunSpec.coerce(spec)
     gpu, on_gpu = _resolve_gpu(spec, gpu_type)
     m = spec.model
     shape = model_shape(m.id, m.revision, m.trust_remote_code)
     data = estimate_data(spec)
+    if longest is not None and not spec.data.packing:  # launch measured every row
+        data = replace(data, longest=min(longest, spec.data.max_length),
+                       longest_of="every training row")
     p = _evaluate(spec, gpu, on_gpu, shape, data)
     p.suggestions = _suggest(spec, p, gpu, on_gpu, shape, data)
     return p

@@ -85,6 +85,7 @@ class Plan:
     # The clock and its basis (calibration or table, earlier runs), with the modelled figures
     # before correction: workbench.plan.history compares them with what the run measured.
     clock: dict[str, Any] | None = None
+    memory_seq_len: int | None = None  # tokens per sequence the activations are sized at
 
     @property
     def headroom_gib(self) -> float:
@@ -96,7 +97,7 @@ class Plan:
             "devices_per_node", "nodes", "world_size", "capacity_gib", "safety_margin_gib",
             "fits", "reasons", "tokens_per_step", "steps", "total_tokens", "flops", "hours",
             "cost", "currency", "price_per_hour", "budget_limit", "budget_verdict", "data_note",
-            "assumptions", "data_tokens", "startup_s", "startup_cost", "clock")}
+            "assumptions", "data_tokens", "startup_s", "startup_cost", "clock", "memory_seq_len")}
         d["headroom_gib"] = round(self.headroom_gib, 4)
         d["memory_gib"] = self.memory.to_dict()
         d["strategy"] = {**asdict(self.strategy), "label": self.strategy.label}

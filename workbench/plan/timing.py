@@ -11,6 +11,7 @@ plan prices these hours.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +68,7 @@ def _source_rows(path: str) -> tuple[int | None, list[dict[str, Any]]]:
     return None, []
 
 
+_GUESS_ROOM = 1.5  # a character-based length guess, scaled up for sizing memory by it
 _SAMPLE_ROWS = 512  # rows per source tokenised for the estimate: quick, and enough for a p95
 
 
@@ -76,6 +78,10 @@ class DataEstimate:
     tokens_per_example: float  # average tokens one example costs (padding included)
     note: str
     tokens: dict[str, Any] | None = None  # token statistics of the sample (TokenStats.to_dict)
+    # The longest training example measured (tokens, at most max_length): the longest batch the
+    # data can produce, which activations are sized by. None: unknown, or packed (max_length).
+    longest: int | None = None
+    longest_of: str = ""  # what it was measured on, for the plan to say
 
 
 def _local_tokenizer(spec: RunSpec) -> Any:
@@ -173,7 +179,22 @@ def estimate_data(spec: RunSpec) -> DataEstimate:
         total = max(1, int(total * avg / L))
         note += f"; ~{total:,} packed blocks"
     tokens = {**sample_stats.to_dict(), "sampled": True} if measured else None
-    return DataEstimate(total, per_example, note, tokens)
+    longest, longest_of = None, ""
+    if measured and train is not None and not spec.data.packing:
+        if train.lengths:
+            longest = min(L, max(train.lengths))
+            every = total is not None and train.examples >= total
+            longest_of = (f"every training row ({train.examples:,})" if every else
+                          f"the first {train.examples:,} rows; launch re-checks every row")
+        elif (train.tokens or {}).get("max"):  # the prepared data's statistics: every row
+            longest, longest_of = min(L, int(train.tokens["max"])), "every training row"
+    elif lengths and not spec.data.packing:
+        # Lengths guessed from characters: a tokenizer that splits finer (code, other scripts)
+        # makes more tokens, so the guess gets room for half as many again.
+        longest = min(L, math.ceil(max(lengths) * _GUESS_ROOM))
+        longest_of = (f"{len(lengths)} sampled rows estimated at {_CHARS_PER_TOKEN} characters per "
+                      f"token, x{_GUESS_ROOM}")
+    return DataEstimate(total, per_example, note, tokens, longest, longest_of)
 
 
 def _forward_flops_per_token(sh: ModelShape, seq_len: int) -> float:
