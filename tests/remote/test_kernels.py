@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import time
-import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,11 @@ from jupyter_client import KernelManager
 from workbench.cli import run as cli
 from workbench.errors import RemoteKernelError, TargetError
 from workbench.targets import SlurmTarget, SSHTarget, get_target, save_target
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -236,5 +240,3 @@ def test_launch_in_a_remote_kernel_defaults_to_its_target(kernels, monkeypatch):
     with pytest.raises(TargetError, match="partition"):
         workbench.launch({"name": "inkernel", "train": {"max_steps": 2}})
     assert Registry().get_run("inkernel").target == "slurm:nopart"
-    with pytest.raises(TargetError, match="cannot reach"):  # a named target still wins
-        workbench.launch({"name": "named", "target": "ssh:down", "train": {"max_steps": 2}})

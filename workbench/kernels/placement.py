@@ -80,6 +80,20 @@ if not out:
         time.sleep(0.2)
 print(TAG + json.dumps(out))
 '''
+PREPARE = CHECK + r'''
+import os
+req = json.loads(REQ)
+if not out:
+    os.umask(0o077)
+    os.makedirs(req["dir"], exist_ok=True)
+    for name in ("identity.json", "activity.json"):
+        if os.path.exists(os.path.join(req["dir"], name)):
+            os.remove(os.path.join(req["dir"], name))
+    for name, text in req["files"].items():
+        with open(os.path.join(req["dir"], name), "w") as fh:
+            fh.write(text)
+print(TAG + json.dumps(out))
+'''
 WATCH = r'''
 import json, os
 req = json.loads(REQ)
@@ -182,13 +196,13 @@ class SlurmPlacement:
     """The kernel as step 0 of a one-node Slurm job that ends with it."""
 
     def __init__(self, target: SlurmTarget, kernel_id: str, gpus: int, time_limit: str,
-                 cpus: int) -> None:
+                 cpus: int, transport: Transport) -> None:
         from workbench.backends.slurm import SlurmBackend
         from workbench.home import home
 
         self.target = target.model_copy(update={"time": time_limit})
-        self.backend = SlurmBackend(target.ref, self.target)
-        self.transport: Transport = self.backend.transport
+        self.backend = SlurmBackend(target.ref, self.target)  # for its sbatch error advice
+        self.transport = transport  # the login node (over the tunnel's connection), or here
         base = target.workdir or ("~/workbench-runs" if target.login else str(home() / "runs"))
         self.dir = f"{base.rstrip('/')}/.kernels/{kernel_id}"
         self.kernel_id, self.gpus, self.cpus = kernel_id, gpus, cpus
@@ -198,7 +212,32 @@ class SlurmPlacement:
         self.started: float | None = None  # when Slurm started the allocation (the bill starts)
 
     def _sh(self, command: str, timeout: float = 60.0) -> Any:
-        return self.backend.scheduler(command, timeout)
+        # Without the secret env, as the backend's scheduler calls: the job sources its file.
+        return self.transport.run(f"{self.target.shell_prefix(secrets=False)}{command}",
+                                  check=False, timeout=timeout)
+
+    def _look(self, *files: str) -> tuple[dict[str, str], list[Any]]:
+        """The job as ``scontrol`` sees it ({} once Slurm forgot it) and the JSON ``files`` of the
+        kernel's folder (None where missing), in one round trip."""
+        from workbench.backends.slurm_script import parse_scontrol
+
+        d = shlex.quote(self.dir)
+        cats = "".join(f"; echo {SEP}; cat {d}/{f} 2>/dev/null" for f in files)
+        res = self._sh(f"scontrol show job -o {self.job} 2>&1{cats}; true")
+        head, *parts = res.stdout.decode(errors="replace").split(SEP)
+        if "JobState=" in head:
+            info = parse_scontrol(head.strip().splitlines()[0])
+        elif "invalid job id" in head.lower():
+            info = {}
+        else:  # slurmctld busy or unreachable says nothing about the job
+            raise TargetError(f"could not ask Slurm about job {self.job}: {head.strip()}")
+        found = []
+        for part in parts:
+            try:
+                found.append(json.loads(part))
+            except ValueError:
+                found.append(None)
+        return info, found
 
     def script(self, env: dict[str, str]) -> str:
         from workbench.backends.slurm_script import allocation_lines
@@ -222,21 +261,20 @@ class SlurmPlacement:
     def start(self, connection: dict[str, Any], env: dict[str, str], timeout: float,
               wait_s: float = 300.0) -> dict[str, int]:
         t, tr = self.target, self.transport
-        res = tr.run(f"{t.shell_prefix(secrets=False)}{shlex.quote(t.python)} -",
-                     input=_script(CHECK + "print(TAG + json.dumps(out))\n", {}), check=False,
-                     timeout=120)
-        found = _answer(res, f"checking the Python of {t.ref} on {tr.where}")
-        if found:
-            raise missing_ipykernel(t.ref, t.python, tr.where, found)
         if self.dir.startswith("~"):  # #SBATCH lines are not expanded by a shell
             home = tr.run('printf %s "$HOME"', timeout=60).stdout.decode().strip()
             self.dir = home + self.dir[1:]
-        d = shlex.quote(self.dir)
-        tr.run(f"umask 077 && mkdir -p {d} && rm -f {d}/identity.json {d}/activity.json && "
-               f"cat > {d}/connection.json", input=json.dumps({**connection, "ip": "0.0.0.0"})
-               .encode(), timeout=60)
-        tr.run(f"cat > {d}/kernel.sbatch", input=self.script(env).encode(), timeout=60)
+        # One round trip: can the Python start a kernel, then the connection file and script.
+        req = {"dir": self.dir, "files": {"connection.json": json.dumps({**connection,
+                                                                         "ip": "0.0.0.0"}),
+                                          "kernel.sbatch": self.script(env)}}
+        res = tr.run(f"{t.shell_prefix(secrets=False)}{shlex.quote(t.python)} -",
+                     input=_script(PREPARE, req), check=False, timeout=120)
+        found = _answer(res, f"checking the Python of {t.ref} on {tr.where}")
+        if found:
+            raise missing_ipykernel(t.ref, t.python, tr.where, found)
         write_secret_env(tr, t.env, self.dir)
+        d = shlex.quote(self.dir)
         res = self._sh(f"sbatch --parsable {d}/kernel.sbatch")
         job = res.stdout.decode(errors="replace").strip().split(";")[0]
         if res.returncode != 0 or not job.isdigit():
@@ -256,7 +294,7 @@ class SlurmPlacement:
 
         deadline = time.time() + wait_s
         while True:
-            info = self.backend.job_info(self.job or "")
+            info = self._look()[0]
             state = info.get("JobState", "")
             if state == "RUNNING":
                 return info
@@ -274,21 +312,14 @@ class SlurmPlacement:
             time.sleep(1.0)
 
     def _wait_ports(self, timeout: float) -> dict[str, int]:
-        d, deadline = shlex.quote(self.dir), time.time() + timeout
+        deadline = time.time() + timeout
         while time.time() < deadline:
-            alive, _ = self.alive_and_activity()
-            if not alive:
+            job, (info, identity) = self._look("connection.json", "identity.json")
+            if job.get("JobState") != "RUNNING":
                 raise RemoteKernelError(f"the kernel in Slurm job {self.job} exited at start:\n"
                                         f"{self._out_tail()}\n-> fix the error above in the "
                                         f"Python of {self.target.ref}")
-            res = self.transport.run(f"cat {d}/connection.json; echo; echo {SEP}; cat "
-                                     f"{d}/identity.json", check=False, timeout=60)
-            conn, _, ident = res.stdout.decode(errors="replace").partition(SEP)
-            try:
-                info, identity = json.loads(conn), json.loads(ident)
-            except ValueError:
-                info, identity = {}, None
-            if identity and all(info.get(k) for k in PORTS):
+            if identity and info and all(info.get(k) for k in PORTS):
                 self.identity = identity
                 return {k: int(info[k]) for k in PORTS}
             time.sleep(0.5)
@@ -306,14 +337,8 @@ class SlurmPlacement:
 
         if not self.job:
             return False, None
-        state = self.backend.job_info(self.job).get("JobState", "")
-        res = self.transport.run(f"cat {shlex.quote(self.dir)}/activity.json 2>/dev/null; true",
-                                 check=False, timeout=60)
-        try:
-            activity = json.loads(res.stdout.decode(errors="replace") or "null")
-        except ValueError:
-            activity = None
-        return state in (WAITING | ACTIVE) - {"COMPLETING"}, activity
+        info, (activity,) = self._look("activity.json")
+        return info.get("JobState", "") in (WAITING | ACTIVE) - {"COMPLETING"}, activity
 
     def signal(self, sig: int) -> None:
         name = signal.Signals(sig).name.removeprefix("SIG")
@@ -328,9 +353,22 @@ class SlurmPlacement:
 
     def release(self) -> None:
         """scancel the allocation and wait until Slurm confirms it left the queue."""
-        if self.job and not self.backend._scancel_until_gone(self.job, "", 30.0):
-            raise TargetError(f"could not confirm that Slurm job {self.job} (the kernel's "
-                              f"allocation) ended; scancel {self.job} on {self.transport.where}")
+        from workbench.backends.slurm_script import ACTIVE, WAITING
+
+        if not self.job:
+            return
+        deadline = time.time() + 30.0
+        self._sh(f"scancel {self.job}")
+        while True:
+            try:
+                if self._look()[0].get("JobState", "") not in WAITING | ACTIVE:
+                    return
+            except TargetError:
+                pass  # slurmctld busy: ask again
+            if time.time() >= deadline:
+                raise TargetError(f"could not confirm that Slurm job {self.job} (the kernel's "
+                                  f"allocation) ended; scancel {self.job} on {self.transport.where}")
+            time.sleep(0.5)
 
 
 def _slurm_time(value: str | None) -> float:

@@ -87,7 +87,7 @@ class WorkbenchProvisioner(KernelProvisionerBase):  # type: ignore[misc]
         return info
 
     def _launch(self, env: dict[str, str]) -> KernelConnectionInfo:
-        from workbench.backends.remote import SSHTransport
+        from workbench.backends.remote import LocalTransport, SSHTransport, Transport
         from workbench.targets import SlurmTarget, get_target
 
         target = get_target(self.target)
@@ -96,20 +96,22 @@ class WorkbenchProvisioner(KernelProvisionerBase):  # type: ignore[misc]
         started = time.time()
         try:
             if isinstance(target, SlurmTarget):
+                transport: Transport = LocalTransport()
+                if target.login:  # an unreachable login node is refused here, saying why
+                    self.tunnel = Tunnel(SSHTransport(target.login, target), self.kernel_id)
+                    transport = self.tunnel.connect(target.connect_timeout + 20)
                 slurm = SlurmPlacement(target, self.kernel_id, self.gpus, self.time_limit,
-                                       self.cpus)
+                                       self.cpus, transport)
                 self.placement = slurm
                 ports = slurm.start(conn, env, self.start_timeout_s, self.wait_s)
                 started = slurm.started or started
-                if target.login:
-                    self.tunnel = Tunnel(SSHTransport(target.login, target), self.kernel_id)
+                if self.tunnel is not None:
                     ports = self.tunnel.open(slurm.remote_host, ports)
                 ip = "127.0.0.1" if target.login else slurm.remote_host
             else:
-                base = SSHTransport(target.hosts[0], target)
-                base.run("true", timeout=target.connect_timeout + 20)  # unreachable: says why
-                self.tunnel = Tunnel(base, self.kernel_id)
-                ssh = SSHPlacement(target, self.tunnel.transport(), self.kernel_id)
+                self.tunnel = Tunnel(SSHTransport(target.hosts[0], target), self.kernel_id)
+                ssh = SSHPlacement(target, self.tunnel.connect(target.connect_timeout + 20),
+                                   self.kernel_id)
                 self.placement = ssh
                 ports = self.tunnel.open(ssh.remote_host, ssh.start(conn, env,
                                                                     self.start_timeout_s))

@@ -1,12 +1,12 @@
 """The five ZMQ ports of a remote kernel, forwarded to this machine's loopback over one SSH connection.
 
-One ``ssh -N -L 127.0.0.1:LOCAL:HOST:REMOTE ...`` process (five ``-L``), run by the same OpenSSH
-client and options as the backends (:class:`~workbench.backends.remote.SSHTransport`: ~/.ssh/config
-aliases, ProxyJump, agents and strict host keys all work). It is also the ControlMaster of that
-connection: :meth:`Tunnel.transport` runs the provisioner's polls through it, so a poll every few
-seconds costs no new SSH handshake. ``ExitOnForwardFailure`` makes a port that cannot be forwarded
-fail the start instead of leaving a half-connected kernel, and the process dies with the Jupyter
-server (``PR_SET_PDEATHSIG``). When the connection drops, the process ends: :meth:`alive` says so
+One ``ssh -N -M`` process per kernel, run by the same OpenSSH client and options as the backends
+(:class:`~workbench.backends.remote.SSHTransport`: ~/.ssh/config aliases, ProxyJump, agents and
+strict host keys all work), is the ControlMaster of one connection: :meth:`Tunnel.transport` runs
+the provisioner's commands through it (starting the kernel, and a poll every few seconds, cost no
+new SSH handshake), and :meth:`Tunnel.open` adds the five ``-L 127.0.0.1:LOCAL:HOST:REMOTE``
+forwards to it (``ssh -O forward``). The process dies with the Jupyter server
+(``PR_SET_PDEATHSIG``). When the connection drops, the process ends: :meth:`alive` says so
 and the provisioner declares the kernel dead.
 
 Why not gateway_provisioners or ``jupyter_client.ssh.tunnel``: gateway_provisioners' remote
@@ -28,7 +28,7 @@ from pathlib import Path
 from jupyter_client.connect import LocalPortCache
 
 from workbench.backends.remote import SSHTransport
-from workbench.errors import RemoteKernelError
+from workbench.errors import RemoteKernelError, TargetError
 from workbench.procs import die_with_parent
 
 
@@ -58,16 +58,10 @@ class Tunnel:
     def transport(self) -> SSHTransport:
         return _Multiplexed(self.base, self.control)
 
-    def open(self, remote_host: str, ports: dict[str, int], timeout: float = 30.0) -> dict[str, int]:
-        """Forward every port in ``ports`` (name -> remote port); returns name -> local port."""
-        cache = LocalPortCache.instance()
-        self.local = {name: cache.find_available_port("127.0.0.1") for name in ports}
+    def connect(self, timeout: float = 60.0) -> SSHTransport:
+        """Start the connection (the ControlMaster); returns a transport that runs on it."""
         argv = self.base.ssh_argv()
-        forwards: list[str] = []
-        for name, remote in ports.items():
-            forwards += ["-L", f"127.0.0.1:{self.local[name]}:{remote_host}:{remote}"]
-        argv = [*argv[:-1], "-N", "-M", "-o", f"ControlPath={self.control}", "-o",
-                "ExitOnForwardFailure=yes", *forwards, argv[-1]]
+        argv = [*argv[:-1], "-N", "-M", "-o", f"ControlPath={self.control}", argv[-1]]
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, preexec_fn=die_with_parent)
         deadline = time.time() + timeout
@@ -75,14 +69,32 @@ class Tunnel:
             if self.proc.poll() is not None:
                 err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
                 self.close()
-                raise RemoteKernelError("could not forward the kernel's ports over SSH: "
-                                        + self.base.explain(err.strip()))
-            if all(_listening(p) for p in self.local.values()):
-                return dict(self.local)
+                raise TargetError(self.base.explain(err.strip()))
+            if self.control.exists() and self._control("check").returncode == 0:
+                return self.transport()
             time.sleep(0.1)
         self.close()
-        raise RemoteKernelError(f"the SSH tunnel to {self.base.where} did not open within "
-                                f"{timeout:.0f} s; check the network and that the host is up")
+        raise TargetError(f"{self.base.where} did not accept an SSH connection within "
+                          f"{timeout:.0f} s; check the network and that the host is up")
+
+    def open(self, remote_host: str, ports: dict[str, int]) -> dict[str, int]:
+        """Forward every port in ``ports`` (name -> remote port); returns name -> local port."""
+        cache = LocalPortCache.instance()
+        self.local = {name: cache.find_available_port("127.0.0.1") for name in ports}
+        forwards: list[str] = []
+        for name, remote in ports.items():
+            forwards += ["-L", f"127.0.0.1:{self.local[name]}:{remote_host}:{remote}"]
+        res = self._control("forward", *forwards)
+        if res.returncode != 0 or not all(_listening(p) for p in self.local.values()):
+            raise RemoteKernelError(f"could not forward the kernel's ports over SSH from "
+                                    f"{self.base.where}: {res.stderr.decode(errors='replace')}")
+        return dict(self.local)
+
+    def _control(self, command: str, *options: str) -> subprocess.CompletedProcess[bytes]:
+        argv = self.base.ssh_argv()
+        return subprocess.run([*argv[:-1], "-o", f"ControlPath={self.control}", *options, "-O",
+                               command, argv[-1]], capture_output=True, timeout=60,
+                              stdin=subprocess.DEVNULL)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
