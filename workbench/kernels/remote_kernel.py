@@ -35,8 +35,6 @@ def main(argv: list[str] | None = None) -> None:
     folder = conn.parent
     _write(folder / "identity.json", ProcessIdentity.me("kernel").to_dict())
     activity = folder / "activity.json"
-    _write(activity, {"busy": False, "since": time.time()})
-
     app = IPKernelApp.instance(extensions=["workbench"], exec_lines=STARTUP_LINES)
     app.initialize(argv)
     events = app.shell.events  # type: ignore[union-attr]
@@ -44,6 +42,7 @@ def main(argv: list[str] | None = None) -> None:
                                                                  "since": time.time()}))
     events.register("post_run_cell", lambda *_: _write(activity, {"busy": False,
                                                                   "since": time.time()}))
+    _write(activity, {"busy": False, "since": time.time()})  # idle from when it can answer
     app.start()
 
 
