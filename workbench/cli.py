@@ -172,6 +172,18 @@ def _targets_check(args: argparse.Namespace) -> Any:
     return 0 if report.ok else 1  # scripts (and CI) can gate on a target being ready
 
 
+def _kernels(args: argparse.Namespace) -> Any:
+    from workbench.kernels.specs import install_kernel, kernels_table, remove_kernel
+
+    if args.kernels_command == "install":
+        name = install_kernel(args.target, gpus=args.gpus, time=args.time,
+                              cull_idle=args.cull_idle, wait=args.wait)
+        return f"installed kernel {name}; it is in JupyterLab's launcher\n{kernels_table()}"
+    if args.kernels_command == "remove":
+        return f"removed {remove_kernel(args.name)}"
+    return kernels_table()
+
+
 def _deploy(args: argparse.Namespace) -> Any:
     from workbench.serve import deploy
 
@@ -282,6 +294,20 @@ def build_parser() -> argparse.ArgumentParser:
     t = tsub.add_parser("check", help="reachability, Python env, torch, GPUs, disk (and Slurm)")
     t.add_argument("name", help="local, ssh:NAME or slurm:NAME")
     t.set_defaults(func=_targets_check)
+
+    c = sub.add_parser("kernels", help="remote kernels: a notebook's cells on an SSH host or Slurm")
+    ksub = c.add_subparsers(dest="kernels_command", required=True, metavar="ACTION")
+    k = ksub.add_parser("install", help="write a kernelspec that runs on a target")
+    k.add_argument("target", help="ssh:NAME or slurm:NAME (from targets.yaml)")
+    k.add_argument("--gpus", type=int, default=0, help="GPUs to allocate (Slurm) and price")
+    k.add_argument("--time", default="1h", help="the allocation's time limit, e.g. 2h (Slurm)")
+    k.add_argument("--cull-idle", help="end the kernel after this long idle, e.g. 30m; 0: never "
+                   "(default: 1h with GPUs, never without)")
+    k.add_argument("--wait", default="5m", help="how long an allocation may stay pending (Slurm)")
+    k = ksub.add_parser("list", help="the installed Workbench remote kernels")
+    k = ksub.add_parser("remove", help="remove a Workbench remote kernel")
+    k.add_argument("name", help="kernel name (workbench-slurm-NAME) or target")
+    c.set_defaults(func=_kernels)
 
     from workbench.data.commands import register as register_data
 

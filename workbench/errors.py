@@ -112,3 +112,8 @@ class BudgetError(WorkbenchError, ValueError):
 
 class RunBusyError(WorkbenchError, RuntimeError):
     """A run still has live processes (or another resume is starting it): it cannot start again."""
+
+
+class RemoteKernelError(WorkbenchError, RuntimeError):
+    """A remote kernel could not start, or was lost (host unreachable, no ipykernel there, a Slurm
+    allocation that did not start in time, a dropped connection); the message says what to do."""

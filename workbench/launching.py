@@ -12,6 +12,7 @@ the run's :class:`~workbench.jobs.Job`.
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import shutil
 import time
@@ -25,6 +26,8 @@ from workbench.jobs import Job
 from workbench.registry import Registry, RunRecord
 from workbench.rundir import PENDING, QUEUED, RunDir, write_json_atomic
 from workbench.spec import RunSpec
+
+KERNEL_TARGET_ENV = "WORKBENCH_TARGET"  # set by the remote-kernel provisioner on the target
 
 
 def _new_run_id(name: str) -> str:
@@ -93,6 +96,9 @@ def launch(spec: RunSpec | dict | str | Path | None = None, *, force: bool = Fal
     registered) once the spec, model, resources, plan and data have all been accepted.
     """
     spec = RunSpec.coerce(spec)
+    if "target" not in spec.model_fields_set and os.environ.get(KERNEL_TARGET_ENV):
+        # In a remote kernel (workbench.kernels) a spec that names no target runs where it is.
+        spec = spec.updated(target=os.environ[KERNEL_TARGET_ENV])
     registry = registry or Registry()
     backend = get_backend(spec.target)
     if spec.target != "local":  # a named target's defaults fill what the spec left unset
