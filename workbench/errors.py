@@ -112,3 +112,11 @@ class BudgetError(WorkbenchError, ValueError):
 
 class RunBusyError(WorkbenchError, RuntimeError):
     """A run still has live processes (or another resume is starting it): it cannot start again."""
+
+
+class SweepError(WorkbenchError, ValueError):
+    """A sweep cannot be started or resumed as asked (bad space, objective, budget or strategy)."""
+
+
+class SweepNotFoundError(WorkbenchError, LookupError):
+    """No sweep under WORKBENCH_HOME/sweeps matches the given id or name."""
