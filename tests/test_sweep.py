@@ -172,4 +172,4 @@ def test_an_objective_no_trial_reports_fails_the_sweep_clearly():
     assert "'eval.heldout.rouge_l' was not reported" in error and "eval_loss" in error
     assert len([t for t in s.trials if t.get("run_id")]) == 1  # no second trial was started
     with pytest.raises(WorkbenchError, match="no trial with a value"):
-        s.best
+        _ = s.best

@@ -72,7 +72,7 @@ def _check_path(path: str, base: RunSpec) -> None:
     for part in path.split("."):
         if not isinstance(node, dict) or part not in node:
             options = sorted(node) if isinstance(node, dict) else []
-            familiar = _FAMILIAR.get(part)  # learning_rate -> lr, as the spec's own errors say
+            familiar = _FAMILIAR.get(part, "")  # learning_rate -> lr, as the spec's errors say
             close = [familiar] if familiar in options else difflib.get_close_matches(
                 part, options, n=1, cutoff=0.5)
             where = ".".join(walked) or "the spec"
