@@ -21,7 +21,7 @@ def test_public_api_is_exactly_the_intended_names():
         "DatasetError", "DatasetFormatError", "EmptyDatasetError", "Job", "JobFailedError",
         "LaunchError", "ModelNotFoundError", "ResourceError", "RunNotFoundError", "RunSpec",
         "SpecError", "WorkbenchError", "__version__", "compare", "deploy", "get_job", "jobs", "launch",
-        "load_ipython_extension", "plan",
+        "load_ipython_extension", "plan", "sweep", "get_sweep",
     ])
     for name in workbench.__all__:
         assert hasattr(workbench, name), name

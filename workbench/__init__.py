@@ -31,7 +31,8 @@ from workbench.errors import (
 _LAZY = {"Job": "workbench.jobs", "get_job": "workbench.jobs", "jobs": "workbench.jobs",
          "compare": "workbench.widgets.compare",
          "launch": "workbench.launching", "plan": "workbench.plan", "deploy": "workbench.serve",
-         "RunSpec": "workbench.spec"}
+         "RunSpec": "workbench.spec", "sweep": "workbench.sweep", "get_sweep": "workbench.sweep",
+         "sweeps": "workbench.sweep"}
 
 from workbench.train.quiet import install as _quiet  # noqa: E402
 
@@ -54,10 +55,12 @@ __all__ = [
     "compare",
     "deploy",
     "get_job",
+    "get_sweep",
     "jobs",
     "launch",
     "load_ipython_extension",
     "plan",
+    "sweep",
 ]
 
 
@@ -88,7 +91,8 @@ def __dir__() -> list[str]:
 
 
 class _Package(types.ModuleType):
-    """``workbench.plan`` and ``workbench.jobs`` are functions that share their submodule's name.
+    """``workbench.plan``, ``workbench.jobs`` and ``workbench.sweep`` are functions that share
+    their submodule's name.
 
     Loading a submodule sets it as an attribute of its package; here that must not replace
     the function of the same name (the eager imports this file used to make ensured the same).

@@ -1,4 +1,4 @@
-"""The ``workbench`` command line: launch, status, logs, cancel, compare, plan, data, spec, demo.
+"""The ``workbench`` command line: launch, sweep, status, logs, cancel, compare, plan, data, spec, demo.
 
 Each command is a few lines over the same library calls the widgets use. ``run(argv)`` executes a
 command and returns its result object (a Job, a list of Jobs, text); ``main`` prints it. The
@@ -200,6 +200,19 @@ def _endpoints(args: argparse.Namespace) -> Any:
     return endpoints_table(endpoints(all=args.all))
 
 
+def _sweep(args: argparse.Namespace) -> Any:
+    from workbench.sweep import get_sweep, sweep_yaml
+
+    s = get_sweep(args.spec) if args.resume else sweep_yaml(args.spec)
+    if args.resume:
+        s.resume()
+    print(f"sweep {s.id}  (record {s.record.path})", flush=True)
+    if args.wait:
+        print(f"{s.id} {s.wait(progress=True)}")
+        return s.trials_df().to_string(index=False)
+    return s
+
+
 def _undeploy(args: argparse.Namespace) -> Any:
     from workbench.serve import undeploy
 
@@ -215,6 +228,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--force", action="store_true", help="launch even if the plan does not fit")
     c.add_argument("--wait", action="store_true", help="wait for the run to end, with progress")
     c.set_defaults(func=_launch)
+
+    c = sub.add_parser("sweep", help="start a sweep from a spec YAML file with a 'sweep:' section")
+    c.add_argument("spec", help="RunSpec YAML with a 'sweep:' section (or a sweep id with --resume)")
+    c.add_argument("--resume", action="store_true", help="go on with the sweep SPEC names")
+    c.add_argument("--wait", action="store_true", help="wait for the sweep, then print its trials")
+    c.set_defaults(func=_sweep)
 
     c = sub.add_parser("status", help="list runs, or show one run")
     c.add_argument("run", nargs="?", help="run id or name")

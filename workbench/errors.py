@@ -117,3 +117,11 @@ class RunBusyError(WorkbenchError, RuntimeError):
 class RemoteKernelError(WorkbenchError, RuntimeError):
     """A remote kernel could not start, or was lost (host unreachable, no ipykernel there, a Slurm
     allocation that did not start in time, a dropped connection); the message says what to do."""
+
+
+class SweepError(WorkbenchError, ValueError):
+    """A sweep cannot be started or resumed as asked (bad space, objective, budget or strategy)."""
+
+
+class SweepNotFoundError(WorkbenchError, LookupError):
+    """No sweep under WORKBENCH_HOME/sweeps matches the given id or name."""

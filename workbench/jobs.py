@@ -260,7 +260,8 @@ class Job:
         if changes:
             self.run_dir.resume_file.write_text(yaml.safe_dump(merged), encoding="utf-8")
         spec = self.run_dir.spec()
-        self.run_dir.write_status(state=QUEUED, error=None, stop_reason=None, note=None, ended=None)
+        self.run_dir.write_status(state=QUEUED, error=None, stop_reason=None, stop_request=None,
+                                  note=None, ended=None)
         job_id = self.backend.submit(self.run_dir.path, spec)
         self.registry.update_run(self.id, backend_job_id=job_id, state=QUEUED)
         self.record = self.registry.get_run(self.id)

@@ -31,8 +31,17 @@ if TYPE_CHECKING:  # the supervisor reads run directories without needing pydant
 
 PENDING, QUEUED, RUNNING = "pending", "queued", "running"
 SUCCEEDED, FAILED, CANCELLED, BUDGET_STOPPED = "succeeded", "failed", "cancelled", "budget_stopped"
-STATES = (PENDING, QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED, BUDGET_STOPPED)
-TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED, BUDGET_STOPPED})
+PRUNED = "pruned"  # stopped by a sweep because its metric was clearly worse (workbench.sweep)
+STATES = (PENDING, QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED, BUDGET_STOPPED, PRUNED)
+TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED, BUDGET_STOPPED, PRUNED})
+# status.json's ``stop_request``: why a cancel was asked for. "prune" (written by a sweep just
+# before it cancels a trial) makes the cancel end in PRUNED; otherwise a cancel ends CANCELLED.
+PRUNE_REQUEST = "prune"
+
+
+def cancelled_state(status: dict[str, Any]) -> str:
+    """The terminal state of a run whose processes were stopped on request (see PRUNE_REQUEST)."""
+    return PRUNED if status.get("stop_request") == PRUNE_REQUEST else CANCELLED
 
 
 class RunDirError(WorkbenchError, ValueError):

@@ -28,7 +28,14 @@ import psutil
 from workbench import procs
 from workbench.budget import KILL_GRACE_S, AttemptBill
 from workbench.errors import ResourceError
-from workbench.rundir import BUDGET_STOPPED, CANCELLED, FAILED, RUNNING, SUCCEEDED, RunDir
+from workbench.rundir import (
+    BUDGET_STOPPED,
+    FAILED,
+    RUNNING,
+    SUCCEEDED,
+    RunDir,
+    cancelled_state,
+)
 from workbench.spec import RunSpec
 
 OWN_FOLDER_ENV = "WORKBENCH_OWN_FOLDER"  # set for ranks whose run directory no other node shares
@@ -239,8 +246,8 @@ def supervise(run_dir: str, role: NodeRole = NodeRole()) -> int:
     budget_stop = role.writes_status and rd.status().get("stop_reason") == "budget"
     if bill.stopped:
         final["state"] = BUDGET_STOPPED
-    elif cancel_at:
-        final["state"] = CANCELLED
+    elif cancel_at:  # cancelled, or pruned when a sweep asked for the stop
+        final["state"] = cancelled_state(rd.status()) if role.writes_status else "cancelled"
     elif rc == 0 and budget_stop:
         final["state"] = BUDGET_STOPPED
     elif rc == 0 and (rd.artefact_dir() is not None or not role.writes_status):

@@ -18,7 +18,7 @@ from typing import Any
 
 from workbench import procs
 from workbench.errors import LaunchError, ResourceError
-from workbench.rundir import CANCELLED, FAILED, QUEUED, TERMINAL, RunDir
+from workbench.rundir import FAILED, QUEUED, TERMINAL, RunDir, cancelled_state
 from workbench.spec import RunSpec
 from workbench.targets import SSHTarget, TargetReport, probe_environment, register_check
 
@@ -160,7 +160,7 @@ class LocalBackend:
                 now["warning"] = "cancel could not confirm that these stopped: " + ", ".join(
                     p.describe() for p in still + procs.elsewhere(idents))
                 return
-            now.update(state=CANCELLED, ended=time.time(), warning=None)
+            now.update(state=cancelled_state(now), ended=time.time(), warning=None)
 
         rd.update_status(conclude)
         _reap()

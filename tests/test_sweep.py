@@ -1,0 +1,175 @@
+"""Sweeps with real trials: 2 gloo ranks each on the built-in tiny model, 2 trials at once.
+
+CPU time is priced through budget.price_per_cpu_core_hour, as in test_budget.py: 3,600 per
+process-core-hour is one unit per second per process, two per second for a trial, so a limit is
+a number of seconds this file can reason about. Costs are read from each trial's own status.json
+and recomputed from its billed seconds at that price (never with the code's formula).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import workbench
+from workbench.errors import SweepError, SweepNotFoundError, WorkbenchError
+from workbench.procs import ProcessIdentity
+from workbench.registry import Registry
+
+PRICE = 3600.0
+PER_SECOND = 2.0  # at PRICE with 2 processes
+
+SPEC = {"name": "sw", "train": {"max_steps": 6, "eval_every": 2, "lr": 3e-3},
+        "data": {"eval_samples": 8}, "checkpoint": {"keep": 1},
+        "budget": {"price_per_cpu_core_hour": PRICE}}
+
+
+def _wait_for(cond, timeout: float, what: str):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+# -- bad inputs: refused before anything is written ------------------------------------------------
+@pytest.mark.parametrize("kwargs, says", [
+    ({"space": {"train.learning_rate": [1e-4]}}, "did you mean 'train.lr'"),
+    ({"space": {"trian.lr": [1e-4]}}, "did you mean 'train'"),
+    ({"space": {}}, "space is empty"),
+    ({"space": {"train.lr": []}}, "empty list"),
+    ({"space": {"train.lr": [1e-4]}, "budget": -5}, "budget must be a positive amount"),
+    ({"space": {"train.lr": [2.0]}}, "refused by the spec"),
+    ({"space": {"train.lr": {"low": 1e-4, "high": 1e-2}}}, "a grid needs a list"),
+    ({"space": {"train.lr": [1e-4]}, "trials": 3}, "the grid has 1 points"),
+    ({"space": {"train.lr": [1e-4]}, "strategy": "random"}, "needs trials=N"),
+    ({"space": {"train.lr": [1e-4]}, "strategy": "bayes"}, "not one of grid, random, optuna"),
+    ({"space": {"train.lr": [1e-4]}, "objective": "rouge"}, "eval.<task>.<metric>"),
+    ({"space": {"train.lr": [1e-4]}, "concurrent": 0}, "concurrent must be"),
+    ({"space": {"budget.limit": [1, 2]}}, "give the sweep budget="),
+])
+def test_bad_inputs_are_refused_with_what_to_do(wb_home, kwargs, says):
+    before = sorted((wb_home / "sweeps").iterdir()) if (wb_home / "sweeps").is_dir() else []
+    with pytest.raises(SweepError, match=None) as err:
+        workbench.sweep(SPEC, **kwargs)
+    assert says in str(err.value)
+    after = sorted((wb_home / "sweeps").iterdir()) if (wb_home / "sweeps").is_dir() else []
+    assert after == before  # nothing written
+
+
+def test_eval_loss_objective_needs_a_validation_split():
+    spec = {**SPEC, "data": {"validation_fraction": 0.0}}
+    with pytest.raises(SweepError, match="validation_fraction is 0"):
+        workbench.sweep(spec, space={"train.lr": [1e-4]})
+
+
+def test_unknown_sweep_is_a_typed_error():
+    with pytest.raises(SweepNotFoundError, match="no sweep"):
+        workbench.get_sweep("no-such-sweep")
+
+
+def test_yaml_sweep_section_is_split_from_the_spec(tmp_path):
+    from workbench.sweep.start import split_yaml
+
+    path = tmp_path / "s.yaml"
+    path.write_text("name: y\ntrain: {max_steps: 4}\nsweep:\n  space: {train.lr: [0.001, 0.003]}\n"
+                    "  concurrent: 2\n  budget: 40\n")
+    spec, kwargs = split_yaml(path)
+    assert (spec.name, spec.train.max_steps) == ("y", 4)
+    assert kwargs == {"space": {"train.lr": [0.001, 0.003]}, "concurrent": 2, "budget": 40}
+    path.write_text("name: y\nsweep:\n  spaces: {train.lr: [0.001]}\n")
+    with pytest.raises(SweepError, match="unknown key"):
+        split_yaml(path)
+
+
+# -- real trials ----------------------------------------------------------------------------------
+def _run_cost(run_dir: str) -> float:
+    status = json.loads((__import__("pathlib").Path(run_dir) / "status.json").read_text())
+    assert "released" in status, status  # the final bill
+    assert status["cost"] == pytest.approx(PER_SECOND * status["billed_s"], rel=1e-6)
+    return float(status["cost"])
+
+
+@pytest.mark.slow
+def test_budget_sweep_survives_a_controller_restart_and_never_overspends(wb_home):
+    """4 grid trials, 2 at once, a limit too small for all four; the controller is killed -9
+    once a trial has ended and a new Python process resumes the sweep."""
+    limit = 200.0  # 100 s of two processes: four trials of 6 steps (~35 s each) cannot all fit
+    s = workbench.sweep(SPEC, space={"train.lr": [1e-3, 3e-3], "method.lora_r": [4, 8]},
+                        concurrent=2, budget=limit, pruner="none")
+    assert s.data()["trials_total"] == 4
+
+    def one_ended():
+        return [t for t in s.trials if t.get("released") and t.get("run_id")]
+
+    _wait_for(one_ended, 400, "a trial to end")
+    controller = ProcessIdentity.from_dict(s.data()["controller"])
+    assert controller.signal(signal.SIGKILL)
+    _wait_for(lambda: not controller.alive(), 30, "the controller to die")
+    before = {t["number"]: (t["run_id"], t["state"]) for t in s.trials if t.get("released")}
+    assert not s.controller_alive
+    with pytest.raises(SweepError, match="resume"):
+        s.wait(progress=False, timeout=30)
+
+    code = (f"import workbench; s = workbench.get_sweep({s.id!r}).resume(); "
+            "print('STATE', s.wait(progress=False))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=600, env={**os.environ})
+    assert out.returncode == 0, out.stderr[-3000:]
+    state = out.stdout.split("STATE")[-1].strip()
+    assert state in ("succeeded", "budget_stopped"), s.record.log_file.read_text()[-3000:]
+
+    trials = {t["number"]: t for t in s.trials}
+    for n, (run_id, st) in before.items():  # finished trials were kept, not run again
+        assert (trials[n]["run_id"], trials[n]["state"]) == (run_id, st)
+    tag = s.id.rsplit("-", 1)[-1]
+    runs = [r for r in Registry().list_runs() if f"-{tag}-t" in r.name]
+    assert sorted(r.name for r in runs) == sorted({r.name for r in runs})  # one run per trial
+    assert {r.id for r in runs} == {t["run_id"] for t in trials.values() if t.get("run_id")}
+    # The sum of the trials' final bills (from their own status.json) is within the limit...
+    spent = sum(_run_cost(r.run_dir) for r in runs)
+    assert spent <= limit
+    assert s.spent == pytest.approx(spent, abs=1e-6)
+    # ... and the limit bit: not every trial ran to its end.
+    assert sum(1 for t in trials.values() if t.get("state") == "succeeded") < 4
+    assert state == "budget_stopped" or any(t["state"] == "budget_stopped" for t in trials.values())
+    import optuna
+
+    study = optuna.load_study(study_name="sweep", storage=s.record.study_url)
+    assert len(study.trials) == len(trials)  # resume asked no trial twice
+    df = s.trials_df()
+    assert list(df["trial"]) == sorted(trials)
+
+
+@pytest.mark.slow
+def test_a_prune_request_ends_the_run_pruned():
+    """The cancel path with a reason: a run stopped on a sweep's prune request ends 'pruned'."""
+    from workbench.rundir import PRUNE_REQUEST
+
+    job = workbench.launch({**SPEC, "name": "prune-me", "train": {"max_steps": 500}})
+    _wait_for(lambda: (job.status().get("step") or 0) >= 1, 300, "the first step")
+    job.run_dir.write_status(stop_request=PRUNE_REQUEST)
+    job.cancel()
+    assert job.wait(progress=False, timeout=120) == "pruned"
+    assert "released" in job.status()  # the supervisor wrote it, with its final bill
+    assert job.record.state == "pruned"
+
+
+@pytest.mark.slow
+def test_an_objective_no_trial_reports_fails_the_sweep_clearly():
+    s = workbench.sweep({**SPEC, "train": {"max_steps": 2}}, space={"train.lr": [1e-3, 3e-3]},
+                        objective="eval.heldout.rouge_l", concurrent=1)
+    assert s.wait(progress=False, timeout=400) == "failed"
+    error = s.data()["error"]
+    assert "'eval.heldout.rouge_l' was not reported" in error and "eval_loss" in error
+    assert len([t for t in s.trials if t.get("run_id")]) == 1  # no second trial was started
+    with pytest.raises(WorkbenchError, match="no trial with a value"):
+        _ = s.best

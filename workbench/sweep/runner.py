@@ -1,0 +1,320 @@
+"""``python -m workbench.sweep.runner SWEEP_DIR``: the sweep's controller, detached from the kernel.
+
+The controller asks the study for a trial, prices it with the planner, launches it as an ordinary
+run through :func:`workbench.launching.launch` with its own ``budget.limit`` (what the sweep can
+still give it), watches it, reports the objective at each evaluation, prunes it when the pruner
+says it is clearly worse, and tells the study how it ended. It runs in a session of its own (like
+the run supervisor), so a kernel restart does not stop a sweep.
+
+Every step is also resumable from the record and the study: a controller killed at any point is
+replaced by ``get_sweep(...).resume()``, which re-attaches to running trials, finds a run whose
+launch was cut short through the registry, and never launches a trial twice. One controller at a
+time: it holds the record's controller lock (an flock, released by the kernel when it dies).
+
+One budget (the ledger): the sweep has spent the final bill of every ended trial plus the whole
+``budget.limit`` of every trial still running (a run never passes its own limit). A trial starts
+only when the planner's price, with a margin, fits in what is left; so the sum of the trials'
+costs never passes the sweep's limit.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any
+
+from workbench import procs
+from workbench.budget import KILL_GRACE_S, RELEASE_S, hourly_price
+from workbench.errors import WorkbenchError
+from workbench.jobs import RELEASE_WAIT_S, Job
+from workbench.registry import Registry
+from workbench.rundir import (
+    BUDGET_STOPPED,
+    PRUNE_REQUEST,
+    PRUNED,
+    SUCCEEDED,
+    TERMINAL,
+)
+from workbench.spec import RunSpec
+from workbench.sweep import record as rec
+from workbench.sweep.objective import Objective
+from workbench.sweep.space import parse_space, trial_spec
+from workbench.sweep.study import open_study, suggest, trial_of, trial_of_frozen
+
+POLL_S = 1.0
+# The planner's price of a trial is an estimate (start-up on a busy machine is not in it): a trial
+# starts only when this multiple of it, plus starting and releasing, fits in what is left.
+PRICE_MARGIN = 1.5
+
+
+def start_controller(record: rec.SweepRecord) -> procs.ProcessIdentity:
+    """Start the detached controller of ``record`` and record its identity."""
+    with record.log_file.open("ab") as log:
+        child = subprocess.Popen([sys.executable, "-m", "workbench.sweep.runner", str(record.path)],
+                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                 cwd=record.path, start_new_session=True,
+                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    ident = procs.ProcessIdentity.of(child.pid, "sweep-controller")
+    record.write(controller=ident.to_dict())
+    return ident
+
+
+def committed(data: dict[str, Any]) -> float:
+    """What the sweep has spent or promised: final bills of ended trials, limits of the rest."""
+    total = 0.0
+    for t in data["trials"]:
+        if t.get("released"):
+            total += float(t.get("cost") or 0.0)
+        elif t.get("state") not in (rec.WAITING, rec.SKIPPED) and t.get("limit") is not None:
+            total += float(t["limit"])
+    return total
+
+
+class Controller:
+    def __init__(self, record: rec.SweepRecord) -> None:
+        self.record = record
+        data = record.read()
+        self.base = RunSpec.parse(data["spec"])
+        self.params = parse_space(data["space"], self.base)
+        self.objective = Objective.parse(data["objective"], data["direction"])
+        self.study = open_study(record, data["strategy"], self.params, self.objective.direction,
+                                data.get("seed"), data.get("pruner", "median"),
+                                data.get("prune_after", 2))
+        self.registry = Registry()
+        self.active: dict[int, Job] = {}
+        self.price_per_hour, _ = hourly_price(self.base)
+        self.stop_launching: str | None = None  # why no more trials start (budget, a fatal error)
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def run(self) -> int:
+        with self.record.controller_lock(wait_s=10.0) as mine:
+            if not mine:
+                print("controller: another controller runs this sweep; leaving", flush=True)
+                return 0
+            me = procs.ProcessIdentity.me("sweep-controller")
+            self.record.write(controller=me.to_dict(), state=rec.RUNNING, error=None)
+            try:
+                self._reconcile()
+                while True:
+                    data = self.record.read()
+                    if data.get("stop_request") == "cancel":
+                        self._cancel_all()
+                        self.record.write(state=rec.CANCELLED, ended=time.time())
+                        return 0
+                    self._watch()
+                    if not self.stop_launching:
+                        self._fill()
+                    if not self.active and self._done():
+                        break
+                    time.sleep(POLL_S)
+            except Exception as exc:
+                traceback.print_exc()
+                self.record.write(state=rec.FAILED, ended=time.time(),
+                                  error=f"the sweep controller stopped: {exc}; see "
+                                        f"{self.record.log_file}; get_sweep(...).resume() goes on")
+                return 1
+            data = self.record.read()
+            state = {None: rec.SUCCEEDED, "budget": rec.BUDGET_STOPPED}.get(self.stop_launching,
+                                                                             rec.FAILED)
+            self.record.write(state=data.get("state") if data.get("error") else state,
+                              ended=time.time(), spent=committed(data))
+            return 0
+
+    def _done(self) -> bool:
+        data = self.record.read()
+        if self.stop_launching:
+            return True
+        waiting = [t for t in data["trials"] if t.get("state") == rec.WAITING]
+        return not waiting and len(data["trials"]) >= data["trials_total"]
+
+    # -- starting -------------------------------------------------------------------------------
+    def _reconcile(self) -> None:
+        """Pick up where a dead controller left: re-attach to runs, find cut-short launches."""
+        import optuna
+
+        data = self.record.read()
+        known = {t["number"] for t in data["trials"]}
+        for t in data["trials"]:
+            if t.get("released") or t.get("state") in (rec.WAITING, rec.SKIPPED):
+                continue
+            run_id = t.get("run_id")
+            if run_id is None:  # launch() may have registered the run before we were killed
+                try:
+                    run_id = self.registry.get_run(t["run_name"]).id
+                except WorkbenchError:
+                    self.record.update_trial(t["number"], state=rec.WAITING)
+                    continue
+                self.record.update_trial(t["number"], run_id=run_id)
+            self.active[t["number"]] = Job(self.registry.get_run(run_id), registry=self.registry)
+        for ft in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+            if ft.number not in known:  # asked, then killed before the record had it
+                self.study.tell(ft.number, state=optuna.trial.TrialState.FAIL)
+
+    def _next_waiting(self) -> dict[str, Any] | None:
+        data = self.record.read()
+        for t in data["trials"]:
+            if t.get("state") == rec.WAITING:
+                return t
+        if len(data["trials"]) >= data["trials_total"]:
+            return None
+        trial = self.study.ask()
+        params = suggest(trial, self.params)
+        tag = self.record.id.rsplit("-", 1)[-1]
+        name = f"{self.base.name[:50]}-{tag}-t{trial.number}"
+        self.record.update_trial(trial.number, params=params, run_name=name, state=rec.WAITING)
+        return {"number": trial.number, "params": params, "run_name": name}
+
+    def _fill(self) -> None:
+        data = self.record.read()
+        while len(self.active) < data["concurrent"]:
+            t = self._next_waiting()
+            if t is None:
+                return
+            spec = trial_spec(self.base, t["params"]).updated(name=t["run_name"])
+            from workbench.plan import plan
+
+            planned = plan(spec).cost
+            need = ((planned or 0.0) * PRICE_MARGIN
+                    + self.price_per_hour * (KILL_GRACE_S + RELEASE_S) / 3600.0)
+            limit = data.get("budget")
+            trial_limit = spec.budget.limit
+            if limit is not None:
+                data = self.record.read()
+                left = float(limit) - committed(data)
+                if need > left:
+                    if self.active:  # a running trial may end under its limit: wait for it
+                        return
+                    self._budget_spent(left, need)
+                    return
+                started = sum(1 for x in data["trials"] if x.get("run_id") or x.get("released"))
+                to_start = max(1, data["trials_total"] - started)
+                free = max(1, min(data["concurrent"] - len(self.active), to_start))
+                trial_limit = min(left, max(need, left / free))
+                spec = spec.updated(**{"budget.limit": trial_limit})
+            self._launch(t, spec, planned, trial_limit)
+
+    def _launch(self, t: dict[str, Any], spec: RunSpec, planned: float | None,
+                limit: float | None) -> None:
+        import optuna
+
+        from workbench.launching import launch
+
+        n = t["number"]
+        self.record.update_trial(n, state=rec.LAUNCHING, limit=limit, planned_cost=planned,
+                                 launched=time.time())
+        try:
+            job = launch(spec, registry=self.registry)
+        except WorkbenchError as exc:
+            self.record.update_trial(n, state="failed", error=str(exc), released=True, cost=0.0)
+            self.study.tell(n, state=optuna.trial.TrialState.FAIL)
+            print(f"controller: trial {n} could not start: {exc}", flush=True)
+            return
+        job.run_dir.write_status(sweep={"id": self.record.id, "trial": n})
+        self.record.update_trial(n, run_id=job.id, state=job.record.state)
+        self.active[n] = job
+        print(f"controller: trial {n} started as {job.id} {t['params']} limit {limit}", flush=True)
+
+    def _budget_spent(self, left: float, need: float) -> None:
+        """Nothing runs and what is left cannot pay for the next trial: the sweep ends here."""
+        import optuna
+
+        data = self.record.read()
+        for t in data["trials"]:
+            if t.get("state") == rec.WAITING:
+                self.study.tell(t["number"], state=optuna.trial.TrialState.FAIL)
+                self.record.update_trial(t["number"], state=rec.SKIPPED, released=True, cost=0.0)
+        cur = data.get("currency", "")
+        self.record.write(note=f"budget: {left:.4g} {cur} left of {data['budget']:g}, but the next "
+                               f"trial is priced at {need:.4g} {cur} (planner estimate x "
+                               f"{PRICE_MARGIN} + start and release); no more trials start")
+        self.stop_launching = "budget"
+
+    # -- watching ---------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        for n, job in list(self.active.items()):
+            status = job.status()
+            state = status.get("state")
+            if state not in TERMINAL:
+                self._report(n, job)
+                continue
+            ended = float(status.get("ended") or time.time())
+            if "released" not in status and time.time() - ended < RELEASE_WAIT_S:
+                continue  # the supervisor is writing the final bill
+            self._finish(n, job, status)
+
+    def _report(self, n: int, job: Job, prune: bool = True) -> None:
+        """Report the objective's new intermediate values; prune the trial if it is clearly worse."""
+        trial = trial_of(self.study, n)
+        seen = set(trial_of_frozen(self.study, n).intermediate_values)
+        for step, value in self.objective.intermediate(job.run_dir.path):
+            if step not in seen:
+                trial.report(value, step)
+                seen.add(step)
+        if not prune or not seen or job.run_dir.status().get("stop_request"):
+            return
+        if trial.should_prune():
+            print(f"controller: pruning trial {n} ({job.id})", flush=True)
+            # The reason first, then the cancel: the supervisor reads it when the stop lands.
+            job.run_dir.write_status(stop_request=PRUNE_REQUEST)
+            self.record.update_trial(n, prune_requested=time.time())
+            job.cancel()
+
+    def _finish(self, n: int, job: Job, status: dict[str, Any]) -> None:
+        import optuna
+
+        state = status["state"]
+        self._report(n, job, prune=False)
+        value = self.objective.final(job.run_dir.path) if state == SUCCEEDED else None
+        data = self.record.read()
+        trial = next(t for t in data["trials"] if t["number"] == n)
+        # A bill that was never closed (the supervisor died) counts as the whole limit.
+        cost = status.get("cost") if "released" in status else trial.get("limit")
+        fields: dict[str, Any] = {"state": state, "cost": float(cost or 0.0), "value": value,
+                                  "released": True, "cost_final": "released" in status}
+        if state == SUCCEEDED and value is not None:
+            self.study.tell(n, value)
+        elif state in (PRUNED, BUDGET_STOPPED):  # stopped early: its intermediate values stand
+            self.study.tell(n, state=optuna.trial.TrialState.PRUNED)
+        else:
+            self.study.tell(n, state=optuna.trial.TrialState.FAIL)
+        if state == SUCCEEDED and value is None:
+            said = self.objective.reported(job.run_dir.path)
+            error = (f"objective {self.objective.name!r} was not reported by trial {n} "
+                     f"({job.id}), which succeeded; it reported "
+                     f"{', '.join(said) or 'nothing usable'}. Give objective= one of those, "
+                     f"or configure the evaluation that reports it")
+            fields["error"] = error
+            self.record.write(state=rec.FAILED, error=error)
+            self.stop_launching = "objective"
+            self._cancel_all(but=n)
+        self.record.update_trial(n, **fields)
+        self.active.pop(n, None)
+        print(f"controller: trial {n} ended {state} value {value} cost {cost}", flush=True)
+
+    def _cancel_all(self, but: int | None = None) -> None:
+        for n, job in list(self.active.items()):
+            if n != but:
+                job.cancel()
+        # Their final bills are read as they end; the loop's _watch finishes them.
+        deadline = time.time() + RELEASE_WAIT_S
+        while any(n != but for n in self.active) and time.time() < deadline:
+            for n, job in list(self.active.items()):
+                status = job.status()
+                if n != but and status.get("state") in TERMINAL and "released" in status:
+                    self._finish(n, job, status)
+            time.sleep(POLL_S)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m workbench.sweep.runner SWEEP_DIR", file=sys.stderr)
+        return 2
+    return Controller(rec.SweepRecord(args[0])).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
