@@ -184,6 +184,14 @@ def _undeploy(args: argparse.Namespace) -> Any:
     return undeploy(args.name)
 
 
+def _course(args: argparse.Namespace) -> Any:
+    from workbench.course import config
+
+    if args.course_command == "start":
+        return config.start(args.course_file)
+    return f"wrote {config.init(args.course_file)}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="workbench", description="Fine-tune language models.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -265,6 +273,15 @@ def build_parser() -> argparse.ArgumentParser:
     t = tsub.add_parser("check", help="reachability, Python env, torch, GPUs, disk (and Slurm)")
     t.add_argument("name", help="local, ssh:NAME or slurm:NAME")
     t.set_defaults(func=_targets_check)
+
+    c = sub.add_parser("course", help="a class on JupyterHub with a credit per student "
+                                      "(docs/course.md)")
+    csub = c.add_subparsers(dest="course_command", required=True, metavar="ACTION")
+    for action, helptext in (("init", "write the hub config and the service's config"),
+                             ("start", "init, then run the hub (as root, for PAM users)")):
+        t = csub.add_parser(action, help=helptext)
+        t.add_argument("course_file", help="course.yaml (see docs/course.md)")
+        t.set_defaults(func=_course)
 
     from workbench.data.commands import register as register_data
 

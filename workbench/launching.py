@@ -12,6 +12,7 @@ the run's :class:`~workbench.jobs.Job`.
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import shutil
 import time
@@ -87,6 +88,10 @@ def launch(spec: RunSpec | dict | str | Path | None = None, *, force: bool = Fal
     Nothing is left behind when a check fails: the run directory is only kept (and the run only
     registered) once the spec, model, resources, plan and data have all been accepted.
     """
+    if os.environ.get("WORKBENCH_COURSE_URL") and registry is None:  # a course hub's kernel:
+        from workbench.course.client import launch_via_course  # its service holds and launches
+
+        return launch_via_course(spec, force=force)  # type: ignore[return-value]
     spec = RunSpec.coerce(spec)
     registry = registry or Registry()
     backend = get_backend(spec.target)
