@@ -73,7 +73,7 @@ class Course(_Strict):
     minor_per_unit: int = Field(100, ge=1)  # 100: amounts kept in fen/cents
     default_credit: float = Field(10.0, ge=0)
     credits: dict[str, float] = Field(default_factory=dict)
-    hold_margin: float = Field(1.5, ge=1.0)  # hold = planned cost x margin; the rest returns
+    hold_margin: float = Field(2.0, ge=1.0)  # hold = planned cost x margin; the rest returns
     prices: Prices = Field(default_factory=Prices)
     caps: Caps = Field(default_factory=Caps)
     targets: list[str] = Field(default_factory=lambda: ["local"])
