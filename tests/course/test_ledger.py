@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -103,7 +104,18 @@ def test_concurrent_holds_from_processes_cannot_both_pass(ledger: Ledger) -> Non
     assert ledger.balance("ana") == 400
 
 
-def test_concurrent_holds_from_threads_cannot_both_pass(ledger: Ledger) -> None:
+def test_concurrent_holds_from_threads_cannot_both_pass(ledger: Ledger,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # Widen the gap between reading the balance and writing the hold, so a ledger that did not
+    # lock before reading would let several holds through every time, not just sometimes.
+    read = Ledger._account
+
+    def slow_read(self: Ledger, db: object, student: str) -> object:
+        account = read(self, db, student)  # type: ignore[arg-type]
+        time.sleep(0.05)
+        return account
+
+    monkeypatch.setattr(Ledger, "_account", slow_read)
     n = 8
     barrier, outcomes = threading.Barrier(n), []
 
