@@ -87,3 +87,14 @@ remote-deps:
 	@dpkg -s $(REMOTE_DEBS) >/dev/null 2>&1 || { apt-get update -q && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y $(REMOTE_DEBS); }
 test: remote-deps
+
+# Course mode (docs/course.md): JupyterHub's proxy, configurable-http-proxy, comes from npm into
+# .course/node_modules; `workbench course start` and tests/course find it there.
+CHP_VERSION := 5.3.0
+.PHONY: course-deps
+course-deps: .course/node_modules/.bin/configurable-http-proxy
+
+.course/node_modules/.bin/configurable-http-proxy:
+	mkdir -p .course
+	cd .course && npm install --no-audit --no-fund --prefix . configurable-http-proxy@$(CHP_VERSION)
+test: course-deps

@@ -219,6 +219,14 @@ def _undeploy(args: argparse.Namespace) -> Any:
     return undeploy(args.name)
 
 
+def _course(args: argparse.Namespace) -> Any:
+    from workbench.course import config
+
+    if args.course_command == "start":
+        return config.start(args.course_file)
+    return f"wrote {config.init(args.course_file)}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="workbench", description="Fine-tune language models.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -327,6 +335,15 @@ def build_parser() -> argparse.ArgumentParser:
     k = ksub.add_parser("remove", help="remove a Workbench remote kernel")
     k.add_argument("name", help="kernel name (workbench-slurm-NAME) or target")
     c.set_defaults(func=_kernels)
+
+    c = sub.add_parser("course", help="a class on JupyterHub with a credit per student "
+                                      "(docs/course.md)")
+    csub = c.add_subparsers(dest="course_command", required=True, metavar="ACTION")
+    for action, helptext in (("init", "write the hub config and the service's config"),
+                             ("start", "init, then run the hub (as root, for PAM users)")):
+        t = csub.add_parser(action, help=helptext)
+        t.add_argument("course_file", help="course.yaml (see docs/course.md)")
+        t.set_defaults(func=_course)
 
     from workbench.data.commands import register as register_data
 

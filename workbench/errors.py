@@ -8,6 +8,8 @@ code that raises them, so that any module can raise or catch one without importi
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class WorkbenchError(Exception):
     """Base class of every error the workbench raises on purpose."""
@@ -125,3 +127,21 @@ class SweepError(WorkbenchError, ValueError):
 
 class SweepNotFoundError(WorkbenchError, LookupError):
     """No sweep under WORKBENCH_HOME/sweeps matches the given id or name."""
+
+
+# -- course mode (workbench.course) ----------------------------------------------------------------
+class CourseError(WorkbenchError, RuntimeError):
+    """A course request was refused: not allowed, over a cap, or the course file is wrong."""
+
+
+class InsufficientCreditError(CourseError):
+    """A run's hold would take a student's credit below zero: nothing was started."""
+
+    def __init__(self, student: str, needed: int, balance: int,
+                 money: Callable[[int], str] = "{} minor units".format) -> None:
+        self.student, self.needed, self.balance = student, needed, balance
+        super().__init__(
+            f"{student} has {money(balance)} of credit left but this run needs a hold of "
+            f"{money(needed)}: "
+            "nothing was started. Make the run smaller (fewer steps, fewer processes), or ask an "
+            "instructor for a grant")

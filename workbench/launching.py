@@ -95,6 +95,10 @@ def launch(spec: RunSpec | dict | str | Path | None = None, *, force: bool = Fal
     Nothing is left behind when a check fails: the run directory is only kept (and the run only
     registered) once the spec, model, resources, plan and data have all been accepted.
     """
+    if os.environ.get("WORKBENCH_COURSE_URL") and registry is None:  # a course hub's kernel:
+        from workbench.course.client import launch_via_course  # its service holds and launches
+
+        return launch_via_course(spec, force=force)  # type: ignore[return-value]
     spec = RunSpec.coerce(spec)
     if "target" not in spec.model_fields_set and os.environ.get(KERNEL_TARGET_ENV):
         # In a remote kernel (workbench.kernels) a spec that names no target runs where it is.

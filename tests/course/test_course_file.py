@@ -1,0 +1,82 @@
+"""The course file: init writes private configs a hub can load; the course's prices and caps
+replace whatever a student's spec says."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+import pytest
+import yaml
+
+from workbench.course.config import init, load_course
+from workbench.course.policy import priced_spec
+from workbench.errors import CourseError
+from workbench.spec import RunSpec
+
+
+def _course(tmp_path: Path, **over: object) -> Path:
+    data = {"name": "c1", "instructors": ["t"], "students": ["ana", "ben"],
+            "prices": {"cpu_core_hour": 2.0, "gpu_hour": {"A100-80G": 7.5}},
+            "caps": {"gpus_per_run": 1, "processes_per_run": 2},
+            "state_dir": str(tmp_path / "state"), "hub": {"proxy_command": "/bin/true"}, **over}
+    path = tmp_path / "course.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_init_writes_private_files_the_hub_can_load(tmp_path: Path) -> None:
+    config = init(_course(tmp_path))
+    state = config.parent
+    assert stat.S_IMODE(state.stat().st_mode) == 0o700
+    for name in ("course.json", "jupyterhub_config.py", "jupyterhub_cookie_secret"):
+        assert stat.S_IMODE((state / name).stat().st_mode) == 0o600, name
+
+    class _Cfg(dict):  # what traitlets' get_config() returns, enough to execute the file
+        def __getattr__(self, key: str) -> _Cfg:
+            return self.setdefault(key, _Cfg())
+
+        def __setattr__(self, key: str, value: object) -> None:
+            self[key] = value
+
+    c = _Cfg()
+    exec(config.read_text(), {"get_config": lambda: c})
+    [service] = c["JupyterHub"]["services"]
+    assert service["name"] == "course" and str(state / "course.json") in service["command"]
+    assert c["Authenticator"]["allowed_users"] == {"t", "ana", "ben"}
+    assert c["Authenticator"]["admin_users"] == {"t"}
+    assert load_course(state / "course.json").students == ["ana", "ben"]
+
+
+@pytest.mark.parametrize("over, words", [
+    ({"students": ["t"]}, "both instructor and student"),
+    ({"credits": {"eve": 3}}, "not in students"),
+    ({"caps": {"gpus_per_run": -1}}, "caps.gpus_per_run"),
+    ({"pricez": {}}, "pricez"),
+])
+def test_bad_course_files_name_the_problem(tmp_path: Path, over: dict, words: str) -> None:
+    with pytest.raises(CourseError, match=words):
+        load_course(_course(tmp_path, **over))
+
+
+def test_the_course_prices_every_run_whatever_the_spec_says(tmp_path: Path) -> None:
+    course = load_course(_course(tmp_path))
+    cheeky = RunSpec(budget={"price_per_cpu_core_hour": 0, "limit": 1e9, "currency": "USD"})
+    priced = priced_spec(course, cheeky)
+    assert priced.budget.price_per_cpu_core_hour == 2.0
+    assert priced.budget.limit is None and priced.budget.currency == "CNY"
+    gpu = priced_spec(course, RunSpec(resources={"gpus_per_node": 1, "gpu_type": "A100-80G"},
+                                      budget={"price_per_gpu_hour": 0.01}))
+    assert gpu.budget.price_per_gpu_hour == 7.5
+
+
+@pytest.mark.parametrize("spec, words", [
+    ({"resources": {"gpus_per_node": 2, "gpu_type": "A100-80G"}}, "allows 1 per run"),
+    ({"resources": {"processes_per_node": 4}}, "4 CPU processes"),
+    ({"resources": {"gpus_per_node": 1, "gpu_type": "H100"}}, "no price for GPU type 'H100'"),
+    ({"target": "slurm:big"}, "not one of this course's targets"),
+])
+def test_specs_over_a_cap_are_refused(tmp_path: Path, spec: dict, words: str) -> None:
+    course = load_course(_course(tmp_path))
+    with pytest.raises(CourseError, match=words):
+        priced_spec(course, RunSpec.parse(spec))

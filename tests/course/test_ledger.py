@@ -1,0 +1,136 @@
+"""The course ledger on a real SQLite file: sums, refusals, settling once, and holds racing from
+threads and from separate processes (only as many pass as the credit pays for)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from workbench.course.ledger import Ledger, to_minor
+from workbench.errors import CourseError, InsufficientCreditError
+
+
+@pytest.fixture
+def ledger(tmp_path: Path) -> Ledger:
+    led = Ledger(f"sqlite:///{tmp_path / 'ledger.sqlite'}")
+    led.open_account("ana", 1000, actor="test")
+    return led
+
+
+def test_balance_follows_credit_grant_hold_and_settle(ledger: Ledger) -> None:
+    ledger.grant("ana", 250, actor="teacher")
+    hold = ledger.hold("ana", 300, actor="ana")
+    assert ledger.balance("ana") == 950  # 1000 + 250 - 300 held
+    assert ledger.settle(hold, 120, actor="svc")
+    account = ledger.account("ana")
+    assert (account.charges, account.held, account.balance) == (120, 0, 1130)
+    assert [e["kind"] for e in ledger.entries("ana")] == ["credit", "grant", "hold", "charge",
+                                                          "release"]
+
+
+def test_a_hold_past_the_balance_is_refused_and_writes_nothing(ledger: Ledger) -> None:
+    ledger.hold("ana", 700, actor="ana")
+    before = ledger.entries()
+    with pytest.raises(InsufficientCreditError, match="ask an instructor"):
+        ledger.hold("ana", 301, actor="ana")
+    assert ledger.entries() == before
+    ledger.hold("ana", 300, actor="ana")  # exactly what is left still fits
+    assert ledger.balance("ana") == 0
+
+
+def test_settling_twice_charges_once(ledger: Ledger) -> None:
+    hold = ledger.hold("ana", 500, actor="ana")
+    assert ledger.settle(hold, 400, actor="svc")
+    assert not ledger.settle(hold, 400, actor="svc")
+    assert ledger.balance("ana") == 600
+
+
+def test_rows_are_in_the_database_not_the_object(ledger: Ledger, tmp_path: Path) -> None:
+    hold = ledger.hold("ana", 200, actor="ana")
+    ledger.attach_run(hold, "run-1", "/runs/run-1")
+    again = Ledger(f"sqlite:///{tmp_path / 'ledger.sqlite'}")
+    [open_hold] = again.holds(open_only=True)
+    assert (open_hold.run_id, open_hold.amount, open_hold.charge) == ("run-1", 200, None)
+    again.settle(open_hold.hold_id, 50, actor="svc")
+    assert ledger.holds(open_only=True) == [] and ledger.balance("ana") == 950
+
+
+@pytest.mark.parametrize("amount", [-5, 0, 1.5])
+def test_bad_grants_are_refused(ledger: Ledger, amount: object) -> None:
+    with pytest.raises(CourseError):
+        ledger.grant("ana", amount, actor="teacher")  # type: ignore[arg-type]
+    assert ledger.balance("ana") == 1000
+
+
+def test_unknown_student_is_refused(ledger: Ledger) -> None:
+    with pytest.raises(CourseError, match="not a student"):
+        ledger.hold("eve", 1, actor="eve")
+
+
+def test_minor_units_round_up_and_are_exact() -> None:
+    assert to_minor(0.4301) == 44
+    assert to_minor(0.43) == 43
+    assert to_minor("0.1") * 3 == to_minor("0.3")
+    assert to_minor(2, minor_per_unit=1000) == 2000
+
+
+def _hold_in_process(url: str, barrier: multiprocessing.synchronize.Barrier,
+                     results: multiprocessing.queues.Queue) -> None:
+    led = Ledger(url)
+    barrier.wait()
+    try:
+        led.hold("ana", 600, actor="ana")
+        results.put("held")
+    except InsufficientCreditError:
+        results.put("refused")
+
+
+def test_concurrent_holds_from_processes_cannot_both_pass(ledger: Ledger) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    n = 4
+    barrier, results = ctx.Barrier(n), ctx.Queue()
+    procs = [ctx.Process(target=_hold_in_process, args=(ledger.url, barrier, results))
+             for _ in range(n)]
+    for p in procs:
+        p.start()
+    outcomes = sorted(results.get(timeout=120) for _ in range(n))
+    for p in procs:
+        p.join(timeout=60)
+    assert outcomes == ["held"] + ["refused"] * (n - 1)
+    assert ledger.balance("ana") == 400
+
+
+def test_concurrent_holds_from_threads_cannot_both_pass(ledger: Ledger,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # Widen the gap between reading the balance and writing the hold, so a ledger that did not
+    # lock before reading would let several holds through every time, not just sometimes.
+    read = Ledger._account
+
+    def slow_read(self: Ledger, db: object, student: str) -> object:
+        account = read(self, db, student)  # type: ignore[arg-type]
+        time.sleep(0.05)
+        return account
+
+    monkeypatch.setattr(Ledger, "_account", slow_read)
+    n = 8
+    barrier, outcomes = threading.Barrier(n), []
+
+    def hold() -> None:
+        barrier.wait()
+        try:
+            ledger.hold("ana", 300, actor="ana")
+            outcomes.append("held")
+        except InsufficientCreditError:
+            outcomes.append("refused")
+
+    threads = [threading.Thread(target=hold) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert sorted(outcomes) == ["held"] * 3 + ["refused"] * 5  # 3 x 300 fit in 1000
+    assert ledger.balance("ana") == 100

@@ -1,0 +1,145 @@
+"""The course service seen from a student's kernel: launch, follow and stop runs, read credit.
+
+Under a course hub the single-user server's environment holds ``JUPYTERHUB_API_TOKEN`` and
+``WORKBENCH_COURSE_URL`` (set by the hub config), and :func:`workbench.launch` sends the spec
+here instead of starting it: the service holds the price against the student's credit and owns
+the run. Refusals come back as the same typed errors the service raised.
+
+    >>> course = CourseClient()                          # doctest: +SKIP
+    >>> course.me()["balance_text"]                      # doctest: +SKIP
+    '9.57 CNY'
+    >>> job = course.launch({"train": {"max_steps": 20}})  # doctest: +SKIP
+    >>> job.wait()                                       # doctest: +SKIP
+    'succeeded'
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+from workbench.errors import CourseError, InsufficientCreditError, RunNotFoundError
+
+TERMINAL = ("succeeded", "failed", "cancelled", "budget_stopped")
+
+
+def in_course() -> bool:
+    """True in a kernel started by a course hub (the hook in workbench.launching asks this)."""
+    return bool(os.environ.get("WORKBENCH_COURSE_URL") and os.environ.get("JUPYTERHUB_API_TOKEN"))
+
+
+class CourseClient:
+    def __init__(self, url: str | None = None, token: str | None = None,
+                 timeout: float = 300.0) -> None:
+        self.url = (url or os.environ.get("WORKBENCH_COURSE_URL", "")).rstrip("/") + "/"
+        self.token = token or os.environ.get("JUPYTERHUB_API_TOKEN", "")
+        if self.url == "/" or not self.token:
+            raise CourseError("no course service: set WORKBENCH_COURSE_URL and "
+                              "JUPYTERHUB_API_TOKEN (the hub sets both in a course's servers)")
+        self.timeout = timeout
+
+    def request(self, method: str, path: str, body: Any = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path.lstrip("/"), data=data, method=method,
+                                     headers={"Authorization": f"token {self.token}",
+                                              "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                text = resp.read().decode()
+                kind = resp.headers.get("Content-Type", "")
+        except urllib.error.HTTPError as exc:
+            raise _error(exc) from None
+        except urllib.error.URLError as exc:
+            raise CourseError(f"the course service at {self.url} is not reachable ({exc.reason});"
+                              " ask an instructor whether the hub is up") from None
+        return json.loads(text) if kind.startswith("application/json") else text
+
+    def me(self) -> dict[str, Any]:
+        return dict(self.request("GET", "me"))
+
+    def quote(self, spec: Any) -> dict[str, Any]:
+        return dict(self.request("POST", "quote", _spec_body(spec)))
+
+    def launch(self, spec: Any) -> CourseJob:
+        answer = self.request("POST", "launch", _spec_body(spec))
+        return CourseJob(self, answer["run"], answer)
+
+    def runs(self) -> list[dict[str, Any]]:
+        return list(self.request("GET", "runs")["runs"])
+
+    def run(self, run_id: str) -> dict[str, Any]:
+        return dict(self.request("GET", f"runs/{run_id}"))
+
+    def stop(self, run_id: str) -> str:
+        return str(self.request("POST", f"stop/{run_id}")["state"])
+
+    def grant(self, student: str, amount: float, note: str = "") -> dict[str, Any]:
+        return dict(self.request("POST", "grant",
+                                 {"student": student, "amount": amount, "note": note}))
+
+    def export_csv(self) -> str:
+        return str(self.request("GET", "export.csv"))
+
+
+class CourseJob:
+    """A run the course service owns: state, wait and cancel, read through the service."""
+
+    def __init__(self, client: CourseClient, run_id: str, launched: dict[str, Any]) -> None:
+        self.client, self.id, self.launched = client, run_id, launched
+
+    def __repr__(self) -> str:
+        return f"<CourseJob {self.id} {self.state}>"
+
+    def status(self) -> dict[str, Any]:
+        return self.client.run(self.id)
+
+    @property
+    def state(self) -> str:
+        return str(self.status().get("state") or "pending")
+
+    def wait(self, timeout: float | None = None, poll: float = 2.0) -> str:
+        """Until the run ends and its charge is settled (or ``timeout``); the state."""
+        deadline = None if timeout is None else time.time() + timeout
+        while True:
+            s = self.status()
+            if s.get("state") in TERMINAL and s.get("charge") is not None:
+                return str(s["state"])
+            if deadline is not None and time.time() > deadline:
+                return str(s.get("state"))
+            time.sleep(poll)
+
+    def cancel(self) -> str:
+        return self.client.stop(self.id)
+
+
+def launch_via_course(spec: Any, force: bool = False) -> CourseJob:
+    """What ``workbench.launch`` does under a course hub (``force`` is not the student's to
+    give: the course plans every run)."""
+    if force:
+        raise CourseError("force=True is not available in a course: the course service plans "
+                          "and prices every run; make the run fit instead")
+    return CourseClient().launch(spec)
+
+
+def _spec_body(spec: Any) -> dict[str, Any]:
+    from workbench.spec import RunSpec
+
+    return RunSpec.coerce(spec).model_dump(mode="json")
+
+
+def _error(exc: urllib.error.HTTPError) -> Exception:
+    try:
+        message = json.loads(exc.read().decode()).get("message") or exc.reason
+    except (ValueError, AttributeError):
+        message = str(exc.reason)
+    if exc.code == 402:
+        err = InsufficientCreditError("", 0, 0)
+        err.args = (message,)
+        return err
+    if exc.code == 404:
+        return RunNotFoundError(message)
+    return CourseError(f"the course service refused ({exc.code}): {message}")

@@ -1,0 +1,262 @@
+"""The course ledger: every student's money as append-only rows in a real database.
+
+Rows are never updated or deleted. Each has a ``kind``: ``credit`` (the course's starting credit),
+``grant`` (an instructor's top-up), ``hold`` (money set aside before a run starts), ``charge``
+(what a run cost) and ``release`` (ends a hold, written together with its charge). Amounts are
+integers in the currency's minor units (fen, cents), never floats, so sums are exact::
+
+    balance = credits + grants - charges - open holds      (an open hold has no release row)
+
+A hold that would take the balance below zero is refused inside the same write transaction that
+reads the balance (SQLite: ``BEGIN IMMEDIATE``; other databases: the student's row is locked
+``FOR UPDATE``), so two concurrent holds can never both pass. The ledger also keeps which run a
+hold paid for (``runs``: insert-only), so settling survives a restart of the service.
+
+    >>> ledger = Ledger("sqlite:////srv/course/ledger.sqlite")       # doctest: +SKIP
+    >>> ledger.open_account("ana", 1000, actor="course")             # doctest: +SKIP
+    >>> hold = ledger.hold("ana", 300, actor="ana")                  # doctest: +SKIP
+    >>> ledger.settle(hold, charge=120, actor="course")              # doctest: +SKIP
+    >>> ledger.balance("ana")                                        # doctest: +SKIP
+    880
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from decimal import ROUND_CEILING, Decimal
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from workbench.errors import CourseError, InsufficientCreditError, RunNotFoundError
+
+KINDS = ("credit", "grant", "hold", "charge", "release")
+
+_meta = sa.MetaData()
+students = sa.Table(
+    "students", _meta,
+    sa.Column("name", sa.String(128), primary_key=True),
+    sa.Column("created", sa.Float, nullable=False),
+)
+entries = sa.Table(
+    "entries", _meta,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("at", sa.Float, nullable=False),
+    sa.Column("student", sa.String(128), sa.ForeignKey("students.name"), nullable=False),
+    sa.Column("kind", sa.String(16), nullable=False),
+    sa.Column("amount", sa.BigInteger, nullable=False),  # minor units, >= 0; kind gives the sign
+    sa.Column("hold_id", sa.Integer, nullable=True),  # charge/release: the hold they settle
+    sa.Column("actor", sa.String(128), nullable=False),  # who caused the row (user or service)
+    sa.Column("note", sa.Text, nullable=False, default=""),
+    sa.CheckConstraint("amount >= 0", name="amount_not_negative"),
+    sa.CheckConstraint(f"kind IN {KINDS!r}", name="known_kind"),
+)
+sa.Index("entries_student", entries.c.student)
+sa.Index("entries_release_once", entries.c.hold_id, entries.c.kind, unique=True)
+runs = sa.Table(
+    "runs", _meta,
+    sa.Column("run_id", sa.String(200), primary_key=True),
+    sa.Column("hold_id", sa.Integer, nullable=False, unique=True),
+    sa.Column("student", sa.String(128), nullable=False),
+    sa.Column("run_dir", sa.Text, nullable=False),
+    sa.Column("created", sa.Float, nullable=False),
+)
+
+
+def to_minor(amount: float | Decimal | str, minor_per_unit: int = 100) -> int:
+    """A price in currency units as whole minor units, rounded up (a hold or charge never
+    undercounts): ``to_minor(0.4301) == 44``."""
+    exact = Decimal(str(amount)) * minor_per_unit
+    return int(exact.to_integral_value(rounding=ROUND_CEILING))
+
+
+@dataclass(frozen=True)
+class Account:
+    """One student's sums, in minor units."""
+
+    student: str
+    credits: int
+    grants: int
+    charges: int
+    held: int  # open holds
+
+    @property
+    def balance(self) -> int:
+        return self.credits + self.grants - self.charges - self.held
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"student": self.student, "credits": self.credits, "grants": self.grants,
+                "charges": self.charges, "held": self.held, "balance": self.balance}
+
+
+@dataclass(frozen=True)
+class RunHold:
+    """A hold and the run it paid for; ``charge`` is None while the hold is open."""
+
+    hold_id: int
+    student: str
+    amount: int
+    run_id: str | None
+    run_dir: str | None
+    charge: int | None
+    at: float
+
+
+class Ledger:
+    """The ledger in the database at ``url`` (any SQLAlchemy URL; SQLite by default)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.engine: Engine = _engine(url)
+        self._sqlite = self.engine.dialect.name == "sqlite"
+        _meta.create_all(self.engine)
+
+    @contextmanager
+    def _write(self, student: str | None = None) -> Iterator[Connection]:
+        """One write transaction; with ``student``, that student's balance cannot change under
+        it (SQLite: BEGIN IMMEDIATE takes the database's write lock before the first read)."""
+        with self.engine.begin() as db:
+            if student is not None:
+                q = sa.select(students.c.name).where(students.c.name == student)
+                if not self._sqlite:
+                    q = q.with_for_update()
+                if db.execute(q).first() is None:
+                    raise CourseError(f"{student!r} is not a student of this course; ask an "
+                                      "instructor to add them to the course file")
+            yield db
+
+    def _add(self, db: Connection, student: str, kind: str, amount: int, actor: str,
+             note: str = "", hold_id: int | None = None) -> int:
+        if not isinstance(amount, int) or amount < 0:
+            raise CourseError(f"a {kind} must be a whole, non-negative number of minor units, "
+                              f"got {amount!r}")
+        res = db.execute(entries.insert().values(at=time.time(), student=student, kind=kind,
+                                                 amount=amount, hold_id=hold_id, actor=actor,
+                                                 note=note))
+        return int(res.inserted_primary_key[0])  # type: ignore[index]
+
+    # -- writes ----------------------------------------------------------------------------------
+    def open_account(self, student: str, credit: int, actor: str) -> bool:
+        """Give a new student their starting credit; a student already known is left as is."""
+        with self.engine.begin() as db:
+            if db.execute(sa.select(students.c.name).where(students.c.name == student)).first():
+                return False
+            db.execute(students.insert().values(name=student, created=time.time()))
+            self._add(db, student, "credit", credit, actor, "starting credit")
+            return True
+
+    def grant(self, student: str, amount: int, actor: str, note: str = "") -> int:
+        if amount <= 0:
+            raise CourseError(f"a grant must be more than zero, got {amount} minor units")
+        with self._write(student) as db:
+            return self._add(db, student, "grant", amount, actor, note)
+
+    def hold(self, student: str, amount: int, actor: str, note: str = "") -> int:
+        """Set ``amount`` aside for a run; refused (nothing written) if the balance is short."""
+        with self._write(student) as db:
+            balance = self._account(db, student).balance
+            if amount > balance:
+                raise InsufficientCreditError(student, amount, balance)
+            return self._add(db, student, "hold", amount, actor, note)
+
+    def attach_run(self, hold_id: int, run_id: str, run_dir: str) -> None:
+        with self.engine.begin() as db:
+            student = self._hold_row(db, hold_id).student
+            db.execute(runs.insert().values(run_id=run_id, hold_id=hold_id, student=student,
+                                            run_dir=run_dir, created=time.time()))
+
+    def settle(self, hold_id: int, charge: int, actor: str, note: str = "") -> bool:
+        """Charge what the run cost and release its hold, in one transaction. False if the hold
+        was already settled (settling twice writes nothing)."""
+        with self.engine.begin() as db:
+            hold = self._hold_row(db, hold_id)
+        with self._write(hold.student) as db:
+            done = db.execute(sa.select(entries.c.id).where(
+                entries.c.hold_id == hold_id, entries.c.kind == "release")).first()
+            if done:
+                return False
+            self._add(db, hold.student, "charge", charge, actor, note, hold_id=hold_id)
+            self._add(db, hold.student, "release", hold.amount, actor, note, hold_id=hold_id)
+            return True
+
+    # -- reads -----------------------------------------------------------------------------------
+    def _hold_row(self, db: Connection, hold_id: int) -> Any:
+        row = db.execute(sa.select(entries).where(entries.c.id == hold_id,
+                                                  entries.c.kind == "hold")).first()
+        if row is None:
+            raise CourseError(f"no hold {hold_id} in the ledger")
+        return row
+
+    def _account(self, db: Connection, student: str) -> Account:
+        sums = dict.fromkeys(KINDS, 0)
+        q = (sa.select(entries.c.kind, sa.func.sum(entries.c.amount))
+             .where(entries.c.student == student).group_by(entries.c.kind))
+        for kind, total in db.execute(q):
+            sums[kind] = int(total or 0)
+        return Account(student, sums["credit"], sums["grant"], sums["charge"],
+                       sums["hold"] - sums["release"])
+
+    def account(self, student: str) -> Account:
+        with self.engine.connect() as db:
+            return self._account(db, student)
+
+    def balance(self, student: str) -> int:
+        return self.account(student).balance
+
+    def students(self) -> list[str]:
+        with self.engine.connect() as db:
+            return [r[0] for r in db.execute(sa.select(students.c.name).order_by(students.c.name))]
+
+    def entries(self, student: str | None = None) -> list[dict[str, Any]]:
+        q = sa.select(entries).order_by(entries.c.id)
+        if student is not None:
+            q = q.where(entries.c.student == student)
+        with self.engine.connect() as db:
+            return [dict(r._mapping) for r in db.execute(q)]
+
+    def holds(self, student: str | None = None, open_only: bool = False) -> list[RunHold]:
+        """Every hold (newest first) with its run and, once settled, its charge."""
+        charge = entries.alias("charge")
+        q = (sa.select(entries.c.id, entries.c.student, entries.c.amount, entries.c.at,
+                       runs.c.run_id, runs.c.run_dir, charge.c.amount.label("charged"))
+             .select_from(entries.outerjoin(runs, runs.c.hold_id == entries.c.id)
+                          .outerjoin(charge, sa.and_(charge.c.hold_id == entries.c.id,
+                                                     charge.c.kind == "charge")))
+             .where(entries.c.kind == "hold").order_by(entries.c.id.desc()))
+        if student is not None:
+            q = q.where(entries.c.student == student)
+        if open_only:
+            q = q.where(charge.c.id.is_(None))
+        with self.engine.connect() as db:
+            return [RunHold(r.id, r.student, r.amount, r.run_id, r.run_dir, r.charged, r.at)
+                    for r in db.execute(q)]
+
+    def run_hold(self, run_id: str) -> RunHold:
+        for h in self.holds():
+            if h.run_id == run_id:
+                return h
+        raise RunNotFoundError(f"no course run {run_id!r}; GET /runs lists yours")
+
+
+def _engine(url: str) -> Engine:
+    if not url.startswith("sqlite"):
+        return sa.create_engine(url, pool_pre_ping=True)
+    engine = sa.create_engine(url, connect_args={"timeout": 60, "check_same_thread": False},
+                              poolclass=sa.pool.NullPool)
+
+    @sa.event.listens_for(engine, "connect")
+    def _connect(dbapi: Any, _record: Any) -> None:
+        dbapi.isolation_level = None  # SQLAlchemy's BEGIN below, not pysqlite's deferred one
+        dbapi.execute("PRAGMA journal_mode=WAL")
+        dbapi.execute("PRAGMA busy_timeout=60000")
+
+    @sa.event.listens_for(engine, "begin")
+    def _begin(conn: Connection) -> None:
+        # IMMEDIATE: the write lock is taken before the balance is read, not at the first insert.
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine

@@ -1,0 +1,200 @@
+"""The course service: a JupyterHub service that owns a class's money and starts its runs.
+
+The hub starts it (``c.JupyterHub.services``, written by :mod:`workbench.course.config`) as the
+hub's user with WORKBENCH_HOME in the course's private state folder; requests carry a hub token
+(``Authorization: token ...``), checked by JupyterHub's own ``HubAuth``. Routes, each a thin
+adapter over :class:`~workbench.course.desk.CourseDesk`:
+
+    GET  /me            credit left, holds and charges, own runs
+    POST /quote         what a spec would hold (body: a RunSpec mapping)
+    POST /launch        hold the planned cost, then launch (402 when the credit is short)
+    GET  /runs          own runs (instructors: every run);  GET /runs/RUN  one run
+    POST /stop/RUN      students their own runs, instructors any
+    POST /grant         instructors: {"student", "amount", "note"}
+    GET  /export.csv    instructors: spend per student
+
+Every ``SETTLE_EVERY_S`` the service settles ended runs, including those that ended while it was
+down: the holds and their runs are in the ledger, not in this process.
+
+    python -m workbench.course.service STATE_DIR/course.json
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+from urllib.parse import urlparse
+
+from jupyterhub.services.auth import HubAuthenticated
+from tornado import web
+
+from workbench.course.config import SERVICE_NAME, load_course
+from workbench.course.desk import CourseDesk, Forbidden
+from workbench.errors import InsufficientCreditError, RunNotFoundError, WorkbenchError
+
+SETTLE_EVERY_S = 2.0
+log = logging.getLogger("workbench.course")
+
+
+class _Handler(HubAuthenticated, web.RequestHandler):
+    def initialize(self, desk: CourseDesk, pool: ThreadPoolExecutor) -> None:
+        self.desk, self.pool = desk, pool
+
+    def user(self) -> str:
+        model = self.get_current_user()
+        if not model or model.get("kind") != "user":
+            raise web.HTTPError(403, "a hub user's token is needed (Authorization: token ...)")
+        return str(model["name"])
+
+    async def call(self, fn: Any, *args: Any) -> Any:
+        """Run a desk call off the event loop (planning and launching take seconds)."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    def body(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self.request.body or b"{}")
+        except json.JSONDecodeError as exc:
+            raise _Refused(400, f"the body is not JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise _Refused(400, "the body must be a JSON object")
+        return data
+
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        exc = kwargs.get("exc_info", (None, None))[1]
+        message = getattr(exc, "log_message", None) or str(exc or self._reason)
+        self.finish({"error": type(exc).__name__ if exc else "HTTPError", "message": message})
+
+    def _handle_request_exception(self, e: BaseException) -> None:
+        if isinstance(e, (WorkbenchError, _Refused)):
+            code = _status_of(e)
+            self.set_status(code)
+            self.finish({"error": getattr(e, "kind", type(e).__name__), "message": str(e)})
+            return
+        super()._handle_request_exception(e)  # type: ignore[arg-type]
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.kind = status, "BadRequest"
+
+
+def _status_of(e: BaseException) -> int:
+    if isinstance(e, _Refused):
+        return e.status
+    if isinstance(e, InsufficientCreditError):
+        return 402
+    if isinstance(e, Forbidden):
+        return 403
+    if isinstance(e, RunNotFoundError):
+        return 404
+    return 400  # a spec, plan, cap or budget the course refuses: the message says what to change
+
+
+class Me(_Handler):
+    async def get(self) -> None:
+        self.finish(await self.call(self.desk.me, self.user()))
+
+
+class Quote(_Handler):
+    async def post(self) -> None:
+        q = await self.call(self.desk.quote, self.user(), self.body())
+        self.finish({"hold": q["hold"], "hold_text": q["hold_text"],
+                     "planned_cost": q["planned_cost"], "currency": self.desk.course.currency,
+                     "hours": q["plan"].hours})
+
+
+class Launch(_Handler):
+    async def post(self) -> None:
+        self.set_status(201)
+        self.finish(await self.call(self.desk.launch, self.user(), self.body()))
+
+
+class Runs(_Handler):
+    async def get(self, run_id: str | None = None) -> None:
+        user = self.user()
+        if run_id:
+            self.finish(await self.call(self.desk.run, user, run_id))
+        else:
+            self.finish({"runs": await self.call(self.desk.runs, user)})
+
+
+class Stop(_Handler):
+    async def post(self, run_id: str) -> None:
+        state = await self.call(self.desk.stop, self.user(), run_id)
+        self.finish({"run": run_id, "state": state})
+
+
+class Grant(_Handler):
+    async def post(self) -> None:
+        body = self.body()
+        try:
+            student, amount = str(body["student"]), float(body["amount"])
+        except (KeyError, TypeError, ValueError):
+            raise _Refused(400, 'give {"student": NAME, "amount": N} (N in currency units)') \
+                from None
+        self.finish(await self.call(self.desk.grant, self.user(), student, amount,
+                                    str(body.get("note", ""))))
+
+
+class Export(_Handler):
+    async def get(self) -> None:
+        text = await self.call(self.desk.export_csv, self.user())
+        self.set_header("Content-Type", "text/csv; charset=utf-8")
+        self.finish(text)
+
+
+def make_app(desk: CourseDesk, prefix: str = "/") -> web.Application:
+    pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="course")
+    args = {"desk": desk, "pool": pool}
+    p = prefix.rstrip("/")
+    return web.Application([
+        (f"{p}/me", Me, args), (f"{p}/quote", Quote, args), (f"{p}/launch", Launch, args),
+        (f"{p}/runs", Runs, args), (f"{p}/runs/([^/]+)", Runs, args),
+        (f"{p}/stop/([^/]+)", Stop, args), (f"{p}/grant", Grant, args),
+        (f"{p}/export.csv", Export, args),
+    ])
+
+
+async def _settle_forever(desk: CourseDesk) -> None:
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            for run_id in await loop.run_in_executor(None, desk.settle_ended):
+                log.info("settled %s", run_id)
+        except Exception:  # a bad run dir must not stop the settling of every other run
+            log.exception("settling failed; retrying")
+        await asyncio.sleep(SETTLE_EVERY_S)
+
+
+async def serve(course_file: str) -> None:
+    course = load_course(course_file)
+    desk = CourseDesk(course)
+    desk.open_accounts()
+    # The hub tells a managed service where to listen and under which prefix it is proxied.
+    url = urlparse(os.environ.get("JUPYTERHUB_SERVICE_URL", course.service_url))
+    prefix = os.environ.get("JUPYTERHUB_SERVICE_PREFIX", f"/services/{SERVICE_NAME}/")
+    app = make_app(desk, prefix)
+    app.listen(url.port or 80, url.hostname or "127.0.0.1")
+    log.info("course service for %s on %s%s", course.name, url.geturl(), prefix)
+    await _settle_forever(desk)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m workbench.course.service STATE_DIR/course.json", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="[course %(asctime)s] %(message)s")
+    os.umask(0o077)  # runs, logs and the ledger stay the service's own
+    asyncio.run(serve(argv[0]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
