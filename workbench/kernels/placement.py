@@ -150,7 +150,9 @@ class SSHPlacement:
 
     def _python(self, script: bytes, timeout: float) -> Any:
         t = self.target
-        return self.transport.run(f"{t.shell_prefix()}{shlex.quote(t.python)} -", input=script,
+        # Secrets from an owner-only file beside the kernel's folder, never on the command line.
+        prefix = t.remote_shell_prefix(self.transport, self.dir)
+        return self.transport.run(f"{prefix}{shlex.quote(t.python)} -", input=script,
                                   check=False, timeout=timeout)
 
     def start(self, connection: dict[str, Any], env: dict[str, str], timeout: float) -> dict[str, int]:
@@ -213,7 +215,7 @@ class SlurmPlacement:
 
     def _sh(self, command: str, timeout: float = 60.0) -> Any:
         # Without the secret env, as the backend's scheduler calls: the job sources its file.
-        return self.transport.run(f"{self.target.shell_prefix(secrets=False)}{command}",
+        return self.transport.run(f"{self.target.shell_prefix()}{command}",
                                   check=False, timeout=timeout)
 
     def _look(self, *files: str) -> tuple[dict[str, str], list[Any]]:
@@ -268,7 +270,7 @@ class SlurmPlacement:
         req = {"dir": self.dir, "files": {"connection.json": json.dumps({**connection,
                                                                          "ip": "0.0.0.0"}),
                                           "kernel.sbatch": self.script(env)}}
-        res = tr.run(f"{t.shell_prefix(secrets=False)}{shlex.quote(t.python)} -",
+        res = tr.run(f"{t.shell_prefix()}{shlex.quote(t.python)} -",
                      input=_script(PREPARE, req), check=False, timeout=120)
         found = _answer(res, f"checking the Python of {t.ref} on {tr.where}")
         if found:
