@@ -76,7 +76,7 @@ def test_a_corrupt_calibration_warns_and_falls_back_to_the_table(home, text):
 
 
 def test_targets_check_local_stores_a_calibration(home):
-    from workbench.targets import check_target
+    from workbench.target_check import check_target
 
     report = check_target("local")
     line = next(c for c in report.checks if c.name == "calibration")

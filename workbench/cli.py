@@ -165,7 +165,7 @@ def _targets_list(args: argparse.Namespace) -> Any:
 
 
 def _targets_check(args: argparse.Namespace) -> Any:
-    from workbench.targets import check_target
+    from workbench.target_check import check_target
 
     report = check_target(args.name)
     print(report)

@@ -20,7 +20,8 @@ import workbench
 from workbench.backends.slurm import sbatch_script
 from workbench.backends.ssh import SSHBackend
 from workbench.spec import RunSpec
-from workbench.targets import TargetError, check_target, get_target, target_names
+from workbench.target_check import check_target
+from workbench.targets import TargetError, get_target, target_names
 
 pytestmark = pytest.mark.slow
 TINY = {"train": {"max_steps": 10, "lr": 3e-3}}

@@ -20,7 +20,8 @@ from workbench import procs
 from workbench.errors import LaunchError, ResourceError
 from workbench.rundir import FAILED, QUEUED, TERMINAL, RunDir, cancelled_state
 from workbench.spec import RunSpec
-from workbench.targets import SSHTarget, TargetReport, probe_environment, register_check
+from workbench.target_check import TargetReport, probe_environment, register_check
+from workbench.targets import SSHTarget
 
 # Popen objects of supervisors this process started, so they are reaped (no zombies) once done.
 _children: dict[int, subprocess.Popen] = {}

@@ -57,14 +57,8 @@ from workbench.rundir import (
 )
 from workbench.secrets import scrub, secret_values, write_secret_env
 from workbench.spec import RunSpec
-from workbench.targets import (
-    SlurmTarget,
-    TargetError,
-    TargetReport,
-    get_target,
-    probe_environment,
-    register_check,
-)
+from workbench.target_check import TargetReport, probe_environment, register_check
+from workbench.targets import SlurmTarget, TargetError, get_target
 
 
 class SlurmBackend:

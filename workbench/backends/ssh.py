@@ -35,14 +35,8 @@ from workbench.backends.remote import (
 )
 from workbench.rundir import CANCELLED, FAILED, QUEUED, SUCCEEDED, TERMINAL, RunDir
 from workbench.spec import RunSpec
-from workbench.targets import (
-    SSHTarget,
-    TargetError,
-    TargetReport,
-    get_target,
-    probe_environment,
-    register_check,
-)
+from workbench.target_check import TargetReport, probe_environment, register_check
+from workbench.targets import SSHTarget, TargetError, get_target
 
 # Imports the supervisor's dependencies and picks a free port for the rendezvous, in one call.
 PREFLIGHT = ("import socket, workbench.supervise, torch; s = socket.socket(); "
