@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 import workbench
@@ -90,11 +92,16 @@ def test_a_real_run_teaches_the_next_plan_and_projects_its_cost_live(home):
     first = plan(spec)
     job = workbench.launch(spec)
     seen: dict = {}
+    rss_seen = 0.0  # the largest resident memory a rank was seen with, sampled by this test
     deadline = time.time() + 240
     while time.time() < deadline and job.state not in ("succeeded", "failed", "cancelled"):
         st = job.status()
         if st.get("projected_total_s") is not None:
             seen = st
+        for p in st.get("processes") or []:
+            if p.get("role") == "rank":
+                with contextlib.suppress(psutil.Error):
+                    rss_seen = max(rss_seen, psutil.Process(p["pid"]).memory_info().rss / 2**30)
         time.sleep(0.2)
     job.wait(timeout=120)
     status = job.status()
@@ -118,6 +125,12 @@ def test_a_real_run_teaches_the_next_plan_and_projects_its_cost_live(home):
     assert abs(second.clock["total_s"] - actual) < abs(first.clock["total_s"] - actual)
     out = cli(["plan", "--check", job.id])
     assert "start-up" in out and "step" in out and "succeeded" in out
+    # Peak memory per process, as the ranks recorded it, beside the plan's: a peak is at least
+    # every resident size the test sampled while they ran.
+    assert rss_seen > 0 and rss_seen <= measured["peak_memory_gib"] * 1.02
+    assert measured["planned_memory_gib"] == json.loads(job.run_dir.plan_file.read_text())[
+        "memory_gib"]["total"]
+    assert "peak memory / process" in out
 
 
 def test_the_projection_warns_once_it_passes_the_limit():

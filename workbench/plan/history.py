@@ -71,9 +71,26 @@ def record_run(rd: Any, final: dict[str, Any]) -> dict[str, Any] | None:
                model_startup_s=clock.get("model_startup_s"), measured_step_s=m["step_s"],
                measured_startup_s=m["startup_s"], finish_s=m["finish_s"], planned_step_s=clock.get("step_s"),
                planned_startup_s=clock.get("startup_s"), steps=m["steps"])
+    peak = peak_memory(rd)
+    if peak is not None:
+        m["peak_memory_gib"] = peak
+        m["planned_memory_gib"] = (plan.get("memory_gib") or {}).get("total")
+        row.update(peak_memory_gib=peak, planned_memory_gib=m["planned_memory_gib"])
     with runs_file().open("a", encoding="utf-8") as fh:
         fh.write(json.dumps(row) + "\n")
     return m
+
+
+def peak_memory(rd: Any) -> float | None:
+    """The largest peak memory (GiB) any rank of the run recorded at the end of training
+    (RUN_DIR/logs/memory-rank-N.json: GPU memory reserved, or a CPU rank's resident memory)."""
+    peaks = []
+    for path in sorted(Path(rd.logs_dir).glob("memory-rank-*.json")):
+        try:
+            peaks.append(float(json.loads(path.read_text(encoding="utf-8"))["peak_gib"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a rank killed while writing: the others still say
+    return max(peaks) if peaks else None
 
 
 @dataclass(frozen=True)
@@ -143,6 +160,10 @@ def check_report(rd: Any) -> str:
             ("step", m["planned_step_s"], m["step_s"], "s"),
             ("total (start to end)", m["planned_total_s"], m["total_s"], "s"),
             ("cost", m["planned_cost"], m["cost"], cur)]
+    peak = m.get("peak_memory_gib") or peak_memory(rd)
+    if peak is not None:
+        rows.append(("peak memory / process", (plan.get("memory_gib") or {}).get("total"), peak,
+                     "GiB"))
     lines = [f"Run {rd.path.name} ({status.get('state')}, {m['steps']} steps): planned -> "
              "measured"]
     for name, p, a, unit in rows:

@@ -100,8 +100,30 @@ class RunDirCallback(TrainerCallback):
             self._pending, self._status_at = None, now
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        # Every rank: its peak memory, for the plan's memory to be checked against (plan --check).
+        record_peak_memory(self.rd, args.process_index)
         if state.is_world_process_zero:
             self._flush_status(time.time())
+
+
+def peak_memory_gib() -> float:
+    """This process's peak memory: what the CUDA allocator reserved on its GPU, else the
+    process's peak resident memory (the host RAM a CPU rank held), in GiB."""
+    import resource
+
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return float(torch.cuda.max_memory_reserved()) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def record_peak_memory(rd: RunDir, rank: int) -> None:
+    from workbench.rundir import write_json_atomic
+
+    rd.logs_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(rd.logs_dir / f"memory-rank-{rank}.json",
+                      {"rank": rank, "peak_gib": peak_memory_gib(), "time": time.time()})
 
 
 def projection_basis(rd: RunDir) -> dict[str, Any]:
