@@ -112,3 +112,14 @@ class BudgetError(WorkbenchError, ValueError):
 
 class RunBusyError(WorkbenchError, RuntimeError):
     """A run still has live processes (or another resume is starting it): it cannot start again."""
+
+
+# -- preference and reward tuning (workbench.data.preference, workbench.train.rewards) ----------
+class PreferenceDataError(DatasetFormatError):
+    """Preference data that cannot train its stage: a missing field, chosen equal to rejected,
+    or a format that does not fit method.stage (e.g. SFT demonstrations for DPO)."""
+
+
+class RewardError(WorkbenchError, ValueError):
+    """A GRPO reward cannot be used: its module or function is missing, not callable, or has a
+    signature TRL cannot call, or its reference column is not in the data."""
