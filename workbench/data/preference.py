@@ -16,8 +16,9 @@ are unpaired into one liked and one disliked row), and for GRPO a ``prompt`` col
 :func:`prepare_preference_data`, so a bad row fails the launch cell with
 :class:`~workbench.errors.PreferenceDataError` before any process starts.
 
-    >>> normalise({"prompt": "Opposite of up?", "chosen": "down", "rejected": "up"}, "dpo", "line 1")
-    [{'prompt': [{'role': 'user', 'content': 'Opposite of up?'}], 'chosen': [{'role': 'assistant', 'content': 'down'}], 'rejected': [{'role': 'assistant', 'content': 'up'}]}]
+    >>> row = {"prompt": "Opposite of up?", "chosen": "down", "rejected": "up"}
+    >>> normalise(row, "dpo", "line 1")[0]["chosen"]
+    [{'role': 'assistant', 'content': 'down'}]
 """
 
 from __future__ import annotations
@@ -192,7 +193,7 @@ def prepare_preference_data(spec: RunSpec, out_dir: str | Path) -> Any:
     files = {s: (out / f"{s}.jsonl").open("w", encoding="utf-8") for s in counts}
     try:
         for source in spec.data.sources:
-            n, fmt = 0, source.format
+            n, fmt = 0, str(source.format)
             for where, row in read_rows(source):
                 if fmt == "auto":  # decided on the first row, as for SFT data
                     fmt = detect(row, where)

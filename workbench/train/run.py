@@ -288,7 +288,7 @@ def main(run_dir: str) -> int:
     from transformers import set_seed
 
     set_seed(spec.train.seed)  # before the LoRA init, so the same spec trains the same way
-    stage = None
+    stage: Any = None  # the module workbench.train.preference for a non-SFT stage
     if spec.method.stage != "sft":  # dpo/orpo/kto/grpo: TRL's trainers, the same path otherwise
         from workbench.train import preference as stage
     train_rows = stage.load_rows(rd, "train") if stage else load_split(rd, "train", tokenizer, spec)
