@@ -3,7 +3,7 @@
 :mod:`workbench.train.run` stays the one training path: it asks this module, for a non-SFT
 ``method.stage``, for the rows (the normalised jsonl that :mod:`workbench.data.preference` wrote
 at launch; TRL tokenises them with the model's chat template), the TRL config (built by
-``run.training_arguments``, so precision, strategy, logging, evaluation and DeepSpeed are the
+``run.training_arguments``, passed in, so precision, strategy, logging, evaluation and DeepSpeed are the
 same as SFT's) and the trainer class and its extra arguments (reference model, reward functions).
 The run's own callbacks, snapshots, budget stop and resume then work unchanged, because the TRL
 trainer is wrapped by the same ``SnapshottingTrainer``. TRL implements every loss; nothing here
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 from workbench.rundir import RunDir
@@ -48,10 +49,10 @@ def beta(spec: RunSpec) -> float:
     return m.beta if m.beta is not None else (_GRPO_BETA if m.stage == "grpo" else 0.1)
 
 
-def arguments(spec: RunSpec, rd: RunDir, has_eval: bool) -> Any:
-    """The stage's TRL config, over the same base arguments as SFT."""
-    from workbench.train.run import training_arguments
-
+def arguments(spec: RunSpec, rd: RunDir, has_eval: bool,
+              training_arguments: Callable[..., Any]) -> Any:
+    """The stage's TRL config, built by run.py's ``training_arguments`` (passed in, so this
+    module sits below run.py) over the same base arguments as SFT."""
     m, d = spec.method, spec.data
     extra: dict[str, Any] = {"beta": beta(spec)}
     if m.stage in ("dpo", "kto", "orpo"):

@@ -297,7 +297,8 @@ def main(run_dir: str) -> int:
     # The arguments (and with them the DeepSpeed config) before the model: under ZeRO-3,
     # from_pretrained then builds each layer already partitioned (deepspeed.zero.Init), so no rank
     # ever holds the whole model. `args` stays alive to the end, and so does the config.
-    args = (stage.arguments if stage else training_arguments)(spec, rd, has_eval=len(eval_rows) > 0)
+    args = (stage.arguments(spec, rd, len(eval_rows) > 0, training_arguments) if stage
+            else training_arguments(spec, rd, has_eval=len(eval_rows) > 0))
     if args.deepspeed:
         # Join the process group now, and let DeepSpeed's comm wrap it (the Trainer would do
         # both later): zero.Init reads the world size from it to partition over every rank.
