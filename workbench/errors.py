@@ -145,3 +145,14 @@ class InsufficientCreditError(CourseError):
             f"{money(needed)}: "
             "nothing was started. Make the run smaller (fewer steps, fewer processes), or ask an "
             "instructor for a grant")
+
+
+# -- preference and reward tuning (workbench.data.preference, workbench.train.rewards) ----------
+class PreferenceDataError(DatasetFormatError):
+    """Preference data that cannot train its stage: a missing field, chosen equal to rejected,
+    or a format that does not fit method.stage (e.g. SFT demonstrations for DPO)."""
+
+
+class RewardError(WorkbenchError, ValueError):
+    """A GRPO reward cannot be used: its module or function is missing, not callable, or has a
+    signature TRL cannot call, or its reference column is not in the data."""

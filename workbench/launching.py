@@ -66,6 +66,11 @@ def _prepare_data(spec: RunSpec, rd: RunDir, force: bool = False) -> None:
     from workbench.data.prepare import prepare_data
     from workbench.data.tokenized import check_trainable, prepare_tokenized
 
+    if spec.method.stage != "sft":  # preference/prompt rows: checked here, tokenised by TRL
+        from workbench.data.preference import prepare_preference_data
+
+        rd.write_status(data=prepare_preference_data(spec, rd.data_dir).counts)
+        return
     summary = prepare_data(spec, rd.data_dir)
     rd.write_status(data=summary.counts)
     from workbench.data.tokenize import load_tokenizer

@@ -42,7 +42,9 @@ class ModelSpec(_Section):
 
 class DataSource(_Section):
     path: str = Field(BUILTIN_DATASET, description="jsonl/csv/parquet file, datasets folder, hub id")
-    format: Literal["auto", "alpaca", "sharegpt", "messages", "text"] = "auto"
+    # pairs, unpaired, prompts: preference data for method.stage dpo/orpo, kto, grpo
+    format: Literal["auto", "alpaca", "sharegpt", "messages", "text", "pairs", "unpaired",
+                    "prompts"] = "auto"
     split: str = "train"  # which split of a hub dataset or a DatasetDict on disk
     max_rows: int | None = Field(None, gt=0)  # read at most this many rows (quick trials)
 
@@ -68,12 +70,64 @@ class DataSpec(_Section):
     clean: CleanSpec = Field(default_factory=CleanSpec)
 
 
+Stage = Literal["sft", "dpo", "orpo", "kto", "grpo"]
+PREFERENCE_STAGES = ("dpo", "orpo", "kto", "grpo")
+BUILTIN_REWARDS = ("exact_match", "contains", "regex", "length")
+_REWARD_FN_RE = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+
+
+class RewardSpec(_Section):
+    """One GRPO reward (workbench.train.rewards); the rewards of a completion are summed."""
+
+    fn: str  # built-in (exact_match, contains, regex, length) or a user's 'module:function'
+    weight: float = 1.0  # its share of the summed reward
+    column: str = "answer"  # exact_match/contains: the data column holding the reference
+    pattern: str | None = None  # regex: 1 when the completion matches (re.search), else 0
+    target_chars: int | None = Field(None, ge=1)  # length: 1 at this many characters, less away
+
+    @field_validator("fn")
+    @classmethod
+    def _fn_ok(cls, v: str) -> str:
+        if v not in BUILTIN_REWARDS and not _REWARD_FN_RE.fullmatch(v):
+            raise ValueError(f"use a built-in reward ({', '.join(BUILTIN_REWARDS)}) or "
+                             "'module:function' for your own")
+        return v
+
+    @model_validator(mode="after")
+    def _options_ok(self) -> RewardSpec:
+        if self.fn == "regex" and not self.pattern:
+            raise ValueError("the regex reward needs a pattern, e.g. pattern: '^[a-z]+$'")
+        if self.pattern is not None:
+            try:
+                re.compile(self.pattern)
+            except re.error as exc:
+                raise ValueError(f"pattern {self.pattern!r} is not a valid regex: {exc}") from None
+        if self.fn == "length" and self.target_chars is None:
+            raise ValueError("the length reward needs target_chars, e.g. target_chars: 40")
+        return self
+
+
 class MethodSpec(_Section):
     kind: Literal["lora", "qlora", "full"] = "lora"
+    # What is learnt from what: sft (demonstrations), dpo/orpo (preference pairs), kto (liked or
+    # disliked completions), grpo (rewards of sampled completions). See docs/preference.md.
+    stage: Stage = "sft"
     lora_r: int = Field(16, ge=1, le=1024)  # higher: more capacity and more memory
     lora_alpha: int = Field(32, ge=1)  # scale = alpha / r
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    # dpo/kto: how far from the reference the policy may move; orpo: the odds-ratio weight; grpo:
+    # the KL penalty (0 drops the KL term and its reference pass). None: 0.1, or 0.04 for grpo.
+    beta: float | None = Field(None, ge=0)
+    loss_type: str | None = None  # TRL's loss variant (dpo: sigmoid, ipo, hinge...); None: default
+    # dpo/kto (and grpo with beta > 0) compare against a frozen reference. auto: LoRA uses the base
+    # with the adapter switched off (no second copy); full weights load a frozen copy. explicit:
+    # always a separate frozen copy. orpo needs no reference at all.
+    reference: Literal["auto", "explicit"] = "auto"
+    num_generations: int = Field(4, ge=2)  # grpo: completions sampled per prompt (the group)
+    max_completion_length: int = Field(32, ge=1)  # grpo: tokens generated per completion
+    temperature: float = Field(1.0, gt=0)  # grpo: sampling temperature of the completions
+    rewards: list[RewardSpec] = Field(default_factory=list)  # grpo: summed per completion
 
 
 class TrainSpec(_Section):
@@ -190,6 +244,20 @@ class RunSpec(_Section):
                 f"resources.gpus_per_node ({res.gpus_per_node}): ranks would share a GPU; set "
                 "processes_per_node to at most gpus_per_node (or leave it out: one per GPU)"
             )
+        m = self.method
+        if m.stage == "grpo":
+            if not m.rewards:
+                raise ValueError("method.stage grpo needs method.rewards, e.g. "
+                                 "[{fn: exact_match, column: answer}]")
+            per_step = self.train.batch_size * self.train.grad_accum * res.world_size
+            if per_step % m.num_generations:
+                # TRL samples every prompt's group within one step's completions.
+                raise ValueError(
+                    f"train.batch_size x grad_accum x processes ({per_step}) must be a multiple "
+                    f"of method.num_generations ({m.num_generations}); change either")
+        elif m.rewards:
+            raise ValueError(f"method.rewards are for method.stage grpo (this is {m.stage}); "
+                             "remove them or set method.stage: grpo")
         if self.method.kind != "qlora" and self.model.quantization != "none":
             raise ValueError(
                 "model.quantization is only for method.kind 'qlora'; set method.kind: qlora "

@@ -29,6 +29,7 @@ from workbench.plan.memory import (
 )
 from workbench.plan.result import Candidate, Plan, Suggestion
 from workbench.plan.shape import ModelShape, model_shape
+from workbench.plan.stage import stage_cost, stage_memory, stage_time_factor
 from workbench.plan.timing import DataEstimate, _Run, estimate_data, step_seconds
 from workbench.precision import DeviceKind, Precision, resolve_precision
 from workbench.spec import ParallelSpec, RunSpec
@@ -145,11 +146,22 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
         return (hours + startup_h) * units * price
     # Time at the average padded length (memory above at the longest).
     s_time = _setup(spec, shape, on_gpu, int(max(1, data.tokens_per_example)), gpu)
+    # dpo/orpo/kto/grpo: reference model, paired sequences, generations (workbench.plan.stage).
+    stage = stage_cost(spec, data.tokens_per_example)
+    stage_x = stage_time_factor(stage, spec.method.kind, data.tokens_per_example)
+
+    def memory_of(st: Strategy) -> MemoryBreakdown:
+        return stage_memory(estimate_memory(s, st), stage, shape, s.compute_bytes,
+                            s.world if st.parallel == "zero3" else 1)
+
+    def seconds_of(st: Strategy) -> tuple[float, float]:
+        secs, flops = step_seconds(s_time, st, run)
+        return secs * stage_x, flops * stage_x
 
     candidates = []
     for st in all_strategies(res.world_size):
-        mem = estimate_memory(s, st)
-        secs = step_seconds(s_time, st, run)[0] * time_scale
+        mem = memory_of(st)
+        secs = seconds_of(st)[0] * time_scale
         hours = secs * steps / 3600 if steps else None
         fits = mem.total <= capacity - margin and unsupported(st) is None
         candidates.append(Candidate(st, mem, fits, hours, priced(hours)))
@@ -171,8 +183,8 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
         chosen = next((c for c in mine if c.strategy == target), None)  # type: ignore[assignment]
         if chosen is None:
             # e.g. ZeRO-1/2/3 without offload on one process, or ddp + offload: still evaluate.
-            mem = estimate_memory(s, target)
-            secs = step_seconds(s_time, target, run)[0] * time_scale
+            mem = memory_of(target)
+            secs = seconds_of(target)[0] * time_scale
             hours = secs * steps / 3600 if steps else None
             chosen = Candidate(target, mem, mem.total <= capacity - margin, hours, priced(hours))
             if target.parallel == "ddp" and (target.offload_optimizer or target.offload_params):
@@ -222,7 +234,8 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
     else:
         verdict = "within budget" if chosen.cost <= limit else "over budget"
 
-    model_step, flops_step = step_seconds(s_time, chosen.strategy, run)
+    reasons.extend(stage.notes)
+    model_step, flops_step = seconds_of(chosen.strategy)
     trainable = shape.params if spec.method.kind == "full" else shape.lora_params(
         spec.method.lora_r, spec.method.target_modules)
     clock = {"target": spec.target, "device": device_key, "shape": shape_key,

@@ -114,7 +114,9 @@ def load_split(rd: RunDir, split: str, tokenizer: Any, spec: RunSpec) -> Any:
     return rows
 
 
-def training_arguments(spec: RunSpec, rd: RunDir, has_eval: bool) -> Any:
+def training_arguments(spec: RunSpec, rd: RunDir, has_eval: bool, args_class: type | None = None,
+                       **extra: Any) -> Any:
+    """The Trainer's arguments (``args_class``: a TRL config, with its ``extra`` knobs)."""
     import torch
     from transformers import TrainingArguments
 
@@ -145,7 +147,7 @@ def training_arguments(spec: RunSpec, rd: RunDir, has_eval: bool) -> Any:
         os.environ.setdefault("WANDB_DIR", str(rd.path))
         os.environ.setdefault("WANDB_PROJECT", "workbench")
     precision = resolve_precision(spec.model.dtype, spec.method.kind, local_device_kind())
-    return TrainingArguments(
+    return (args_class or TrainingArguments)(
         output_dir=str(rd.path / "checkpoints"),  # the Trainer's checkpoint-N, see SnapshotCallback
         per_device_train_batch_size=t.batch_size,
         per_device_eval_batch_size=t.batch_size,
@@ -175,11 +177,13 @@ def training_arguments(spec: RunSpec, rd: RunDir, has_eval: bool) -> Any:
         dataloader_num_workers=0,
         remove_unused_columns=False,
         deepspeed=ds_config,
+        **extra,
     )
 
 
-def snapshotting_trainer_class() -> type:
-    """The Trainer, with snapshots committed as verified step-N folders (asynchronously)."""
+def snapshotting_trainer_class(base: type | None = None) -> type:
+    """The Trainer (or ``base``, a TRL trainer), with snapshots committed as verified step-N
+    folders (asynchronously)."""
     import time
 
     from transformers import Trainer
@@ -188,7 +192,7 @@ def snapshotting_trainer_class() -> type:
     from workbench.train.async_snapshot import AsyncWriter, wait_for_ranks
     from workbench.train.callbacks import barrier
 
-    class SnapshottingTrainer(Trainer):
+    class SnapshottingTrainer(base or Trainer):  # type: ignore[misc,valid-type]
         def __init__(self, *args: Any, run_dir: RunDir, keep: int, uploader: Any = None,
                      billing: Any = None, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
@@ -252,6 +256,7 @@ def save_artefacts(trainer: Any, tokenizer: Any, spec: RunSpec, rd: RunDir, sour
         tokenizer.save_pretrained(str(out))
         (out / "workbench.json").write_text(json.dumps({
             "base_model": source, "base_model_id": spec.model.id, "method": spec.method.kind,
+            "stage": spec.method.stage,
             "lora_r": spec.method.lora_r if spec.method.kind != "full" else None,
         }, indent=1))
     return out
@@ -283,12 +288,17 @@ def main(run_dir: str) -> int:
     from transformers import set_seed
 
     set_seed(spec.train.seed)  # before the LoRA init, so the same spec trains the same way
-    train_rows = load_split(rd, "train", tokenizer, spec)
-    eval_rows = load_split(rd, "validation", tokenizer, spec)
+    stage: Any = None  # the module workbench.train.preference for a non-SFT stage
+    if spec.method.stage != "sft":  # dpo/orpo/kto/grpo: TRL's trainers, the same path otherwise
+        from workbench.train import preference as stage
+    train_rows = stage.load_rows(rd, "train") if stage else load_split(rd, "train", tokenizer, spec)
+    eval_rows = (stage.load_rows(rd, "validation") if stage
+                 else load_split(rd, "validation", tokenizer, spec))
     # The arguments (and with them the DeepSpeed config) before the model: under ZeRO-3,
     # from_pretrained then builds each layer already partitioned (deepspeed.zero.Init), so no rank
     # ever holds the whole model. `args` stays alive to the end, and so does the config.
-    args = training_arguments(spec, rd, has_eval=len(eval_rows) > 0)
+    args = (stage.arguments(spec, rd, len(eval_rows) > 0, training_arguments) if stage
+            else training_arguments(spec, rd, has_eval=len(eval_rows) > 0))
     if args.deepspeed:
         # Join the process group now, and let DeepSpeed's comm wrap it (the Trainer would do
         # both later): zero.Init reads the world size from it to partition over every rank.
@@ -305,12 +315,13 @@ def main(run_dir: str) -> int:
                             keep=spec.checkpoint.keep)
         uploader.catch_up(newest_verified(rd))  # what a crashed attempt had not uploaded yet
     snapshots = SnapshotCallback(spec, billing, status.get("step_s"))
-    trainer = snapshotting_trainer_class()(
+    trainer = snapshotting_trainer_class(stage.trainer_base(spec) if stage else None)(
         model=model,
         args=args,
         train_dataset=train_rows,
         eval_dataset=eval_rows if len(eval_rows) else None,
-        data_collator=Collator(tokenizer.pad_token_id),
+        **(stage.trainer_kwargs(spec, tokenizer, source) if stage
+           else {"data_collator": Collator(tokenizer.pad_token_id)}),
         callbacks=[RunDirCallback(rd, world), snapshots],
         run_dir=rd, keep=spec.checkpoint.keep, uploader=uploader, billing=billing,
     )
