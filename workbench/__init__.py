@@ -30,7 +30,7 @@ from workbench.errors import (
 # on every launch and deploy.
 _LAZY = {"Job": "workbench.jobs", "get_job": "workbench.jobs", "jobs": "workbench.jobs",
          "launch": "workbench.launching", "plan": "workbench.plan", "deploy": "workbench.serve",
-         "RunSpec": "workbench.spec"}
+         "RunSpec": "workbench.spec", "evaluate": "workbench.evaluate.runner"}
 
 from workbench.train.quiet import install as _quiet  # noqa: E402
 
@@ -51,6 +51,7 @@ __all__ = [
     "WorkbenchError",
     "__version__",
     "deploy",
+    "evaluate",
     "get_job",
     "jobs",
     "launch",

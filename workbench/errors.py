@@ -112,3 +112,16 @@ class BudgetError(WorkbenchError, ValueError):
 
 class RunBusyError(WorkbenchError, RuntimeError):
     """A run still has live processes (or another resume is starting it): it cannot start again."""
+
+
+# -- evaluation (workbench.evaluate) ---------------------------------------------------------------
+class EvalError(WorkbenchError, RuntimeError):
+    """An evaluation could not run; the run itself (weights, metrics, eval.jsonl) is untouched."""
+
+
+class EvalTaskError(EvalError, ValueError):
+    """An eval task is unknown (no such lm-eval task) or its file lacks a field it needs."""
+
+
+class JudgeError(EvalError):
+    """The judge endpoint is unreachable or refused the request (key, model name, URL)."""

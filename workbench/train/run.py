@@ -270,6 +270,7 @@ def main(run_dir: str) -> int:
 
     from workbench.budget import Billing
     from workbench.data.tokenize import Collator
+    from workbench.evaluate.callback import EvalCallback
     from workbench.models import resolve_model
     from workbench.snapshots import Uploader, agreed_resume_point, storage_prefix
     from workbench.train.callbacks import BudgetSpentAtStart, RunDirCallback, SnapshotCallback
@@ -310,7 +311,8 @@ def main(run_dir: str) -> int:
         train_dataset=train_rows,
         eval_dataset=eval_rows if len(eval_rows) else None,
         data_collator=Collator(tokenizer.pad_token_id),
-        callbacks=[RunDirCallback(rd, world), snapshots],
+        callbacks=[RunDirCallback(rd, world), snapshots,
+                   EvalCallback(rd, spec, tokenizer, stopped=lambda: snapshots.budget_stopped)],
         run_dir=rd, keep=spec.checkpoint.keep, uploader=uploader, billing=billing,
     )
     resume_from = agreed_resume_point(rd)  # verified by rank 0 alone, the same on every rank
