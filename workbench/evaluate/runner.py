@@ -146,6 +146,7 @@ def _judge(source: Any, task: EvalTask, file: Any, base_id: str | None
 
     assert task.judge is not None  # EvalTask's validator
     judge_src = open_endpoint(task.judge, task.judge_model, task.api_key_env, label="judge")
+    _ = judge_src.model  # an unreachable judge fails here, before any answer is generated
     examples = heldout.load_examples(file, task.max_samples)
     prompts = [m for m, _ in examples]
     refs = [r for _, r in examples]
