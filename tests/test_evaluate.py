@@ -145,3 +145,19 @@ def test_lm_eval_local_task_and_bad_task_inputs(tmp_path, tiny_model):
         workbench.evaluate(str(tiny_model), tasks=[{"kind": "lm_eval", "tasks": [str(broken)]}])
     with pytest.raises(EvalTaskError, match="no task 'hellaswagg'.*did you mean hellaswag"):
         workbench.evaluate(str(tiny_model), tasks=["lm_eval:hellaswagg"])
+
+
+def test_in_run_tasks_fit_the_runs_validation_split(tmp_path):
+    from workbench.evaluate.callback import _fitting
+
+    tasks = RunSpec.parse({"eval": {"tasks": ["heldout", "perplexity",
+                                              {"kind": "heldout", "file": "qa.jsonl"}]}}).eval.tasks
+    text = tmp_path / "text.jsonl"
+    text.write_text(json.dumps({"text": "plain prose, no answers"}) + "\n")
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "q"},
+                                             {"role": "assistant", "content": "a"}]}) + "\n")
+    assert [t.kind for t in _fitting(tasks, chat)] == ["heldout", "perplexity", "heldout"]
+    # Text rows have no answers: the default heldout becomes perplexity; a named file stays.
+    assert [t.kind for t in _fitting(tasks, text)] == ["perplexity", "perplexity", "heldout"]
+    assert [t.file for t in _fitting(tasks, None)] == ["qa.jsonl"]  # no split: only the file

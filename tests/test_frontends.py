@@ -20,7 +20,7 @@ def test_public_api_is_exactly_the_intended_names():
     assert sorted(workbench.__all__) == sorted([
         "DatasetError", "DatasetFormatError", "EmptyDatasetError", "Job", "JobFailedError",
         "LaunchError", "ModelNotFoundError", "ResourceError", "RunNotFoundError", "RunSpec",
-        "SpecError", "WorkbenchError", "__version__", "deploy", "get_job", "jobs", "launch",
+        "SpecError", "WorkbenchError", "__version__", "deploy", "evaluate", "get_job", "jobs", "launch",
         "load_ipython_extension", "plan",
     ])
     for name in workbench.__all__:

@@ -14,9 +14,11 @@ over the ranks, so in-run evaluation is skipped with a note: score the run after
 
 from __future__ import annotations
 
+import json
 import random
 import traceback
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback
@@ -52,11 +54,12 @@ class EvalCallback(TrainerCallback):
         self.cfg = spec.eval
         validation = run_dir.data_dir / "validation.jsonl"
         self.default_file = validation if validation.is_file() else None
+        self.tasks = _fitting(self.cfg.tasks, self.default_file)
 
     def _active(self) -> bool:
         from transformers.integrations import is_deepspeed_zero3_enabled
 
-        if not self.cfg.tasks:
+        if not self.tasks:
             return False
         if is_deepspeed_zero3_enabled():
             print("eval: skipped in-run evaluation under ZeRO-3 (weights are partitioned); "
@@ -80,10 +83,10 @@ class EvalCallback(TrainerCallback):
         source = TransformersSource(model, self.tokenizer, label,
                                     base_id=resolve_model(self.spec.model.id),
                                     batch_size=self.spec.train.batch_size)
-        print(f"eval: {phase} at step {step}: {[t.kind for t in self.cfg.tasks]}", flush=True)
+        print(f"eval: {phase} at step {step}: {[t.kind for t in self.tasks]}", flush=True)
         try:
             with _rng_kept():
-                report = score(source, self.cfg.tasks, phase=phase, step=step, run_dir=self.rd.path,
+                report = score(source, self.tasks, phase=phase, step=step, run_dir=self.rd.path,
                                default_file=self.default_file)
             print(f"eval: {phase} at step {step}: {report.metrics}", flush=True)
         except Exception as exc:  # the run matters more than one evaluation: record, go on
@@ -112,6 +115,32 @@ class EvalCallback(TrainerCallback):
                      **kw: Any) -> None:
         if self.cfg.after and not self.stopped() and self._active():
             self._evaluate(state, model, "after")
+
+
+def _fitting(tasks: list[Any], validation: Path | None) -> list[Any]:
+    """The tasks this run can score: those that need the validation split are dropped when the
+    run has none, and a heldout on plain-text rows (no answers to compare) becomes perplexity."""
+    out = []
+    for task in tasks:
+        if task.kind == "lm_eval" or task.file:
+            out.append(task)
+        elif validation is None:
+            print(f"eval: no validation split (data.validation_fraction 0): {task.kind} skipped; "
+                  "give it a file:", flush=True)
+        elif task.kind == "heldout" and not _is_chat(validation):
+            out.append(task.model_copy(update={"kind": "perplexity"}))
+        else:
+            out.append(task)
+    return out
+
+
+def _is_chat(path: Path) -> bool:
+    with path.open(encoding="utf-8") as fh:
+        first = fh.readline()
+    try:
+        return "messages" in json.loads(first)
+    except ValueError:
+        return False
 
 
 def _agree_flag(flag: bool) -> bool:
