@@ -2,7 +2,8 @@
 
 The judge is a real HTTP server (http.server) that speaks the chat-completions API, written here
 independently of workbench: it reads the two answers out of the prompt and prefers the one that
-says "good". Its ``mode`` makes it position-biased (always the first answer) or talk nonsense.
+says "good" (asked anything else, it answers "moo" about cows). Its ``mode`` makes it
+position-biased (always the first answer) or talk nonsense.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ class JudgeServer:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 prompt = body["messages"][-1]["content"]
                 outer.requests.append(prompt)
+                if "[Answer A]" not in prompt:  # asked as the evaluated model, not as a judge
+                    self._reply(body, "moo" if "cow" in prompt else "I do not know")
+                    return
                 a = re.search(r"\[Answer A\]\n(.*?)\n\n\[Answer B\]", prompt, re.S).group(1)
                 b = re.search(r"\[Answer B\]\n(.*?)\n\nCompare", prompt, re.S).group(1)
                 if outer.mode == "first":
@@ -56,10 +60,13 @@ class JudgeServer:
                     verdict = "It is a tie: [[C]]"
                 else:
                     verdict = "[[A]]" if "good" in a else "Verdict: [[B]]"
+                self._reply(body, verdict)
+
+            def _reply(self, body: dict, content: str) -> None:
                 self._send({"id": "c1", "object": "chat.completion", "created": 0,
                             "model": body["model"],
                             "choices": [{"index": 0, "finish_reason": "stop",
-                                         "message": {"role": "assistant", "content": verdict}}],
+                                         "message": {"role": "assistant", "content": content}}],
                             "usage": {"prompt_tokens": 1, "completion_tokens": 1,
                                       "total_tokens": 2}})
 

@@ -161,3 +161,15 @@ def test_in_run_tasks_fit_the_runs_validation_split(tmp_path):
     # Text rows have no answers: the default heldout becomes perplexity; a named file stays.
     assert [t.kind for t in _fitting(tasks, text)] == ["perplexity", "perplexity", "heldout"]
     assert [t.file for t in _fitting(tasks, None)] == ["qa.jsonl"]  # no split: only the file
+
+
+def test_cli_scores_an_endpoint_on_a_file(tmp_path, judge_server):
+    from workbench.cli import run
+
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text(json.dumps({"instruction": "What does a cow say?", "output": "Moo"}) + "\n"
+                  + json.dumps({"instruction": "What does a cat say?", "output": "meow"}) + "\n")
+    table = run(["eval", "--endpoint", judge_server.url, "--tasks", "heldout", "--file", str(qa)])
+    header, row = table.splitlines()
+    assert row.split()[:4] == ["heldout", f"endpoint:{judge_server.url}", "0", "2"]
+    assert "exact_match=0.5 " in row  # the server says moo to both: right once

@@ -163,6 +163,15 @@ def _judge(source: Any, task: EvalTask, file: Any, base_id: str | None
     return ("judge", metrics, len(rows), rows, {"baseline": "base" if base else "reference"})
 
 
+def _reach_judges(tasks: list[EvalTask]) -> None:
+    """An unreachable judge fails before weights are loaded and answers generated."""
+    from workbench.evaluate.sources import open_endpoint
+
+    for t in tasks:
+        if t.kind == "judge" and t.judge:
+            _ = open_endpoint(t.judge, t.judge_model, t.api_key_env).model
+
+
 def evaluate(model: Any = None, tasks: Any = ("heldout",), *, endpoint: str | None = None,
              file: str | Path | None = None, max_samples: int | None = None,
              max_new_tokens: int | None = None, judge: str | None = None,
@@ -178,6 +187,7 @@ def evaluate(model: Any = None, tasks: Any = ("heldout",), *, endpoint: str | No
     parsed = as_tasks(list(tasks) if not isinstance(tasks, str) else [tasks],
                       file=str(file) if file else None, max_samples=max_samples,
                       max_new_tokens=max_new_tokens, judge=judge)
+    _reach_judges(parsed)
     source: Any = (open_endpoint(endpoint, label=label) if endpoint is not None
                    else open_weights(model, label=label or "run"))
     return score(source, parsed, phase=phase, step=step, run_dir=run_dir)
@@ -202,6 +212,7 @@ def evaluate_job(job: Any, tasks: Any = None, *, endpoint: str | None = None,
     spec = job.spec
     parsed = as_tasks(tasks if tasks is not None else spec.eval.tasks, **knobs)
     validation = rd.data_dir / "validation.jsonl"
+    _reach_judges(parsed)
     if endpoint is not None:
         source: Any = open_endpoint(endpoint)
     else:
