@@ -173,3 +173,22 @@ def test_cli_scores_an_endpoint_on_a_file(tmp_path, judge_server):
     header, row = table.splitlines()
     assert row.split()[:4] == ["heldout", f"endpoint:{judge_server.url}", "0", "2"]
     assert "exact_match=0.5 " in row  # the server says moo to both: right once
+
+
+def test_in_run_evaluation_stays_inside_the_budget(tmp_path):
+    import time
+
+    from workbench.budget import Billing
+    from workbench.evaluate.callback import EvalCallback
+    from workbench.rundir import RunDir
+
+    # 1 per CPU-core hour on 2 cores, limit 1: one hour's budget, 10 s spent so far.
+    spec = RunSpec.parse({"budget": {"price_per_cpu_core_hour": 1.0, "limit": 1.0}})
+    billing = Billing(spec, {"attempt_started": time.time() - 10, "billed_before_s": 0.0})
+    cb = EvalCallback(RunDir(tmp_path), spec, tokenizer=None, billing=billing)
+    assert cb._affordable("after")
+    cb.last_s = 3600.0  # the last evaluation took an hour: another would pass the limit
+    assert not cb._affordable("after")
+    unlimited = RunSpec()
+    assert EvalCallback(RunDir(tmp_path), unlimited, None, Billing(unlimited), None)._affordable(
+        "after")

@@ -9,7 +9,8 @@ curve is the one the run would have had without evaluation.
 A failing evaluation (an unreachable judge, an unknown lm-eval task) is written to status.json's
 ``eval_error`` and the rank-0 log; training goes on. Under ZeRO-3 the weights are partitioned
 over the ranks, so in-run evaluation is skipped with a note: score the run afterwards with
-``job.evaluate()``.
+``job.evaluate()``. Evaluation stops where the budget does: none after a budget stop, and none
+whose expected length (the previous evaluation's) would pass ``budget.limit``.
 """
 
 from __future__ import annotations
@@ -47,10 +48,11 @@ def _rng_kept() -> Any:
 class EvalCallback(TrainerCallback):
     """Runs the spec's eval tasks at the points ``spec.eval`` names (see module docstring)."""
 
-    def __init__(self, run_dir: RunDir, spec: Any, tokenizer: Any,
-                 stopped: Any = lambda: False) -> None:
+    def __init__(self, run_dir: RunDir, spec: Any, tokenizer: Any, billing: Any = None,
+                 snapshots: Any = None) -> None:
         self.rd, self.spec, self.tokenizer = run_dir, spec, tokenizer
-        self.stopped = stopped  # the budget stopped training: do not spend more on scoring
+        self.billing, self.snapshots = billing, snapshots  # the budget: see _affordable
+        self.last_s = 0.0  # how long the previous evaluation took: the next one's estimate
         self.cfg = spec.eval
         validation = run_dir.data_dir / "validation.jsonl"
         self.default_file = validation if validation.is_file() else None
@@ -67,12 +69,30 @@ class EvalCallback(TrainerCallback):
             return False
         return True
 
+    def _affordable(self, phase: str) -> bool:
+        """Evaluation is held-resource time: skip it once the budget stopped training, or when
+        the last evaluation's length would pass the limit (decided alike on every rank)."""
+        if self.snapshots is not None and self.snapshots.budget_stopped:
+            return False
+        if self.billing is None or self.billing.limit is None:
+            return True
+        if _agree_flag(self.billing.would_exceed(self.last_s)):
+            print(f"eval: {phase} skipped: it would pass budget.limit", flush=True)
+            return False
+        return True
+
     def _evaluate(self, state: Any, model: Any, phase: str) -> None:
+        import time
+
         from workbench.train.callbacks import barrier
 
+        if not self._affordable(phase):
+            return
+        started = time.time()
         if state.is_world_process_zero:
             self._score(model, phase, state.global_step)
         barrier()  # the other ranks wait here, not inside the next step's all-reduce
+        self.last_s = time.time() - started
 
     def _score(self, model: Any, phase: str, step: int) -> None:
         from workbench.evaluate.runner import score
@@ -113,7 +133,7 @@ class EvalCallback(TrainerCallback):
 
     def on_train_end(self, args: Any, state: Any, control: Any, model: Any = None,
                      **kw: Any) -> None:
-        if self.cfg.after and not self.stopped() and self._active():
+        if self.cfg.after and self._active():
             self._evaluate(state, model, "after")
 
 

@@ -312,7 +312,7 @@ def main(run_dir: str) -> int:
         eval_dataset=eval_rows if len(eval_rows) else None,
         data_collator=Collator(tokenizer.pad_token_id),
         callbacks=[RunDirCallback(rd, world), snapshots,
-                   EvalCallback(rd, spec, tokenizer, stopped=lambda: snapshots.budget_stopped)],
+                   EvalCallback(rd, spec, tokenizer, billing, snapshots)],
         run_dir=rd, keep=spec.checkpoint.keep, uploader=uploader, billing=billing,
     )
     resume_from = agreed_resume_point(rd)  # verified by rank 0 alone, the same on every rank
