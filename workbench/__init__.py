@@ -32,7 +32,7 @@ _LAZY = {"Job": "workbench.jobs", "get_job": "workbench.jobs", "jobs": "workbenc
          "compare": "workbench.widgets.compare",
          "launch": "workbench.launching", "plan": "workbench.plan", "deploy": "workbench.serve",
          "RunSpec": "workbench.spec", "sweep": "workbench.sweep", "get_sweep": "workbench.sweep",
-         "sweeps": "workbench.sweep"}
+         "sweeps": "workbench.sweep", "evaluate": "workbench.evaluate.runner"}
 
 from workbench.train.quiet import install as _quiet  # noqa: E402
 
@@ -54,6 +54,7 @@ __all__ = [
     "__version__",
     "compare",
     "deploy",
+    "evaluate",
     "get_job",
     "get_sweep",
     "jobs",

@@ -1,4 +1,5 @@
-"""The ``workbench`` command line: launch, sweep, status, logs, cancel, compare, plan, data, spec, demo.
+"""The ``workbench`` command line: launch, sweep, status, logs, cancel, compare, eval, plan, data,
+spec, demo.
 
 Each command is a few lines over the same library calls the widgets use. ``run(argv)`` executes a
 command and returns its result object (a Job, a list of Jobs, text); ``main`` prints it. The
@@ -348,6 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
     from workbench.data.commands import register as register_data
 
     register_data(sub)
+    from workbench.evaluate.commands import register as register_eval
+
+    register_eval(sub)
     return p
 
 

@@ -156,3 +156,16 @@ class PreferenceDataError(DatasetFormatError):
 class RewardError(WorkbenchError, ValueError):
     """A GRPO reward cannot be used: its module or function is missing, not callable, or has a
     signature TRL cannot call, or its reference column is not in the data."""
+
+
+# -- evaluation (workbench.evaluate) ---------------------------------------------------------------
+class EvalError(WorkbenchError, RuntimeError):
+    """An evaluation could not run; the run itself (weights, metrics, eval.jsonl) is untouched."""
+
+
+class EvalTaskError(EvalError, ValueError):
+    """An eval task is unknown (no such lm-eval task) or its file lacks a field it needs."""
+
+
+class JudgeError(EvalError):
+    """The judge endpoint is unreachable or refused the request (key, model name, URL)."""

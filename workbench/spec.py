@@ -195,6 +195,55 @@ class ServeSpec(_Section):
     python: str | None = None  # interpreter with vLLM; None: WORKBENCH_SERVE_PYTHON, .venv-serve, this one
 
 
+EVAL_KINDS = ("heldout", "perplexity", "lm_eval", "judge")
+
+
+class EvalTask(_Section):
+    """One scoring task of ``eval.tasks``. In YAML a bare kind is enough: ``tasks: [heldout]``."""
+
+    kind: Literal["heldout", "perplexity", "lm_eval", "judge"]
+    # heldout/judge: prompts + references (messages, alpaca, ...; None: the run's validation
+    # split); perplexity: any text or chat file (None: the validation split).
+    file: str | None = None
+    tasks: list[str] = Field(default_factory=list)  # lm_eval: task names and/or task YAML paths
+    max_samples: int | None = Field(64, ge=1)  # examples scored (None: all of them)
+    max_new_tokens: int = Field(32, ge=1)  # generated tokens per answer (greedy)
+    # judge: a Workbench endpoint name or an OpenAI-compatible base URL (.../v1), the judge's
+    # model name (None: the endpoint's default / the server's first), the environment variable
+    # that holds its API key, and what a good answer is.
+    judge: str | None = None
+    judge_model: str | None = None
+    api_key_env: str | None = None
+    rubric: str = "Which answer is more correct, helpful and concise for the question?"
+    chat_template: bool = True  # lm_eval: prompts through the model's chat template (as trained)
+
+    @model_validator(mode="after")
+    def _needs(self) -> EvalTask:
+        if self.kind == "lm_eval" and not self.tasks:
+            raise ValueError("an lm_eval task needs tasks: [NAME or /path/task.yaml, ...]")
+        if self.kind == "judge" and not self.judge:
+            raise ValueError("a judge task needs judge: ENDPOINT_NAME or an http(s):// base URL")
+        return self
+
+
+class EvalSpec(_Section):
+    """What to score and when (see docs/evaluate.md). The default scores the validation split
+    once after training (``heldout``, 64 examples: seconds for a small model); ``before`` adds
+    the base model's scores, ``every_steps`` the curve in between."""
+
+    before: bool = False  # score the base model once, before the first step
+    every_steps: int | None = Field(None, ge=1)  # score the weights every N steps
+    after: bool = True  # score the trained weights at the end
+    tasks: list[EvalTask] = Field(default_factory=lambda: [EvalTask(kind="heldout")])
+
+    @field_validator("tasks", mode="before")
+    @classmethod
+    def _bare_kinds(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            return [{"kind": t} if isinstance(t, str) else t for t in v]
+        return v
+
+
 # Used with fullmatch: "$" alone accepts a trailing newline, which would break an #SBATCH line.
 _TARGET_RE = re.compile(r"local|(ssh|slurm):[A-Za-z0-9_.-]+")
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -215,6 +264,7 @@ class RunSpec(_Section):
     budget: BudgetSpec = Field(default_factory=BudgetSpec)
     tracking: TrackingSpec = Field(default_factory=TrackingSpec)
     serve: ServeSpec = Field(default_factory=ServeSpec)
+    eval: EvalSpec = Field(default_factory=EvalSpec)
 
     @field_validator("name")
     @classmethod

@@ -12,6 +12,13 @@ This file is the contract between whoever scores (the evaluator on the run's tar
      "n": 64,                       # examples scored
      "examples": "eval/before-0-heldout.jsonl"}           # optional: per-example rows, run-relative
 
+Optional keys a reader may meet (added compatibly; readers ignore what they do not know):
+``"seconds"`` (how long the task took to score), ``"baseline"`` (judge lines: ``base`` when the
+win rate is against the base model's answers, ``reference`` when against the file's answers).
+Writers: :mod:`workbench.evaluate.runner` (every evaluation: the training callback,
+``job.evaluate``, ``workbench eval``); status.json also gets ``eval_error`` when an in-run
+evaluation failed (training went on).
+
 ``flat()`` turns the newest line of each (task, metric) into status.json's ``eval`` mapping,
 ``{"heldout.rouge_l": 0.41, ...}``; ``read()`` is tolerant of a half-written last line.
 """

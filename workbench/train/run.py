@@ -275,6 +275,7 @@ def main(run_dir: str) -> int:
 
     from workbench.budget import Billing
     from workbench.data.tokenize import Collator
+    from workbench.evaluate.callback import EvalCallback
     from workbench.models import resolve_model
     from workbench.snapshots import Uploader, agreed_resume_point, newest_verified, storage_prefix
     from workbench.train.callbacks import BudgetSpentAtStart, RunDirCallback, SnapshotCallback
@@ -322,7 +323,10 @@ def main(run_dir: str) -> int:
         eval_dataset=eval_rows if len(eval_rows) else None,
         **(stage.trainer_kwargs(spec, tokenizer, source) if stage
            else {"data_collator": Collator(tokenizer.pad_token_id)}),
-        callbacks=[RunDirCallback(rd, world), snapshots],
+        # In-run scoring (eval:) answers validation prompts: SFT rows. Preference stages report
+        # TRL's own validation metrics (rewards/accuracies); job.evaluate() scores them after.
+        callbacks=[RunDirCallback(rd, world), snapshots,
+                   *([] if stage else [EvalCallback(rd, spec, tokenizer, billing, snapshots)])],
         run_dir=rd, keep=spec.checkpoint.keep, uploader=uploader, billing=billing,
     )
     resume_from = agreed_resume_point(rd)  # verified by rank 0 alone, the same on every rank

@@ -1,0 +1,103 @@
+"""Evaluation inside real 2-process training runs, and job.evaluate / `workbench eval` after them.
+
+Two runs of the same spec and seed, one scoring before / every 10 steps / after (heldout,
+perplexity and a real lm-eval task on local data), one not scoring at all: the loss curves must
+be the same, and the scores must move with training.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import workbench
+from tests.evaluate_support import JudgeServer, write_sounds_task
+from workbench.errors import JudgeError
+from workbench.evaluate import results
+
+pytestmark = pytest.mark.slow
+
+STEPS = 40
+
+
+@pytest.fixture(scope="module")
+def runs(wb_home, tmp_path_factory):
+    task = write_sounds_task(tmp_path_factory.mktemp("lmeval"))
+    train = {"max_steps": STEPS, "lr": 3e-3, "seed": 7}
+    scored = workbench.launch({"name": "eval-scored", "train": train, "eval": {
+        "before": True, "every_steps": 10, "after": True,
+        "tasks": [{"kind": "heldout", "max_samples": 8, "max_new_tokens": 6},
+                  {"kind": "perplexity", "max_samples": 8},
+                  {"kind": "lm_eval", "tasks": [str(task)]}]}})
+    plain = workbench.launch({"name": "eval-plain", "train": train,
+                              "eval": {"before": False, "after": False}})
+    for job in (scored, plain):
+        assert job.wait(timeout=900, progress=False) == "succeeded", job.logs(tail=40)
+    return scored, plain
+
+
+def _losses(job):
+    return [(m["step"], m["loss"]) for m in job.metrics() if "loss" in m and "event" not in m]
+
+
+def test_eval_during_training_leaves_the_loss_curve_alone(runs):
+    scored, plain = runs
+    a, b = _losses(scored), _losses(plain)
+    assert [s for s, _ in a] == list(range(1, STEPS + 1))
+    assert [s for s, _ in a] == [s for s, _ in b]
+    assert [loss for _, loss in a] == pytest.approx([loss for _, loss in b], abs=1e-6)
+    assert not (plain.run_dir.path / results.FILE).exists()  # eval off: nothing scored
+
+
+def test_scores_are_recorded_at_each_point_and_move_with_training(runs):
+    scored, _ = runs
+    lines = results.read(scored.run_dir.path)
+    points = sorted({(ln["phase"], ln["step"], ln["model"]) for ln in lines})
+    assert points == [("after", STEPS, "run"), ("before", 0, "base"), ("during", 10, "run"),
+                      ("during", 20, "run"), ("during", 30, "run")]
+    by = {(ln["phase"], ln["task"]): ln for ln in lines}
+    assert {t for _, t in by} == {"heldout", "perplexity", "lm_eval:wb_sounds"}
+    before, after = by[("before", "perplexity")], by[("after", "perplexity")]
+    assert after["metrics"]["perplexity"] < before["metrics"]["perplexity"] / 2
+    assert (by[("after", "lm_eval:wb_sounds")]["metrics"]["acc"]
+            > by[("before", "lm_eval:wb_sounds")]["metrics"]["acc"])
+    assert by[("after", "heldout")]["n"] == 8
+    rows = (scored.run_dir.path / by[("after", "heldout")]["examples"]).read_text().splitlines()
+    assert len(rows) == 8 and {"prompt", "reference", "prediction"} <= set(json.loads(rows[0]))
+    status = scored.status()
+    assert status["eval"]["perplexity.perplexity"] == after["metrics"]["perplexity"]
+    assert "eval_error" not in status
+
+
+def test_job_evaluate_with_a_judge_and_bad_judges_leave_the_run_intact(runs):
+    scored, _ = runs
+    server = JudgeServer()
+    try:
+        before = results.read(scored.run_dir.path)
+        report = scored.evaluate([{"kind": "judge", "judge": server.url, "max_samples": 4}])
+        line = report.lines[0]
+        assert (line["task"], line["phase"], line["model"], line["baseline"], line["n"]) == (
+            "judge", "manual", "run", "base", 4)
+        # Tuned and base answers reach the judge in both orders: 8 requests for 4 prompts.
+        assert len(server.requests) == 8 and 0 <= line["metrics"]["win_rate"] <= 1
+        server.mode = "nonsense"
+        report = scored.evaluate([{"kind": "judge", "judge": server.url, "max_samples": 2}])
+        assert report.lines[0]["metrics"]["unparseable"] == 4
+    finally:
+        server.close()
+    with pytest.raises(JudgeError):  # the server is gone now
+        scored.evaluate([{"kind": "judge", "judge": server.url, "max_samples": 2}])
+    after = results.read(scored.run_dir.path)
+    assert after[:len(before)] == before and len(after) == len(before) + 2
+    assert scored.state == "succeeded" and scored.artefact().is_dir()
+    assert scored.status()["eval"]["judge.unparseable"] == 4
+
+
+def test_cli_eval_scores_an_ended_run(runs):
+    from workbench.cli import run
+
+    scored, _ = runs
+    table = run(["eval", scored.id, "--tasks", "perplexity", "--max-samples", "4"])
+    assert table.splitlines()[0].split()[:4] == ["TASK", "MODEL", "STEP", "N"]
+    assert table.splitlines()[1].split()[:4] == ["perplexity", "run", str(STEPS), "4"]

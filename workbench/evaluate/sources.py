@@ -1,0 +1,202 @@
+"""Model sources: what a scorer asks for answers and log-likelihoods, whatever holds the weights.
+
+A source is weights in this process (:class:`TransformersSource`: a base model id or folder, a
+run's adapter/model folder, a snapshot folder, or the live model of a training run) or an
+OpenAI-compatible endpoint (:class:`EndpointSource`: a Workbench endpoint name or any URL).
+Both answer chat prompts greedily, so their scores are comparable.
+
+    >>> src = open_weights("builtin:tiny-llama")                        # doctest: +SKIP
+    >>> src.generate([[{"role": "user", "content": "What does a cow say?"}]])  # doctest: +SKIP
+    ['moo']
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any
+
+from workbench.errors import EvalError, JudgeError
+
+Messages = list[dict[str, str]]
+
+
+class TransformersSource:
+    """Weights in this process (``model``: a transformers or peft model; ``label``: base | run)."""
+
+    kind = "transformers"
+
+    def __init__(self, model: Any, tokenizer: Any, label: str = "run", base_id: str | None = None,
+                 batch_size: int = 16) -> None:
+        self.model, self.tokenizer, self.label = model, tokenizer, label
+        self.base_id = base_id  # what the weights were trained from (for a judge's baseline)
+        self.batch_size = batch_size
+        self._adapters_off = False
+
+    def __repr__(self) -> str:
+        return f"TransformersSource({self.label})"
+
+    @contextmanager
+    def inference(self) -> Iterator[None]:
+        """Eval mode and no gradients, put back as they were (the live model of a run trains on)."""
+        import torch
+
+        was_training = self.model.training
+        self.model.eval()
+        off = self.model.disable_adapter() if self._adapters_off else nullcontext()
+        try:
+            with torch.no_grad(), off:
+                yield
+        finally:
+            if was_training:
+                self.model.train()
+
+    def generate(self, prompts: Sequence[Messages], max_new_tokens: int = 32) -> list[str]:
+        tok = self.tokenizer
+        side = tok.padding_side
+        tok.padding_side = "left"  # decoder-only generation wants each prompt flush right
+        device = next(self.model.parameters()).device
+        out: list[str] = []
+        try:
+            with self.inference():
+                for i in range(0, len(prompts), self.batch_size):
+                    texts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
+                             for m in prompts[i:i + self.batch_size]]
+                    enc = tok(texts, return_tensors="pt", padding=True,
+                              add_special_tokens=False).to(device)
+                    gen = self.model.generate(**enc, max_new_tokens=max_new_tokens,
+                                              do_sample=False, pad_token_id=tok.pad_token_id)
+                    new = gen[:, enc["input_ids"].shape[1]:]
+                    out += [t.strip() for t in tok.batch_decode(new, skip_special_tokens=True)]
+        finally:
+            tok.padding_side = side
+        return out
+
+    def baseline(self) -> TransformersSource | None:
+        """The base model's answers, for a judge: the same weights with the LoRA adapter off
+        (no second copy in memory); None for full fine-tunes (the base is loaded by the caller)."""
+        if self.label == "base":
+            return None
+        if hasattr(self.model, "disable_adapter"):
+            twin = TransformersSource(self.model, self.tokenizer, "base", self.base_id,
+                                      self.batch_size)
+            twin._adapters_off = True
+            return twin
+        if self.base_id:
+            return open_weights(self.base_id, label="base")
+        return None
+
+
+class EndpointSource:
+    """An OpenAI-compatible server (a Workbench endpoint or any URL), asked with temperature 0."""
+
+    kind = "endpoint"
+
+    def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None,
+                 label: str = "endpoint", parallel: int = 8, timeout: float = 120.0) -> None:
+        from openai import OpenAI
+
+        self.base_url = base_url.rstrip("/")
+        self.label = label
+        self.api_key = api_key
+        # Retries hide an unreachable server for minutes; one retry covers a dropped connection.
+        self.client = OpenAI(base_url=self.base_url, api_key=api_key or "none", max_retries=1,
+                             timeout=timeout)
+        self._model = model
+        self.parallel = parallel
+
+    def __repr__(self) -> str:
+        return f"EndpointSource({self.label} {self.base_url})"
+
+    @property
+    def model(self) -> str:
+        if self._model is None:
+            self._model = self._call(lambda: self.client.models.list().data[0].id)
+        return self._model
+
+    def _call(self, fn: Any) -> Any:
+        import openai
+
+        try:
+            return fn()
+        except openai.APIConnectionError as exc:
+            raise JudgeError(f"cannot reach {self.base_url} ({exc}); check the URL and that the "
+                             "server is running (`workbench endpoints`)") from None
+        except openai.APIStatusError as exc:
+            raise JudgeError(f"{self.base_url} refused the request: HTTP {exc.status_code} "
+                             f"{str(exc)[:300]}; check the model name and the API key") from None
+
+    def chat(self, messages: Messages, max_new_tokens: int = 32) -> str:
+        def ask() -> str:
+            r = self.client.chat.completions.create(model=self.model, messages=messages,  # type: ignore[arg-type]
+                                                    temperature=0.0, max_tokens=max_new_tokens)
+            return (r.choices[0].message.content or "").strip() if r.choices else ""
+
+        return str(self._call(ask))
+
+    def generate(self, prompts: Sequence[Messages], max_new_tokens: int = 32) -> list[str]:
+        _ = self.model  # resolve the model name (and reachability) once, before the threads
+        with ThreadPoolExecutor(self.parallel) as pool:
+            return list(pool.map(lambda m: self.chat(m, max_new_tokens), prompts))
+
+    def baseline(self) -> None:
+        return None  # an endpoint's base is not known here: a judge compares with references
+
+
+def open_weights(source: str | Path, label: str = "run") -> TransformersSource:
+    """Load a base model id/folder, a run's adapter/ or model/ folder, or a snapshot folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from workbench.data.tokenize import ensure_chat_template
+    from workbench.models import resolve_model
+
+    path = Path(str(source))
+    if (path / "adapter_config.json").is_file():
+        from peft import PeftModel
+
+        meta = _meta(path)
+        cfg = json.loads((path / "adapter_config.json").read_text())
+        base = meta.get("base_model") or cfg["base_model_name_or_path"]
+        if meta.get("base_model_id"):
+            base = resolve_model(meta["base_model_id"])
+        model: Any = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base),
+                                               str(path))
+        tok_dir = path if (path / "tokenizer_config.json").is_file() else Path(base)
+        base_id = meta.get("base_model_id") or base
+    else:
+        resolved = resolve_model(str(source))
+        model = AutoModelForCausalLM.from_pretrained(resolved)
+        tok_dir = Path(resolved)
+        base_id = _meta(path).get("base_model_id") if path.is_dir() else None
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    ensure_chat_template(tok)
+    return TransformersSource(model, tok, label, base_id)
+
+
+def _meta(path: Path) -> dict[str, Any]:
+    f = path / "workbench.json"
+    return json.loads(f.read_text()) if f.is_file() else {}
+
+
+def open_endpoint(name_or_url: str, model: str | None = None, api_key_env: str | None = None,
+                  label: str | None = None) -> EndpointSource:
+    """An endpoint by Workbench name (its URL, key and fine-tuned model) or by base URL."""
+    key = None
+    if api_key_env:
+        key = os.environ.get(api_key_env)
+        if not key:
+            raise EvalError(f"environment variable {api_key_env} (api_key_env) is not set; "
+                            f"export it with the API key of {name_or_url}")
+    if name_or_url.startswith(("http://", "https://")):
+        return EndpointSource(name_or_url, model, key, label or f"endpoint:{name_or_url}")
+    from workbench.registry import Registry
+    from workbench.serve.endpoint import Endpoint
+
+    reg = Registry()
+    ep = Endpoint(reg.get_endpoint(name_or_url), reg)
+    return EndpointSource(ep.api_base, model or ep.model, key or ep.api_key,
+                          label or f"endpoint:{name_or_url}")
