@@ -106,9 +106,17 @@ def launch(spec: RunSpec | dict | str | Path | None = None, *, force: bool = Fal
     _validate_tracking(spec)
     plan = _plan(spec, force)
     _validate_model(spec)
-    run_id = _new_run_id(spec.name)
-    rd = RunDir(runs_dir() / run_id)
-    rd.create(spec)
+    for _ in range(20):
+        run_id = _new_run_id(spec.name)
+        rd = RunDir(runs_dir() / run_id)
+        try:
+            rd.create(spec)
+            break
+        except FileExistsError:  # a launch of the same name took this id in the same second
+            continue
+    else:
+        raise LaunchError(f"could not find a free run id for {spec.name!r} under {runs_dir()}; "
+                          "check that the folder is writable and not full of stale runs")
     now = time.time()
     # Registered before the data step so `workbench status` and the panel show it preparing;
     # removed again (with its run dir) if the data is refused.
