@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import secrets
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,12 @@ def _prepare_data(spec: RunSpec, rd: RunDir) -> None:
     write_json_atomic(rd.plan_file, {**plan, "data_tokens": {**stats.to_dict(), "sampled": False}})
 
 
+# Launches from threads of one process (a notebook's executor, two widgets at once) take turns:
+# transformers' lazy imports are not thread-safe (two first imports at once raised ImportError
+# in one of them). Launches from other processes only race for the run id, which create() claims.
+_TURN = threading.Lock()
+
+
 def launch(spec: RunSpec | dict | str | Path | None = None, *, force: bool = False,
            registry: Registry | None = None) -> Job:
     """Start a run and return its Job. ``spec`` may be a RunSpec, a mapping, or a YAML path.
@@ -87,6 +94,12 @@ def launch(spec: RunSpec | dict | str | Path | None = None, *, force: bool = Fal
     Nothing is left behind when a check fails: the run directory is only kept (and the run only
     registered) once the spec, model, resources, plan and data have all been accepted.
     """
+    with _TURN:
+        return _launch(spec, force, registry)
+
+
+def _launch(spec: RunSpec | dict | str | Path | None, force: bool,
+            registry: Registry | None) -> Job:
     spec = RunSpec.coerce(spec)
     registry = registry or Registry()
     backend = get_backend(spec.target)
