@@ -7,9 +7,13 @@ tiny model in 2 gloo processes.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -163,3 +167,54 @@ def test_torchrun_killed_with_sigkill_restarts_from_the_snapshot_and_says_why():
     steps = [m["step"] for m in job.metrics() if "loss" in m]
     assert steps[-1] == 6 and steps == sorted(steps)
     assert Path(job.artefact(), "adapter_model.safetensors").is_file()
+
+
+# -- checkpoint storage that cannot be used ---------------------------------------------------------
+@contextlib.contextmanager
+def _moto_server(enforce_auth: bool):
+    """A real S3 endpoint on loopback (moto's server in its own process); with ``enforce_auth``
+    it checks credentials against its IAM, which knows none, as a real endpoint refuses wrong ones."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "0" if enforce_auth else "inf"}
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
+                             str(port)], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        _wait_for(lambda: _listening(port), 60, "the moto server")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("enforce_auth, fragment", [
+    (False, r"the bucket 'no-such-bucket' does not exist at http://127\.0\.0\.1:\d+; create it"),
+    (True, r"access refused \(The AWS Access Key Id you provided does not exist.*set credentials"),
+], ids=["missing-bucket", "bad-credentials"])
+def test_unusable_s3_storage_is_refused_at_launch_before_anything_is_written(
+        enforce_auth, fragment, monkeypatch):
+    from workbench.snapshots import StorageError
+
+    with _moto_server(enforce_auth) as endpoint:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAWRONGWRONGWRONG0")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+        monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        before = (set(runs_dir().iterdir()), [r.id for r in Registry().list_runs()])
+        with pytest.raises(StorageError, match=fragment) as info:
+            workbench.launch({"name": "s3-bad", "train": {"max_steps": 2},
+                              "checkpoint": {"every_steps": 1,
+                                             "storage": "s3://no-such-bucket/wb"}})
+        assert isinstance(info.value, workbench.WorkbenchError)
+        assert "wrong" not in str(info.value)  # the secret is not echoed back
+        assert (set(runs_dir().iterdir()), [r.id for r in Registry().list_runs()]) == before

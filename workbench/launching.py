@@ -110,6 +110,10 @@ def _launch(spec: RunSpec | dict | str | Path | None, force: bool,
     from workbench.budget import check_enforceable
 
     check_enforceable(spec)  # a limit without a price (or in another currency) is no limit
+    if spec.checkpoint.storage and spec.target == "local":  # other targets use their own keys
+        from workbench.snapshots import check_storage
+
+        check_storage(spec.checkpoint.storage)
     # Cheapest first: the target's resources, then the plan (which knows common configs offline,
     # so a run that cannot fit says so even where the weights are out of reach), then the model.
     if spec.target == "local":
