@@ -2,13 +2,17 @@
 
   deploy overhead   run finished -> endpoint healthy through workbench.deploy
                     / the same vLLM command, flags and environment started by hand   target <= 1.1
-  serving speed     endpoint tokens/s / transformers generate tokens/s on the same prompts
+  serving speed     endpoint tokens/s / transformers generate tokens/s on the same prompts,
+                    with the same batch shape (--batch prompts per transformers batch, as many
+                    requests in flight at the endpoint), each side's tokens counted from its own
+                    output
 
-Workbench and hand starts alternate (hand, workbench, hand, ...) so a warm page cache favours
-neither. Both sides generate greedily and return the same replies, so one token count serves
-both speeds.
+Each repeat starts vLLM both ways, end to end (call -> /health answers); the side that goes first
+alternates (hand then workbench, then workbench then hand, ...) so a warm page cache favours
+neither. The ratio is of the measured medians, never computed from a part of one side.
 
-    python bench/bench_serve.py [--repeats 3] [--copies 4] [--skip-speed]   (writes bench/results/serve.json)
+    python bench/bench_serve.py [--repeats 4] [--copies 4] [--batch 16] [--skip-speed]
+                                                           (writes bench/results/serve.json)
 """
 
 from __future__ import annotations
@@ -89,9 +93,38 @@ def with_workbench(job, i: int) -> tuple[float, object]:
     return seconds, ep
 
 
-def speeds(ep, job, copies: int) -> dict:
+def hf_token_ids(chat, prompts: list[str], new: int, batch: int) -> list[list[int]]:
+    """transformers' greedy replies as token ids, ``batch`` prompts at a time, each cut after its
+    first end-of-sequence token (what vLLM returns: the stop token and nothing after it)."""
+    import torch
+
+    tok = chat.tokenizer
+    tok.padding_side = "left"
+    cfg_eos = chat.model.generation_config.eos_token_id
+    eos = {tok.eos_token_id, *(cfg_eos if isinstance(cfg_eos, list) else [cfg_eos])} - {None}
+    out: list[list[int]] = []
+    for i in range(0, len(prompts), batch):
+        texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                         add_generation_prompt=True)
+                 for p in prompts[i:i + batch]]
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            gen = chat.model.generate(**enc, max_new_tokens=new, do_sample=False,
+                                      pad_token_id=tok.pad_token_id)
+        for row in gen[:, enc["input_ids"].shape[1]:].tolist():
+            cut = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
+            out.append(row[:cut])
+    return out
+
+
+def speeds(ep, job, copies: int, batch: int) -> dict:
     """Two workloads: the run's adapter on the teaching prompts (one-word answers), and the base
-    model writing 64 tokens per prompt (it never stops early: it has learnt nothing)."""
+    model writing 64 tokens per prompt (it never stops early: it has learnt nothing).
+
+    Same batch shape on both sides: transformers generates ``batch`` prompts at a time, the
+    endpoint gets ``batch`` requests in flight at a time. Each side's tokens are counted from its
+    own output, so a side that stops early (or runs on) is not credited with the other's work.
+    """
     from workbench.assets.teaching import teaching_rows
     from workbench.infer import load_chat_model
 
@@ -100,29 +133,32 @@ def speeds(ep, job, copies: int) -> dict:
     for label, source, model, new in (("adapter_teaching", job, job.name, 16),
                                       ("base_64_tokens", "builtin:tiny-llama", "tiny-llama", 64)):
         chat = load_chat_model(source)
-        chat.generate(prompts[:4], max_new_tokens=new)  # warm-up on both sides
-        ep.generate(prompts[:4], model=model, max_new_tokens=new)
+        hf_token_ids(chat, prompts[:batch], new, batch)  # warm-up on both sides
+        ep.generate_token_ids(prompts[:batch], model=model, max_new_tokens=new, concurrency=batch)
         t0 = time.time()
-        ref = chat.generate(prompts, max_new_tokens=new)
+        hf_ids = hf_token_ids(chat, prompts, new, batch)
         hf_s = time.time() - t0
         t0 = time.time()
-        ids = ep.generate_token_ids(prompts, model=model, max_new_tokens=new)
+        ep_ids = [ids for _, ids in ep.generate_token_ids(prompts, model=model,
+                                                         max_new_tokens=new, concurrency=batch)]
         ep_s = time.time() - t0
-        texts = ep.generate(prompts[:48], model=model, max_new_tokens=new)
-        # Greedy ids are equal on both sides (tests/test_serve.py), so one count serves both.
-        tokens = sum(len(new_ids) for _, new_ids in ids)
-        out[label] = {"prompts": len(prompts), "max_new_tokens": new, "generated_tokens": tokens,
-                      "same_text_first_48": texts == ref[:48],
+        hf_tokens, ep_tokens = sum(map(len, hf_ids)), sum(map(len, ep_ids))
+        out[label] = {"prompts": len(prompts), "max_new_tokens": new, "batch": batch,
+                      "transformers_tokens": hf_tokens, "endpoint_tokens": ep_tokens,
+                      "same_ids": sum(a == b for a, b in zip(hf_ids, ep_ids)),
                       "transformers_s": hf_s, "endpoint_s": ep_s,
-                      "transformers_tokens_per_s": tokens / hf_s,
-                      "endpoint_tokens_per_s": tokens / ep_s, "speed_ratio": hf_s / ep_s}
+                      "transformers_tokens_per_s": hf_tokens / hf_s,
+                      "endpoint_tokens_per_s": ep_tokens / ep_s,
+                      "speed_ratio": (ep_tokens / ep_s) / (hf_tokens / hf_s)}
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--copies", type=int, default=4, help="times the 48 held-out prompts repeat")
+    ap.add_argument("--batch", type=int, default=16,
+                    help="prompts per transformers batch = requests in flight at the endpoint")
     ap.add_argument("--out", default=str(HERE / "results" / "serve.json"))
     ap.add_argument("--skip-speed", action="store_true",
                     help="measure deploy only; keep the serving figures already in --out")
@@ -139,14 +175,17 @@ def main() -> None:
     spawn: list[float] = []  # deploy() called -> vLLM process started
     load: list[float] = []  # 1-minute load average: other work on the machine skews both sides
     speed = None
-    for i in range(args.repeats):
-        hand.append(by_hand(job, tmp))
-        seconds, ep = with_workbench(job, i)
-        wb.append(seconds)
-        spawn.append(ep.spawn_delay_s)
-        if speed is None and not args.skip_speed:
-            speed = speeds(ep, job, args.copies)
-        ep.stop()
+    for i in range(args.repeats):  # alternate which side starts first: a warm cache favours neither
+        for side in ("hand", "workbench") if i % 2 == 0 else ("workbench", "hand"):
+            if side == "hand":
+                hand.append(by_hand(job, tmp))
+                continue
+            seconds, ep = with_workbench(job, i)
+            wb.append(seconds)
+            spawn.append(ep.spawn_delay_s)
+            if speed is None and not args.skip_speed:
+                speed = speeds(ep, job, args.copies, args.batch)
+            ep.stop()
         load.append(os.getloadavg()[0])
         print(f"repeat {i}: by hand {hand[-1]:.1f} s, workbench {wb[-1]:.1f} s, "
               f"load {load[-1]:.1f}", flush=True)
@@ -156,9 +195,10 @@ def main() -> None:
         "deploy": {"workbench_s": wb, "by_hand_s": hand,
                    "ratio_median": statistics.median(wb) / statistics.median(hand),
                    "pair_ratios": [w / h for w, h in zip(wb, hand)], "load_average": load,
+                   # a breakdown only (deploy() called -> vLLM process started), not a ratio
                    "spawn_delay_s": spawn,
-                   "ratio_from_spawn_delay": (statistics.median(hand) + statistics.median(spawn))
-                   / statistics.median(hand),
+                   "order": ["hand first" if i % 2 == 0 else "workbench first"
+                             for i in range(args.repeats)],
                    "target": "<= 1.1"},
         "serving": speed,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},

@@ -251,6 +251,8 @@ def test_a_resume_without_a_snapshot_starts_a_fresh_curve():
     assert job.wait(timeout=300, progress=False) == "succeeded", job.logs(tail=30)
     raw = [m["step"] for m in _lines(job) if "loss" in m]
     assert raw == [1, 2, 3, 1, 2, 3, 4, 5]  # both attempts are in the file...
+    # ...and the run says why its curve starts again (it is not a silent restart).
+    assert "resumed without a snapshot: training started again at step 0" in job.status()["note"]
     for reader in (job, workbench.get_job(job.id)):  # ...a reader shows the one the run followed
         assert [m["step"] for m in reader.metrics() if "loss" in m] == [1, 2, 3, 4, 5]
 

@@ -12,13 +12,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from workbench.registry import Registry, RunRecord
 from workbench.serve import AdapterNotFoundError, plan_serving
 
 
 def _run(wb_home: Path, name: str, state_on_disk: str, state_in_registry: str,
-         adapter: bool) -> RunRecord:
+         adapter: bool, weights: bool = True) -> RunRecord:
     run_id = f"20260101-000000-{secrets.token_hex(3)}"
     run_dir = wb_home / "runs" / run_id
     run_dir.mkdir(parents=True)
@@ -30,6 +31,11 @@ def _run(wb_home: Path, name: str, state_on_disk: str, state_in_registry: str,
         (run_dir / "adapter" / "workbench.json").write_text(json.dumps(
             {"base_model": "builtin:tiny-llama"}))
         (run_dir / "adapter" / "chat_template.jinja").write_text("{{ messages }}")
+        if weights:  # a real safetensors file, as peft writes one (the values do not matter here)
+            from safetensors.torch import save_file
+
+            save_file({"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 8)},
+                      str(run_dir / "adapter" / "adapter_model.safetensors"))
     now = time.time()
     record = RunRecord(id=run_id, name=name, target="local", backend_job_id=None,
                        run_dir=str(run_dir), state=state_in_registry, created=now, updated=now)
@@ -70,6 +76,7 @@ def _trained_run(wb_home: Path, name: str, spec: dict) -> Path:
     (run_dir / "adapter").mkdir(parents=True)
     (run_dir / "adapter" / "adapter_config.json").write_text(json.dumps(
         {"r": 8, "base_model_name_or_path": "acme/chat-7b"}))
+    (run_dir / "adapter" / "adapter_model.safetensors").write_bytes(b"weights")
     (run_dir / "spec.yaml").write_text(yaml.safe_dump({"name": name, **spec}))
     return run_dir / "adapter"
 
@@ -91,6 +98,7 @@ def test_the_server_loads_the_base_revision_and_code_the_run_trained_with(wb_hom
     loose.mkdir()
     (loose / "adapter_config.json").write_text(json.dumps({"r": 8,
                                                            "base_model_name_or_path": "acme/chat-7b"}))
+    (loose / "adapter_model.safetensors").write_bytes(b"weights")
     plain = plan_serving([loose])
     cmd = vllm_command("python", plain, "127.0.0.1", 8000, 256, 8, on_cpu=False, workdir=tmp_path)
     assert "--revision" not in cmd and "--trust-remote-code" not in cmd and not plain.notes
@@ -115,3 +123,25 @@ def test_a_slurm_endpoint_of_a_gpu_run_asks_for_a_gpu_even_if_the_target_default
     gpu_default = SlurmServeTarget(SlurmTarget(name="g", partition="p",
                                                defaults={"resources.gpus_per_node": 1}))
     assert gpu_default.gpus(0) == 1
+
+
+def test_an_adapter_folder_with_its_config_but_no_weights_is_refused_up_front(wb_home, tiny_model):
+    # What a copy cut short leaves: adapter_config.json arrived, adapter_model.safetensors did
+    # not. Deploying it used to pass planning and fail inside vLLM (or peft) with an error naming
+    # neither the folder nor the fix; chatting with it failed inside peft.
+    from workbench.infer import load_chat_model
+    from workbench.serve import merge
+
+    run = _run(wb_home, f"cut-{secrets.token_hex(2)}", "succeeded", "succeeded", adapter=True,
+               weights=False)
+    folder = Path(run.run_dir) / "adapter"
+    for source in (run.name, str(folder)):
+        with pytest.raises(AdapterNotFoundError, match=r"no adapter weights.*copy the folder "
+                                                       r"again, or resume the run") as info:
+            plan_serving([source])
+        assert str(folder) in str(info.value)
+    for entry in (merge, load_chat_model):
+        with pytest.raises(AdapterNotFoundError, match="no adapter weights"):
+            entry(str(folder))
+    assert sorted(p.name for p in folder.iterdir()) == [  # nothing written, nothing removed
+        "adapter_config.json", "chat_template.jinja", "workbench.json"]

@@ -23,6 +23,7 @@ from workbench.snapshots import (
     SnapshotError,
     Uploader,
     commit,
+    newest_verified,
     snapshots,
     verify,
 )
@@ -303,3 +304,46 @@ def test_the_commit_waits_for_ranks_on_other_nodes(rd, trainer_factory, monkeypa
     trainer.writer.wait()
     assert verify(rd.path / "checkpoints" / "step-1") is None
     assert rd.status()["snapshot"]["step"] == 1
+
+
+def test_a_disk_that_fills_during_a_snapshot_shows_the_error_and_keeps_training(rd,
+                                                                               trainer_factory):
+    import resource
+
+    from transformers import TrainerCallback
+
+    # A disk that fills while step 2 is written, for real: the kernel refuses any file beyond
+    # 200 KB (RLIMIT_FSIZE, which fails the write with EFBIG as a full disk fails it with ENOSPC;
+    # Python ignores the SIGXFSZ that comes with it). The snapshot's optimizer.pt (~680 KB) is
+    # cut off part-written. Room comes back before step 3 saves.
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    seen: dict[int, dict] = {}
+
+    class Disk(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 2:
+                trainer.writer.wait()  # step 1 is written in the background: let it finish
+                resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, hard))
+            if state.global_step == 3:
+                trainer.writer.wait()
+                resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+                seen[3] = dict(rd.status())
+
+    trainer = trainer_factory(4, [_save_every_step(), Disk()])
+    try:
+        trainer.train()
+        trainer.writer.wait()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    err = seen[3].get("snapshot_error")
+    assert err and err["step"] == 2 and err["stage"] == "write", seen[3]
+    assert "File too large" in err["error"] or "No space" in err["error"], err
+    assert seen[3]["snapshot"]["step"] == 1  # the last good one stays the one to resume from
+    sizes = {p.name: p.stat().st_size for p in (rd.path / "checkpoints" / "step-1").iterdir()}
+    assert max(sizes.values()) > 200_000, sizes  # the limit really cut a snapshot file short
+    # The part-written snapshot is never committed; training went on and the next ones are whole.
+    assert not (rd.path / "checkpoints" / "step-2" / MANIFEST).exists()
+    assert trainer.state.global_step == 4
+    final = rd.status()
+    assert final["snapshot"]["step"] == 4 and final.get("snapshot_error") is None
+    assert newest_verified(rd).name == "step-4" and verify(rd.path / "checkpoints" / "step-4") is None

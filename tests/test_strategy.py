@@ -102,3 +102,41 @@ def test_deepspeed_zero_runs_on_cpu_with_two_ranks(stage, tmp_path, monkeypatch)
     lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
     assert lora_b and all(p.numel() > 0 for p in lora_b)
     assert any(p.abs().sum().item() > 0 for p in lora_b)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage, offload", [("zero1", False), ("zero2", True)],
+                         ids=["zero1", "zero2-offload-optimizer"])
+def test_zero1_and_optimizer_offload_train_on_cpu(stage, offload):
+    import torch
+
+    job = workbench.launch({"name": f"ds-{stage}{'-off' if offload else ''}",
+                            "train": {"max_steps": 8, "lr": 3e-3},
+                            "data": {"validation_fraction": 0.0},
+                            "checkpoint": {"every_steps": 4},
+                            "parallel": {"strategy": stage, "offload_optimizer": offload}})
+    assert job.wait(timeout=600, progress=False) == "succeeded", job.logs(tail=30)
+    log = job.logs(tail=None, name="rank-0.log")
+    assert f"strategy: lora + {stage}{' (offload optimizer)' if offload else ''}" in log
+    losses = [m["loss"] for m in job.metrics() if "loss" in m]
+    assert len(losses) == 8 and losses[-1] < losses[0] - 0.5, losses
+    # What DeepSpeed's engine itself saved: the config it ran with, and the optimizer state
+    # partitioned into one shard per rank (plain DDP saves one whole optimizer.pt instead).
+    snap = newest_verified(job.run_dir)
+    assert snap is not None
+    [engine_dir] = [p for p in snap.iterdir() if p.is_dir() and p.name.startswith("global_step")]
+    shards = sorted(engine_dir.glob("*optim_states.pt"))
+    assert [s.name.split("_mp_")[0] for s in shards] == ["zero_pp_rank_0", "zero_pp_rank_1"]
+    assert not (snap / "optimizer.pt").exists()
+    states = torch.load(next(engine_dir.glob("*model_states.pt")), map_location="cpu",
+                        weights_only=False)
+    zero = states["ds_config"]["zero_optimization"]
+    assert zero["stage"] == int(stage[-1])
+    assert (zero.get("offload_optimizer") or {}).get("device") == ("cpu" if offload else None)
+    # Each rank holds about half of the fp32 master weights of the trainable (LoRA) parameters.
+    held = []
+    for shard in shards:
+        osd = torch.load(shard, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+        held.append(sum(t.numel() for t in osd["single_partition_of_fp32_groups"]))
+    trainable = sum(t.numel() for n, t in states["module"].items() if "lora_" in n)
+    assert sum(held) >= trainable and max(held) <= trainable / 2 + 64, (held, trainable)

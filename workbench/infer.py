@@ -67,6 +67,10 @@ def load_chat_model(source: Any) -> ChatModel:
     if (path / "adapter_config.json").is_file():
         from peft import PeftModel
 
+        from workbench.serve.sources import require_adapter_weights
+
+        require_adapter_weights(path)
+
         meta = json.loads((path / "workbench.json").read_text()) if (
             path / "workbench.json").is_file() else {}
         cfg = json.loads((path / "adapter_config.json").read_text())

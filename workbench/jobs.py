@@ -196,6 +196,9 @@ class Job:
     def resume(self, **changes: Any) -> Job:
         """Start the run again from its newest verified snapshot (local, else from storage).
 
+        A run with no snapshot starts again at step 0, and its status note says so (its curve
+        then shows the new attempt only).
+
         ``changes`` may raise the budget or extend training, e.g.
         ``job.resume(**{"budget.limit": 20})``; they are recorded in resume.yaml (spec.yaml is
         written once). Resuming a run any of whose processes is alive is refused

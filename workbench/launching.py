@@ -15,6 +15,7 @@ import json
 import os
 import secrets
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,12 @@ def _prepare_data(spec: RunSpec, rd: RunDir, force: bool = False) -> None:
     write_json_atomic(rd.plan_file, {**plan, "data_tokens": {**stats.to_dict(), "sampled": False}})
 
 
+# Launches from threads of one process (a notebook's executor, two widgets at once) take turns:
+# transformers' lazy imports are not thread-safe (two first imports at once raised ImportError
+# in one of them). Launches from other processes only race for the run id, which create() claims.
+_TURN = threading.Lock()
+
+
 def launch(spec: RunSpec | dict | str | Path | None = None, *, force: bool = False,
            registry: Registry | None = None) -> Job:
     """Start a run and return its Job. ``spec`` may be a RunSpec, a mapping, or a YAML path.
@@ -104,6 +111,12 @@ def launch(spec: RunSpec | dict | str | Path | None = None, *, force: bool = Fal
         from workbench.course.client import launch_via_course  # its service holds and launches
 
         return launch_via_course(spec, force=force)  # type: ignore[return-value]
+    with _TURN:
+        return _launch(spec, force, registry)
+
+
+def _launch(spec: RunSpec | dict | str | Path | None, force: bool,
+            registry: Registry | None) -> Job:
     spec = RunSpec.coerce(spec)
     if "target" not in spec.model_fields_set and os.environ.get(KERNEL_TARGET_ENV):
         # In a remote kernel (workbench.kernels) a spec that names no target runs where it is.
@@ -117,6 +130,10 @@ def launch(spec: RunSpec | dict | str | Path | None = None, *, force: bool = Fal
     from workbench.budget import check_enforceable
 
     check_enforceable(spec)  # a limit without a price (or in another currency) is no limit
+    if spec.checkpoint.storage and spec.target == "local":  # other targets use their own keys
+        from workbench.snapshots import check_storage
+
+        check_storage(spec.checkpoint.storage)
     # Cheapest first: the target's resources, then the plan (which knows common configs offline,
     # so a run that cannot fit says so even where the weights are out of reach), then the model.
     if spec.target == "local":
@@ -126,9 +143,17 @@ def launch(spec: RunSpec | dict | str | Path | None = None, *, force: bool = Fal
     _validate_tracking(spec)
     plan = _plan(spec, force)
     _validate_model(spec)
-    run_id = _new_run_id(spec.name)
-    rd = RunDir(runs_dir() / run_id)
-    rd.create(spec)
+    for _ in range(20):
+        run_id = _new_run_id(spec.name)
+        rd = RunDir(runs_dir() / run_id)
+        try:
+            rd.create(spec)
+            break
+        except FileExistsError:  # a launch of the same name took this id in the same second
+            continue
+    else:
+        raise LaunchError(f"could not find a free run id for {spec.name!r} under {runs_dir()}; "
+                          "check that the folder is writable and not full of stale runs")
     now = time.time()
     # Registered before the data step so `workbench status` and the panel show it preparing;
     # removed again (with its run dir) if the data is refused.

@@ -187,6 +187,34 @@ def _fs(url: str) -> tuple[Any, str]:
     return fs, root.rstrip("/")
 
 
+class StorageError(SnapshotError):
+    """``checkpoint.storage`` cannot be reached: no such bucket, credentials refused, no endpoint."""
+
+
+def check_storage(url: str) -> None:
+    """Refuse a remote ``checkpoint.storage`` this machine cannot list before a run is started
+    on it: otherwise the first upload fails minutes into training, after the money is spent."""
+    if "://" not in url or url.startswith("file://"):
+        return  # a local folder is created on first use
+    try:
+        fs, root = _fs(url)
+        bucket = root.split("/", 1)[0]
+        fs.ls(bucket, detail=False)
+    except FileNotFoundError:
+        raise StorageError(
+            f"checkpoint.storage {url}: the bucket {bucket!r} does not exist"
+            + (f" at {os.environ['AWS_ENDPOINT_URL']}" if os.environ.get("AWS_ENDPOINT_URL") else "")
+            + "; create it, or fix checkpoint.storage") from None
+    except PermissionError as exc:
+        raise StorageError(
+            f"checkpoint.storage {url}: access refused ({exc}); set credentials that may write "
+            "there (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE for S3), or fix "
+            "checkpoint.storage") from None
+    except Exception as exc:  # no endpoint, no network, an unknown protocol: say what it was
+        raise StorageError(f"checkpoint.storage {url} cannot be reached: {exc!r}; check the "
+                           "URL, the endpoint (AWS_ENDPOINT_URL) and the network") from None
+
+
 def storage_prefix(url: str, run_id: str) -> str:
     return f"{url.rstrip('/')}/{run_id}"
 

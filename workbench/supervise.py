@@ -144,6 +144,20 @@ def error_text(rd: RunDir, max_lines: int = 25, since: dict[str, int] | None = N
 MAX_RESTARTS = 3  # automatic resumes after a rank dies, each needing a newer snapshot
 
 
+def launcher_killed(rc: int | None) -> str:
+    """What the ranks' logs cannot say: torchrun itself was killed by a signal (it would report
+    a rank's death with an exit code), so the tail of a log is no cause."""
+    if rc is None or rc >= 0:
+        return ""
+    try:
+        name = signal.Signals(-rc).name
+    except ValueError:
+        name = f"signal {-rc}"
+    return (f"torchrun (the launcher) was killed by {name} from outside the run (the OOM killer, "
+            "a user, the machine's scheduler); its ranks were stopped. job.resume() continues "
+            "from the newest snapshot.\n")
+
+
 def _newest_committed_step(rd: RunDir) -> int | None:
     from workbench.snapshots import MANIFEST, snapshots
 
@@ -236,8 +250,8 @@ def supervise(run_dir: str, role: NodeRole = NodeRole()) -> int:
         restarts, resumed_from = restarts + 1, newest
         print(f"supervisor: ranks failed (exit {rc}); resuming from step-{newest} "
               f"(restart {restarts} of {MAX_RESTARTS})", flush=True)
-        write(restarts=restarts, last_error=error_text(rd, since=since,
-                                                      root_cause=error_file(rd, role)))
+        write(restarts=restarts, last_error=launcher_killed(rc) + error_text(
+            rd, since=since, root_cause=error_file(rd, role)))
     if gpus is not None:  # every rank is gone: the cards are free for the next run
         from workbench import leases
 
@@ -253,8 +267,8 @@ def supervise(run_dir: str, role: NodeRole = NodeRole()) -> int:
     elif rc == 0 and (rd.artefact_dir() is not None or not role.writes_status):
         final["state"] = SUCCEEDED
     else:
-        final.update(state=FAILED, error=error_text(rd, since=since,
-                                                    root_cause=error_file(rd, role)))
+        final.update(state=FAILED, error=launcher_killed(rc) + error_text(
+            rd, since=since, root_cause=error_file(rd, role)))
     # The outcome first, with the bill so far: a time limit (or a kill) that lands while the slow
     # bundle is written must not erase a recorded success. Then the bundle, and the final bill
     # (the bundle's time included) with ``released``: the resources are let go after this write,

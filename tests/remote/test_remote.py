@@ -315,6 +315,18 @@ def test_broken_remote_env_surfaces_the_remote_error(targets):
     _nothing_left(job.id)
 
 
+def test_more_gpus_than_the_ssh_host_has_is_refused_before_anything_starts(targets):
+    # The host has no GPU torch can use (none here): asking for 2 must be refused at submit
+    # with the numbers, not left to fail on the host after the run is reported started.
+    with pytest.raises(TargetError, match=r"resources\.gpus_per_node is 2 but host wb-node0 "
+                                          r"has 0 GPU\(s\).*lower resources\.gpus_per_node"):
+        workbench.launch({"name": "toomanygpus", "target": "ssh:one", **TINY,
+                          "resources": {"gpus_per_node": 2, "gpu_type": "T4"}})
+    job = workbench.get_job("toomanygpus")
+    assert job.state == "failed" and "has 0 GPU(s)" in job.status()["error"]
+    _nothing_left(job.id)
+
+
 def test_unknown_partition_and_rejected_sbatch_leave_nothing(targets):
     with pytest.raises(TargetError, match="(?s)invalid partition.*one of: debug"):
         workbench.launch({"name": "nopart", "target": "slurm:nopart", **TINY})

@@ -40,7 +40,8 @@ from workbench.targets import SSHTarget, TargetError, get_target
 
 # Imports the supervisor's dependencies and picks a free port for the rendezvous, in one call.
 PREFLIGHT = ("import socket, workbench.supervise, torch; s = socket.socket(); "
-             "s.bind(('', 0)); print('WORKBENCH-PORT', s.getsockname()[1])")
+             "s.bind(('', 0)); print('WORKBENCH-PORT', s.getsockname()[1]); "
+             "print('WORKBENCH-GPUS', torch.cuda.device_count())")
 
 
 class SSHBackend:
@@ -97,6 +98,14 @@ class SSHBackend:
                     "lists what is missing"))
             if i == 0:
                 port = t.rdzv_port or int(found[0].split()[1])
+            cards = [int(ln.split()[1]) for ln in res.stdout.decode(errors="replace").splitlines()
+                     if ln.startswith("WORKBENCH-GPUS ")]
+            if cards and spec.resources.gpus_per_node > cards[0]:
+                # Refused here, not by the supervisor's lease on the host once the run "started".
+                raise self._refuse(mirror, (
+                    f"resources.gpus_per_node is {spec.resources.gpus_per_node} but "
+                    f"{tr.where} has {cards[0]} GPU(s) that torch can use; lower "
+                    f"resources.gpus_per_node (0 trains on CPU) or pick a target with more"))
         master = transports[0].resolved_hostname()
         dirs = [f"{self._workdir(h).rstrip('/')}/{rd.path.name}" for h in hosts]
         try:

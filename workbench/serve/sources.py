@@ -112,6 +112,20 @@ class _Run:
         return str(status.get("state", PENDING))
 
 
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")  # what peft saves and loads
+
+
+def require_adapter_weights(folder: Path) -> None:
+    """Refuse an adapter folder that has its config but no weights (a copy cut short, a save
+    that died): vLLM and peft would otherwise fail later with an error that names neither."""
+    if not any((folder / name).is_file() for name in ADAPTER_WEIGHTS):
+        raise AdapterNotFoundError(
+            f"{folder} has adapter_config.json but no adapter weights ({' or '.join(ADAPTER_WEIGHTS)})"
+            "; the save or copy did not finish: copy the folder again, or resume the run "
+            "(job.resume()) so it saves its adapter"
+        )
+
+
 def _looks_like_hub_id(text: str) -> bool:
     """ORG/NAME (a base model on the hub), not a mistyped RUN_DIR/adapter path."""
     return (re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", text) is not None
@@ -164,6 +178,7 @@ def plan_serving(sources: Sequence[Any], merge: bool = False) -> ServePlan:
             continue
         trained.add(where)
         if (where / "adapter_config.json").is_file():
+            require_adapter_weights(where)
             cfg = _read_json(where / "adapter_config.json")
             meta = _read_json(where / "workbench.json")
             base = meta.get("base_model") or cfg.get("base_model_name_or_path")
@@ -267,6 +282,7 @@ def merge(source: Any, out: str | Path | None = None) -> Path:
     where, _, _ = _source_to_path(source)
     if isinstance(where, str) or not (where / "adapter_config.json").is_file():
         raise AdapterNotFoundError(f"{where} is not a LoRA adapter folder; nothing to merge")
+    require_adapter_weights(where)
     return merge_adapter(where, out)
 
 

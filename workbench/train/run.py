@@ -332,6 +332,12 @@ def main(run_dir: str) -> int:
     resume_from = agreed_resume_point(rd)  # verified by rank 0 alone, the same on every rank
     if resume_from is not None:
         print(f"resuming from {resume_from.name}", flush=True)
+    elif (status.get("billed_before_s") or 0) > 0:  # a resume, with nothing to resume from
+        note = ("resumed without a snapshot: training started again at step 0 (set "
+                "checkpoint.every_steps or every_minutes to resume mid-run next time)")
+        print(note, flush=True)
+        if rank == 0:
+            rd.write_status(note=note)
     try:
         trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     except BudgetSpentAtStart as exc:  # every rank raised it: nothing trained, nothing to save

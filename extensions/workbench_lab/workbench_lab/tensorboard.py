@@ -52,24 +52,48 @@ class TensorBoards:
             return self.prefix(run_id) + "/"
         if not logdir.is_dir():
             raise TensorBoardError(f"run {run_id} has no TensorBoard events yet ({logdir} is missing)")
-        port = _free_port()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir),
-             "--host", "127.0.0.1", "--port", str(port), "--path_prefix", self.prefix(run_id)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-        )
+        # The port is free when chosen, but another process may take it before TensorBoard
+        # binds it: TensorBoard then exits, and a connect would reach the other process. Only
+        # TensorBoard's own answer under our prefix counts; a taken port means another port.
+        for _attempt in range(3):
+            port = _free_port()
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir),
+                 "--host", "127.0.0.1", "--port", str(port), "--path_prefix",
+                 self.prefix(run_id)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            )
+            if self._answers(proc, port, run_id, wait_s):
+                self._procs[run_id] = (proc, port)
+                return self.prefix(run_id) + "/"
+            if proc.poll() is None:  # alive but silent for wait_s: not a port problem
+                proc.terminate()
+                raise TensorBoardError(
+                    f"TensorBoard did not start within {wait_s:.0f} s for run {run_id}")
+        raise TensorBoardError(
+            f"TensorBoard exited with code {proc.returncode} for run {run_id} three times (last "
+            f"on port {port}); check that `{sys.executable} -m tensorboard.main --logdir "
+            f"{logdir}` starts")
+
+    def _answers(self, proc: subprocess.Popen[bytes], port: int, run_id: str,
+                 wait_s: float) -> bool:
+        """True once TensorBoard answers under the run's prefix; False if it exited first."""
+        import urllib.error
+        import urllib.request
+
+        url = f"http://127.0.0.1:{port}{self.prefix(run_id)}/"
         deadline = time.time() + wait_s
         while time.time() < deadline:
             if proc.poll() is not None:
-                raise TensorBoardError(f"TensorBoard exited with code {proc.returncode} for run {run_id}")
+                return False
             try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                self._procs[run_id] = (proc, port)
-                return self.prefix(run_id) + "/"
-            except OSError:
-                time.sleep(0.3)
-        proc.terminate()
-        raise TensorBoardError(f"TensorBoard did not start within {wait_s:.0f} s for run {run_id}")
+                with urllib.request.urlopen(url, timeout=2) as reply:
+                    if reply.status == 200 and proc.poll() is None:
+                        return True
+            except (OSError, urllib.error.URLError):
+                pass
+            time.sleep(0.3)
+        return False
 
     def stop_all(self) -> None:
         for proc, _port in self._procs.values():
