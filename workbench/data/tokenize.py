@@ -6,7 +6,9 @@ tokenizer's offsets, which works for any chat template without knowing its marke
 
 Truncation keeps what is trained. ``keep_response`` (the default) gives the response at least half
 of ``max_length`` (all of it if it fits), and the prompt keeps its *end* (the part next to the
-answer, with the assistant marker) plus a leading BOS; ``right`` cuts the end, as tokenizers do,
+answer, with the assistant marker) plus a leading BOS. A conversation with several assistant
+turns first loses whole exchanges, oldest first, keeping its system turn, and every assistant
+turn that remains is trained. ``right`` cuts the end, as tokenizers do,
 and may cut the whole response away. An example with no trained token left is reported as
 dropped by :mod:`workbench.data.tokenized`, never silently lost.
 
@@ -205,6 +207,7 @@ def _drop_old_turns(messages: list[dict[str, str]], ids: list[int], labels: list
     lead = [m for m in messages if m["role"] == "system"][:1] if messages[0]["role"] == "system" \
         else []
     rest = list(messages[len(lead):])
+    text, tokens = "", None
     while sum(m["role"] == "assistant" for m in rest) > 1:
         oldest = next(k for k, m in enumerate(rest) if m["role"] == "assistant")
         rest = rest[oldest + 1:]
@@ -214,7 +217,14 @@ def _drop_old_turns(messages: list[dict[str, str]], ids: list[int], labels: list
         labels = _labels(ids, tokens, text, spans)
         if len(ids) <= limit:
             break
-    cut = _truncate(ids, labels, _first_trained(labels), limit, "keep_response", bos)
+    head = None
+    if lead and tokens is not None and len(ids) > limit:
+        # One exchange left and still too long: its user turn loses its start, the system turn
+        # stays (where the template renders it first, as a prefix of the conversation).
+        system = _render(tokenizer, lead)
+        if text.startswith(system):
+            head = tokens.first_from(len(system))
+    cut = _truncate(ids, labels, _first_trained(labels), limit, "keep_response", bos, head)
     return Encoded(cut.input_ids, cut.labels, prompt, response, True)
 
 
@@ -290,7 +300,7 @@ def _labels(ids: list[int], tokens: _Tokens, text: str, spans: list[tuple[int, i
 
 
 def _truncate(ids: list[int], labels: list[int], first: int, limit: int, mode: str,
-              bos: int | None) -> Encoded:
+              bos: int | None, keep_head: int | None = None) -> Encoded:
     n = len(ids)
     prompt, response = first, n - first
     if n <= limit:
@@ -300,6 +310,8 @@ def _truncate(ids: list[int], labels: list[int], first: int, limit: int, mode: s
     keep_response = min(response, max(limit - prompt, limit // 2))
     keep_prompt = limit - keep_response
     head = 1 if (bos is not None and ids[0] == bos and keep_prompt > 0) else 0
+    if keep_head is not None and head <= keep_head <= keep_prompt // 2:
+        head = keep_head  # a system turn, when it leaves at least as much of the question
     tail = range(first - (keep_prompt - head), first)
     idx = list(range(head)) + list(tail) + list(range(first, first + keep_response))
     return Encoded([ids[k] for k in idx], [labels[k] for k in idx], prompt, response, True)
