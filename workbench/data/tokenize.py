@@ -324,21 +324,36 @@ def tokenize_example(example: dict[str, Any], tokenizer: Any, max_length: int,
 
 
 def pack(examples: Iterable[dict[str, list[int]]], block: int) -> list[dict[str, list[int]]]:
-    """Concatenate tokenised examples into blocks of ``block`` tokens (the last one may be short)."""
-    out, ids, labels = [], [], []
+    """Padding-free packing: whole examples, in order, into rows of at most ``block`` tokens.
+
+    Each row carries ``position_ids`` that restart at 0 where an example starts: attention uses
+    them as example boundaries (transformers builds a block-diagonal causal mask from them for
+    SDPA/eager, and varlen kernels for flash attention), so no example attends to another, as
+    with TRL's padding-free packing. An example's first token is never a label (it would be
+    predicted from the previous example's last token).
+    """
+    out: list[dict[str, list[int]]] = []
+    row: dict[str, list[int]] = {"input_ids": [], "labels": [], "position_ids": []}
     for ex in examples:
-        ids += ex["input_ids"]
-        labels += ex["labels"]
-        while len(ids) >= block:
-            out.append({"input_ids": ids[:block], "labels": labels[:block]})
-            ids, labels = ids[block:], labels[block:]
-    if ids:
-        out.append({"input_ids": ids, "labels": labels})
+        n = len(ex["input_ids"])
+        if row["input_ids"] and len(row["input_ids"]) + n > block:
+            out.append(row)
+            row = {"input_ids": [], "labels": [], "position_ids": []}
+        row["input_ids"] += ex["input_ids"]
+        row["labels"] += [IGNORE] + list(ex["labels"][1:])
+        row["position_ids"] += range(n)
+    if row["input_ids"]:
+        out.append(row)
     return out
 
 
 class Collator:
-    """Right-pads a batch; labels are padded with -100 so padding never counts in the loss."""
+    """Right-pads a batch; labels are padded with -100 so padding never counts in the loss.
+
+    Packed rows (with ``position_ids``, see :func:`pack`) are instead laid end to end in one
+    row without padding or attention mask, as transformers' ``DataCollatorWithFlattening`` does,
+    keeping each example's own positions so attention stays inside it.
+    """
 
     def __init__(self, pad_token_id: int) -> None:
         self.pad = pad_token_id
@@ -346,6 +361,13 @@ class Collator:
     def __call__(self, batch: list[dict[str, list[int]]]) -> dict[str, Any]:
         import torch
 
+        if "position_ids" in batch[0]:
+            flat: dict[str, list[int]] = {"input_ids": [], "labels": [], "position_ids": []}
+            for b in batch:
+                flat["input_ids"] += b["input_ids"]
+                flat["labels"] += [IGNORE] + list(b["labels"][1:])
+                flat["position_ids"] += b["position_ids"]
+            return {k: torch.tensor([v], dtype=torch.long) for k, v in flat.items()}
         n = max(len(b["input_ids"]) for b in batch)
         ids = torch.full((len(batch), n), self.pad, dtype=torch.long)
         labels = torch.full((len(batch), n), IGNORE, dtype=torch.long)

@@ -150,7 +150,7 @@ def _table(rows: list[dict[str, list[int]]]) -> Any:
                            count=int(offsets[-1]))
         return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))
 
-    return pa.table({"input_ids": column("input_ids"), "labels": column("labels")})
+    return pa.table({key: column(key) for key in rows[0]})
 
 
 def _link_tree(src: Path, dst: Path) -> None:
