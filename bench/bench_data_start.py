@@ -129,7 +129,7 @@ def main() -> None:
     base = median("old")
     out = {"rows": args.rows, "processes": 2, "old_commit": commit, "rounds": args.rounds,
            "cpus": os.cpu_count(), "when": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": runs,
-           "median_s": {k: median(k) for k in ("old", "cold", "cached")},
+           "median_s": {k: round(median(k), 2) for k in ("old", "cold", "cached")},
            "cold_vs_old": round(median("cold") / base, 3),
            "cached_vs_old": round(median("cached") / base, 3),
            "targets": {"cold_vs_old": 0.3, "cached_vs_old": 0.1}}
