@@ -1,19 +1,22 @@
 """Benchmark: launch -> first training step for a large set of short rows (issue 24), JSON in
 bench/results/data_start.json.
 
-Three launches of the same data, 2 processes on the built-in tiny model, one after another:
+The same spec (200,000 alpaca rows, max_length 64, built-in tiny model, 2 processes) is launched
+by three code versions, each in a fresh Python process, so every launch pays its own imports:
 
-  per_rank   the path before tokenise-once: launch only prepares the jsonl and every rank
-             tokenises the whole set itself (today the fallback for old run dirs; reached here by
-             launching with the data step's tokenising turned off)
-  once       tokenised once in the launching process into Arrow, ranks memory-map it (cold cache)
-  cached     the same data again: the cache is linked into the run dir, nothing is tokenised
+  old     the code before tokenise-once (commit 8817a9e, the parent of the first tokenise-once
+          commit), checked out into a temporary ``git worktree`` and first on PYTHONPATH: launch
+          writes the jsonl and every rank tokenises the whole set itself
+  cold    this checkout, with an empty tokenised-data cache: tokenised once at launch
+  cached  this checkout again on the same data: the cache is linked into the run dir
 
-Each figure is seconds from calling launch() to the first metrics line with a loss, with the
-launch call's own share. Ratios: once / per_rank (target <= 0.3) and cached / per_rank
-(target <= 0.1). Other work on the machine skews every figure: the load average is recorded.
+Each figure is seconds from calling launch() to the first metrics line with a loss, plus the
+launch call's own share. The order alternates (old, cold, cached, then cached, cold, old when
+``--rounds 2``) so a change in the machine's load does not favour one side; the load average is
+recorded with every run. Ratios use the median of each label: cold / old (target <= 0.3) and
+cached / old (target <= 0.1).
 
-    python bench/bench_data_start.py [--rows 200000] [--home DIR]
+    python bench/bench_data_start.py [--rows 200000] [--rounds 2] [--old-commit 8817a9e]
 """
 
 from __future__ import annotations
@@ -21,9 +24,42 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OLD_COMMIT = "8817a9e"
+
+# Runs in the child: launch, wait for the first loss, cancel, print one JSON line.
+_CHILD = r"""
+import json, os, sys, time
+t0 = time.time()
+import workbench
+spec = json.loads(sys.argv[1])
+job = workbench.launch(spec)
+launched = time.time()
+end = launched + 1800
+while time.time() < end:
+    if any("loss" in m for m in job.metrics()):
+        break
+    if job.done:
+        raise SystemExit(f"{job.id} ended {job.state} before a step: {job.logs(tail=20)}")
+    time.sleep(0.1)
+else:
+    raise SystemExit(f"{job.id}: no step within 1800 s")
+first = time.time()
+job.cancel()
+prepare = job.status().get("prepare") or {}
+print("RESULT " + json.dumps({
+    "package": os.path.dirname(workbench.__file__), "launch_s": round(launched - t0, 2),
+    "launch_to_first_step_s": round(first - t0, 2), "tokenise_s": prepare.get("seconds"),
+    "cache_hit": prepare.get("cache_hit")}))
+"""
 
 
 def _rows(n: int) -> list[dict]:
@@ -31,67 +67,74 @@ def _rows(n: int) -> list[dict]:
             for i in range(n)]
 
 
-def _first_step(job, deadline_s: float = 1800) -> float:
-    end = time.time() + deadline_s
-    while time.time() < end:
-        if any("loss" in m for m in job.metrics()):
-            return time.time()
-        if job.done:
-            raise RuntimeError(f"{job.id} ended {job.state} before a step: {job.logs(tail=20)}")
-        time.sleep(0.2)
-    raise TimeoutError(job.id)
-
-
-def _one(label: str, spec: dict) -> dict:
-    import importlib
-
-    import workbench
-
-    jobs = importlib.import_module("workbench.launching")
-
-    original = jobs._prepare_data
-    if label == "per_rank":
-        from workbench.data.prepare import prepare_data
-
-        def old(spec, rd):  # the data step as it was: the ranks tokenise the jsonl themselves
-            rd.write_status(data=prepare_data(spec, rd.data_dir).counts)
-
-        jobs._prepare_data = old
-    try:
-        t0 = time.time()
-        job = workbench.launch({**spec, "name": f"bench-{label.replace('_', '-')}"})
-        launched = time.time()
-    finally:
-        jobs._prepare_data = original
-    first = _first_step(job)
-    job.cancel()
-    prepare = job.status().get("prepare") or {}
-    return {"label": label, "launch_s": round(launched - t0, 2),
-            "launch_to_first_step_s": round(first - t0, 2),
-            "tokenise_s": prepare.get("seconds"), "cache_hit": prepare.get("cache_hit"),
-            "load_avg": os.getloadavg()}
+def _run(label: str, package: Path, home: Path, spec: dict) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(package), "WORKBENCH_HOME": str(home),
+           "HF_HUB_OFFLINE": "1"}
+    spec = {**spec, "name": f"bench-{label}"}
+    before = os.getloadavg()
+    proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(spec)], env=env,
+                          capture_output=True, text=True, timeout=2400, cwd=str(home))
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"{label} failed ({proc.returncode}): {proc.stderr[-3000:]}")
+    result = json.loads(lines[-1][len("RESULT "):])
+    if Path(result["package"]).resolve() != (package / "workbench").resolve():
+        raise RuntimeError(f"{label} imported {result['package']}, not {package}")
+    out = {"label": label, **result, "load_avg_before": [round(x, 2) for x in before],
+           "load_avg_after": [round(x, 2) for x in os.getloadavg()]}
+    print(json.dumps(out), flush=True)
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=200_000)
-    ap.add_argument("--home", default=None)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--old-commit", default=OLD_COMMIT)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "data_start.json"))
     args = ap.parse_args()
-    os.environ["WORKBENCH_HOME"] = args.home or tempfile.mkdtemp(prefix="wb-bench-data-")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    data = Path(os.environ["WORKBENCH_HOME"]) / "rows.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in _rows(args.rows)))
-    spec = {"data": {"sources": [{"path": str(data)}], "max_length": 64},
-            "train": {"max_steps": 1000, "batch_size": 8}}
-    results = [_one(label, spec) for label in ("per_rank", "once", "cached")]
-    base = results[0]["launch_to_first_step_s"]
-    out = {"rows": args.rows, "processes": 2, "runs": results,
-           "once_vs_per_rank": round(results[1]["launch_to_first_step_s"] / base, 3),
-           "cached_vs_per_rank": round(results[2]["launch_to_first_step_s"] / base, 3),
-           "targets": {"once_vs_per_rank": 0.3, "cached_vs_per_rank": 0.1}}
-    path = Path(__file__).parent / "results" / "data_start.json"
-    path.write_text(json.dumps(out, indent=1) + "\n")
-    print(json.dumps(out, indent=1))
+    tmp = Path(tempfile.mkdtemp(prefix="wb-bench-data-"))
+    old_tree = tmp / "old"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(old_tree),
+                    args.old_commit], check=True, capture_output=True)
+    try:
+        commit = subprocess.run(["git", "-C", str(old_tree), "rev-parse", "HEAD"], check=True,
+                                capture_output=True, text=True).stdout.strip()
+        data = tmp / "rows.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in _rows(args.rows)))
+        spec = {"data": {"sources": [{"path": str(data)}], "max_length": 64},
+                "train": {"max_steps": 1000, "batch_size": 8}}
+        homes = {"old": tmp / "home-old", "new": tmp / "home-new"}
+        for home in homes.values():
+            home.mkdir()
+        runs = []
+        for r in range(args.rounds):
+            order = ["old", "cold", "cached"] if r % 2 == 0 else ["cached", "cold", "old"]
+            for label in order:
+                if label == "cold":  # an empty cache: this launch tokenises
+                    shutil.rmtree(homes["new"] / "cache" / "tokenized", ignore_errors=True)
+                if label == "cached" and not (homes["new"] / "cache" / "tokenized").is_dir():
+                    _run("warm-up", ROOT, homes["new"], spec)  # fills the cache, not counted
+                package = old_tree if label == "old" else ROOT
+                runs.append({"round": r, **_run(label, package, homes[label if label == "old"
+                                                                       else "new"], spec)})
+    finally:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old_tree)],
+                       capture_output=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    def median(label: str) -> float:
+        return statistics.median(x["launch_to_first_step_s"] for x in runs if x["label"] == label)
+
+    base = median("old")
+    out = {"rows": args.rows, "processes": 2, "old_commit": commit, "rounds": args.rounds,
+           "cpus": os.cpu_count(), "when": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": runs,
+           "median_s": {k: round(median(k), 2) for k in ("old", "cold", "cached")},
+           "cold_vs_old": round(median("cold") / base, 3),
+           "cached_vs_old": round(median("cached") / base, 3),
+           "targets": {"cold_vs_old": 0.3, "cached_vs_old": 0.1}}
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in out.items() if k != "runs"}, indent=1))
 
 
 if __name__ == "__main__":

@@ -65,7 +65,7 @@ class DataSpec(_Section):
     #   least half of max_length); right: cut the end, which may cut the whole response away.
     truncation: Literal["keep_response", "right"] = "keep_response"
     max_dropped_fraction: float = Field(0.01, ge=0.0, le=1.0)  # launch refuses above this share
-    packing: bool = False  # concatenate examples into max_length blocks (faster, same loss mask)
+    packing: bool = False  # whole examples share max_length rows, attention kept per example
     eval_samples: int | None = Field(256, ge=0)  # validation examples evaluated; 0/None: all
     clean: CleanSpec = Field(default_factory=CleanSpec)
 

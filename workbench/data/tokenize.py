@@ -6,7 +6,9 @@ tokenizer's offsets, which works for any chat template without knowing its marke
 
 Truncation keeps what is trained. ``keep_response`` (the default) gives the response at least half
 of ``max_length`` (all of it if it fits), and the prompt keeps its *end* (the part next to the
-answer, with the assistant marker) plus a leading BOS; ``right`` cuts the end, as tokenizers do,
+answer, with the assistant marker) plus a leading BOS. A conversation with several assistant
+turns first loses whole exchanges, oldest first, keeping its system turn, and every assistant
+turn that remains is trained. ``right`` cuts the end, as tokenizers do,
 and may cut the whole response away. An example with no trained token left is reported as
 dropped by :mod:`workbench.data.tokenized`, never silently lost.
 
@@ -168,47 +170,137 @@ def encode_batch(examples: Sequence[dict[str, Any]], tokenizer: Any, max_length:
              if "text" not in ex]
     texts = [(i, ex["text"] + tokenizer.eos_token) for i, ex in enumerate(examples) if "text" in ex]
     if texts:
-        for (i, _), (ids, _o) in zip(texts, _encode(tokenizer, [t for _, t in texts], True)):
+        for (i, _), tokens in zip(texts, _encode(tokenizer, [t for _, t in texts], True)):
+            ids = tokens.ids
             out[i] = _truncate(ids, list(ids), 0, max_length, truncation, None)
+    bos = tokenizer.bos_token_id
     if chats:
         # The template already carries BOS where the model wants it.
         encoded = _encode(tokenizer, [t for _, t, _ in chats], False)
-        for (i, text, spans), (ids, offsets) in zip(chats, encoded):
-            labels = _labels(ids, offsets, text, spans)
-            first = next((k for k, lab in enumerate(labels) if lab != IGNORE), len(ids))
-            out[i] = _truncate(ids, labels, first, max_length, truncation,
-                               tokenizer.bos_token_id)
+        for (i, text, spans), tokens in zip(chats, encoded):
+            ids = tokens.ids
+            labels = _labels(ids, tokens, text, spans)
+            if len(ids) > max_length and truncation == "keep_response" and len(spans) > 1:
+                out[i] = _drop_old_turns(examples[i]["messages"], ids, labels, tokenizer,
+                                         renderer, max_length, bos)
+                continue
+            out[i] = _truncate(ids, labels, _first_trained(labels), max_length, truncation, bos)
     return [e for e in out if e is not None]
 
 
-def _encode(tokenizer: Any, texts: list[str], special: bool) -> list[tuple[list[int], Any]]:
+def _first_trained(labels: list[int]) -> int:
+    return next((k for k, lab in enumerate(labels) if lab != IGNORE), len(labels))
+
+
+def _drop_old_turns(messages: list[dict[str, str]], ids: list[int], labels: list[int],
+                    tokenizer: Any, renderer: ChatRenderer, limit: int,
+                    bos: int | None) -> Encoded:
+    """A conversation too long for ``limit``: keep the system turns and the latest exchanges.
+
+    Whole exchanges (a user turn and the assistant's answer) go first, oldest first, until the
+    rest fits or one exchange is left; that one is then cut like a single-turn example (the
+    prompt's start first). Every assistant turn that is kept stays trained. Lengths in the
+    result are those of the whole conversation, for the statistics.
+    """
+    first = _first_trained(labels)
+    prompt, response = first, len(ids) - first
+    lead = [m for m in messages if m["role"] == "system"][:1] if messages[0]["role"] == "system" \
+        else []
+    rest = list(messages[len(lead):])
+    text, tokens = "", None
+    while sum(m["role"] == "assistant" for m in rest) > 1:
+        oldest = next(k for k, m in enumerate(rest) if m["role"] == "assistant")
+        rest = rest[oldest + 1:]
+        text, spans = renderer.render(lead + rest)
+        tokens = _encode(tokenizer, [text], False)[0]
+        ids = tokens.ids
+        labels = _labels(ids, tokens, text, spans)
+        if len(ids) <= limit:
+            break
+    head = None
+    if lead and tokens is not None and len(ids) > limit:
+        # One exchange left and still too long: its user turn loses its start, the system turn
+        # stays (where the template renders it first, as a prefix of the conversation).
+        system = _render(tokenizer, lead)
+        if text.startswith(system):
+            head = tokens.first_from(len(system))
+    cut = _truncate(ids, labels, _first_trained(labels), limit, "keep_response", bos, head)
+    return Encoded(cut.input_ids, cut.labels, prompt, response, True)
+
+
+class _Tokens:
+    """One encoded text: ids, and where a character lands (the Rust encoding's own lookups)."""
+
+    __slots__ = ("ids", "_enc", "_offsets", "_starts", "_ends", "_chars")
+
+    def __init__(self, ids: list[int], chars: int, enc: Any = None,
+                 offsets: Sequence[Sequence[int]] | None = None) -> None:
+        self.ids, self._chars, self._enc, self._offsets = ids, chars, enc, offsets
+        if offsets is not None:
+            self._starts = [a for a, _ in offsets]
+            self._ends = [b for _, b in offsets]
+
+    def chars(self, k: int) -> tuple[int, int]:
+        if self._enc is not None:
+            span = self._enc.token_to_chars(k)
+            return (span[0], span[1]) if span else (0, 0)
+        a, b = self._offsets[k]  # type: ignore[index]
+        return a, b
+
+    def first_after(self, pos: int) -> int:
+        """Index of the first token that ends after ``pos`` (len(ids) if none)."""
+        if self._enc is None:
+            return bisect_right(self._ends, pos)
+        # Materialising every offset costs more than the whole encode on short rows: look up
+        # characters instead, skipping those no token covers (a trimmed space).
+        while pos < self._chars:
+            k = self._enc.char_to_token(pos)
+            if k is not None:
+                return k
+            pos += 1
+        return len(self.ids)
+
+    def first_from(self, pos: int) -> int:
+        """Index of the first token that starts at or after ``pos``."""
+        if self._enc is None:
+            return bisect_left(self._starts, pos)
+        k = self.first_after(pos)
+        while k < len(self.ids) and self.chars(k)[0] < pos:
+            k += 1
+        return k
+
+
+def _encode(tokenizer: Any, texts: list[str], special: bool) -> list[_Tokens]:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:  # the Rust tokenizer directly: transformers' wrapping costs as much
-        return [(e.ids, e.offsets) for e in backend.encode_batch(texts, add_special_tokens=special)]
+        return [_Tokens(e.ids, len(t), enc=e)
+                for t, e in zip(texts, backend.encode_batch(texts, add_special_tokens=special))]
     enc = tokenizer(texts, add_special_tokens=special, return_offsets_mapping=True)
-    return [(list(i), o) for i, o in zip(enc["input_ids"], enc["offset_mapping"])]
+    return [_Tokens(list(i), len(t), offsets=o)
+            for t, i, o in zip(texts, enc["input_ids"], enc["offset_mapping"])]
 
 
-def _labels(ids: list[int], offsets: Sequence[Sequence[int]], text: str,
-            spans: list[tuple[int, int]]) -> list[int]:
+def _labels(ids: list[int], tokens: _Tokens, text: str, spans: list[tuple[int, int]]) -> list[int]:
     labels = [IGNORE] * len(ids)
-    starts = [a for a, _ in offsets]
-    ends = [b for _, b in offsets]
     for s, e in spans:
         # From the first token that ends inside the span: a byte-level BPE merges the space a
         # template puts before the answer into the answer's first token, which must be trained.
-        i, j = bisect_right(ends, s), bisect_left(starts, e)
+        i, j = tokens.first_after(s), tokens.first_from(e)
         # The newline a template puts after the end-of-turn token is formatting, not an answer.
-        while j > i and text[offsets[j - 1][0]:offsets[j - 1][1]].strip() == "":
+        while j > i:
+            a, b = tokens.chars(j - 1)
+            if text[a:b].strip():
+                break
             j -= 1
         for k in range(i, j):
-            if offsets[k][1] > offsets[k][0]:
+            a, b = tokens.chars(k)
+            if b > a:
                 labels[k] = ids[k]
     return labels
 
 
 def _truncate(ids: list[int], labels: list[int], first: int, limit: int, mode: str,
-              bos: int | None) -> Encoded:
+              bos: int | None, keep_head: int | None = None) -> Encoded:
     n = len(ids)
     prompt, response = first, n - first
     if n <= limit:
@@ -218,6 +310,8 @@ def _truncate(ids: list[int], labels: list[int], first: int, limit: int, mode: s
     keep_response = min(response, max(limit - prompt, limit // 2))
     keep_prompt = limit - keep_response
     head = 1 if (bos is not None and ids[0] == bos and keep_prompt > 0) else 0
+    if keep_head is not None and head <= keep_head <= keep_prompt // 2:
+        head = keep_head  # a system turn, when it leaves at least as much of the question
     tail = range(first - (keep_prompt - head), first)
     idx = list(range(head)) + list(tail) + list(range(first, first + keep_response))
     return Encoded([ids[k] for k in idx], [labels[k] for k in idx], prompt, response, True)
@@ -230,21 +324,36 @@ def tokenize_example(example: dict[str, Any], tokenizer: Any, max_length: int,
 
 
 def pack(examples: Iterable[dict[str, list[int]]], block: int) -> list[dict[str, list[int]]]:
-    """Concatenate tokenised examples into blocks of ``block`` tokens (the last one may be short)."""
-    out, ids, labels = [], [], []
+    """Padding-free packing: whole examples, in order, into rows of at most ``block`` tokens.
+
+    Each row carries ``position_ids`` that restart at 0 where an example starts: attention uses
+    them as example boundaries (transformers builds a block-diagonal causal mask from them for
+    SDPA/eager, and varlen kernels for flash attention), so no example attends to another, as
+    with TRL's padding-free packing. An example's first token is never a label (it would be
+    predicted from the previous example's last token).
+    """
+    out: list[dict[str, list[int]]] = []
+    row: dict[str, list[int]] = {"input_ids": [], "labels": [], "position_ids": []}
     for ex in examples:
-        ids += ex["input_ids"]
-        labels += ex["labels"]
-        while len(ids) >= block:
-            out.append({"input_ids": ids[:block], "labels": labels[:block]})
-            ids, labels = ids[block:], labels[block:]
-    if ids:
-        out.append({"input_ids": ids, "labels": labels})
+        n = len(ex["input_ids"])
+        if row["input_ids"] and len(row["input_ids"]) + n > block:
+            out.append(row)
+            row = {"input_ids": [], "labels": [], "position_ids": []}
+        row["input_ids"] += ex["input_ids"]
+        row["labels"] += [IGNORE] + list(ex["labels"][1:])
+        row["position_ids"] += range(n)
+    if row["input_ids"]:
+        out.append(row)
     return out
 
 
 class Collator:
-    """Right-pads a batch; labels are padded with -100 so padding never counts in the loss."""
+    """Right-pads a batch; labels are padded with -100 so padding never counts in the loss.
+
+    Packed rows (with ``position_ids``, see :func:`pack`) are instead laid end to end in one
+    row without padding or attention mask, as transformers' ``DataCollatorWithFlattening`` does,
+    keeping each example's own positions so attention stays inside it.
+    """
 
     def __init__(self, pad_token_id: int) -> None:
         self.pad = pad_token_id
@@ -252,6 +361,13 @@ class Collator:
     def __call__(self, batch: list[dict[str, list[int]]]) -> dict[str, Any]:
         import torch
 
+        if "position_ids" in batch[0]:
+            flat: dict[str, list[int]] = {"input_ids": [], "labels": [], "position_ids": []}
+            for b in batch:
+                flat["input_ids"] += b["input_ids"]
+                flat["labels"] += [IGNORE] + list(b["labels"][1:])
+                flat["position_ids"] += b["position_ids"]
+            return {k: torch.tensor([v], dtype=torch.long) for k, v in flat.items()}
         n = max(len(b["input_ids"]) for b in batch)
         ids = torch.full((len(batch), n), self.pad, dtype=torch.long)
         labels = torch.full((len(batch), n), IGNORE, dtype=torch.long)
