@@ -125,6 +125,9 @@ class Plan:
         lines.append(f"  activations with / without gradient checkpointing: "
                      f"{m.activations_with_checkpointing:.2f} / "
                      f"{m.activations_without_checkpointing:.2f}")
+        sized = next((a for a in self.assumptions if a.startswith("activations sized at")), None)
+        if sized:
+            lines.append(f"  {sized}")
         if m.host_offloaded:
             lines.append(f"  offloaded to host RAM per process: {m.host_offloaded:.2f}")
         lines.append(f"Tokens: {self.tokens_per_step:,} per step"
