@@ -102,6 +102,12 @@ def _queued(job_ids: list[str]) -> list[str]:
     return [j for j in out.split() if j in job_ids]
 
 
+def _running_jobs_of(kernel_id: str) -> list[str]:
+    out = subprocess.run(["squeue", "-h", "-t", "RUNNING", "-n", f"wb-kernel-{kernel_id}", "-o",
+                          "%i"], capture_output=True, text=True).stdout
+    return out.split()
+
+
 def test_slurm_kernel_from_the_launcher_runs_interrupts_restarts_and_leaves_nothing(
         page, lab: LabServer, cluster) -> None:
     _open_lab(page, lab)
@@ -140,11 +146,14 @@ def test_slurm_kernel_from_the_launcher_runs_interrupts_restarts_and_leaves_noth
 
     _kernel_menu(page, "Restart Kernel…")
     page.locator(".jp-Dialog .jp-mod-accept", has_text="Restart").click()
+    # The restart has reached Slurm (a page still showing "idle" from before proves nothing).
+    (new_job,) = wait_for(lambda: [j for j in _running_jobs_of(kernel_id) if j != job], 180,
+                          "the restarted kernel's new allocation to run")
     _idle(page)
     cell = _run_cell(page, "import os\nprint('AFTER', os.environ['SLURM_JOB_ID'])")
     words = _wait_output(cell, "AFTER", 180).split()
     job2 = words[words.index("AFTER") + 1]
-    assert job2 != job  # a restart is a new allocation
+    assert job2 == new_job != job  # a restart is a new allocation
     wait_for(lambda: not _queued([job]), 60, f"job {job} to leave squeue after the restart")
     shot(page, "remote-04-restarted")
 
@@ -155,7 +164,8 @@ def test_slurm_kernel_from_the_launcher_runs_interrupts_restarts_and_leaves_noth
     page.locator(".jp-Toolbar-kernelName", has_text="No Kernel").first.wait_for()
     shot(page, "remote-05-shut-down")
     wait_for(lambda: not _queued([job, job2]), 60, "the kernel's allocation to leave squeue")
-    assert not [n for n in squeue_job_names() if n.startswith("wb-kernel-")]
+    # The tests before this one leave nothing in the queue either: it is empty.
+    wait_for(lambda: not squeue_job_names(), 60, "squeue to be empty")
     wait_for(lambda: not processes_with(kernel_id), 60, "the kernel's processes to end")
     log = lab.log.read_text()
     assert "Traceback" not in log, log[-3000:]
