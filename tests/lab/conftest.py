@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,26 +63,33 @@ def shipped_lab_settings() -> Path:
 
 @pytest.fixture(scope="module")
 def lab_server(wb_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabServer]:
-    state = tmp_path_factory.mktemp("jupyter-state")
+    with running_lab(wb_home, tmp_path_factory.mktemp("jupyter-state")) as server:
+        yield server
+
+
+@contextmanager
+def running_lab(root: Path, state: Path, log_name: str = "jupyter-server.log",
+                env: dict[str, str] | None = None) -> Iterator[LabServer]:
+    """JupyterLab serving ``root``, its own folders under ``state``, ``env`` added to ours."""
     ARTIFACTS.mkdir(exist_ok=True)
-    log = ARTIFACTS / "jupyter-server.log"
+    log = ARTIFACTS / log_name
     port, token = _free_port(), secrets.token_hex(16)
     env = {**os.environ, "JUPYTER_CONFIG_DIR": str(state / "config"),
            "JUPYTER_RUNTIME_DIR": str(state / "runtime"),
            "JUPYTERLAB_SETTINGS_DIR": str(state / "settings"),
-           "JUPYTERLAB_WORKSPACES_DIR": str(state / "workspaces")}
+           "JUPYTERLAB_WORKSPACES_DIR": str(state / "workspaces"), **(env or {})}
     cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
            f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
-           f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={wb_home}",
+           f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
            f"--LabApp.app_settings_dir={shipped_lab_settings()}",
            "--LabApp.news_url=", "--LabApp.expose_app_in_browser=True",
            "--ServerApp.terminals_enabled=False"]
     if os.geteuid() == 0:
         cmd.append("--allow-root")
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=wb_home,
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=root,
                                 start_new_session=True)
-    server = LabServer(f"http://127.0.0.1:{port}", token, wb_home, log)
+    server = LabServer(f"http://127.0.0.1:{port}", token, root, log)
     try:
         deadline = time.time() + 60
         while True:
