@@ -178,7 +178,7 @@ def _kernels(args: argparse.Namespace) -> Any:
 
     if args.kernels_command == "install":
         name = install_kernel(args.target, gpus=args.gpus, time=args.time,
-                              cull_idle=args.cull_idle, wait=args.wait)
+                              cull_idle=args.cull_idle, wait=args.wait, budget=args.budget)
         return f"installed kernel {name}; it is in JupyterLab's launcher\n{kernels_table()}"
     if args.kernels_command == "remove":
         return f"removed {remove_kernel(args.name)}"
@@ -332,6 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--cull-idle", help="end the kernel after this long idle, e.g. 30m; 0: never "
                    "(default: 1h with GPUs, never without)")
     k.add_argument("--wait", default="5m", help="how long an allocation may stay pending (Slurm)")
+    k.add_argument("--budget", type=float, help="stop the kernel once it has cost this much at the "
+                   "target's price (its currency); restarts count on")
     k = ksub.add_parser("list", help="the installed Workbench remote kernels")
     k = ksub.add_parser("remove", help="remove a Workbench remote kernel")
     k.add_argument("name", help="kernel name (workbench-slurm-NAME) or target")

@@ -258,3 +258,42 @@ def test_idle_kernel_is_culled_and_its_bill_closed(kernels):
 
     (bill,) = [s for s in sessions() if s["kernel_id"] == km.kernel_id]
     assert bill["ended"] and bill["reason"].startswith("culled")
+
+
+def test_a_kernel_stops_within_its_budget_and_cannot_start_past_it(kernels, cluster):
+    # slurm:gpu costs 1 USD per second held with one GPU: a 30 USD kernel has about 15 s to run
+    # before what is left covers only its next look and its release.
+    cli(["kernels", "install", "slurm:gpu", "--gpus", "1", "--time", "10m", "--budget", "30"])
+    km = KernelManager(kernel_name="workbench-slurm-gpu")
+    km.start_kernel()
+    try:
+        reply, printed = _run_cell(km, "import os\nprint(os.environ['SLURM_JOB_ID'])")
+        assert reply["status"] == "ok", reply
+        job = printed.strip()
+        _gone(km.is_alive, "the kernel ran on past its budget", timeout=120)
+        assert "stopped at its budget" in km.provisioner.dead_reason  # type: ignore[union-attr]
+        _gone(lambda: _squeue_of(job), f"job {job} still holds its GPU after the budget stop")
+    finally:
+        km.shutdown_kernel(now=True)
+    from workbench.kernels.ledger import sessions
+
+    (bill,) = [s for s in sessions() if s["kernel_id"] == km.kernel_id]
+    info = subprocess.run(["scontrol", "show", "job", "-o", bill["job"]], capture_output=True,
+                          text=True).stdout
+    held = _seconds(info.split("RunTime=")[1].split()[0])
+    assert held - 1 <= bill["billed_s"]  # every second Slurm held the GPU is on the bill
+    assert bill["cost"] <= 30.0  # and the bill kept the budget
+    # Starting it again would pass the budget: refused before anything is allocated.
+    again = KernelManager(kernel_name="workbench-slurm-gpu")
+    again.kernel_id = km.kernel_id  # the same kernel, as a restart keeps its id
+    with pytest.raises(RemoteKernelError, match="budget of 30 USD is spent"):
+        again.start_kernel()
+    assert not _kernel_jobs()
+
+
+def test_a_kernel_budget_without_a_price_is_refused(kernels):
+    cli(["kernels", "install", "ssh:one", "--budget", "5"])  # ssh:one has no price
+    km = KernelManager(kernel_name="workbench-ssh-one")
+    with pytest.raises(RemoteKernelError, match="has no price"):
+        km.start_kernel()
+    assert not km.is_alive()

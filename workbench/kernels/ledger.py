@@ -86,6 +86,12 @@ def sessions() -> list[dict[str, Any]]:
     return sorted(out, key=lambda s: s.get("started") or 0.0)
 
 
+def spent(kernel_id: str) -> float:
+    """What the ended sessions of one kernel cost (a restart keeps the kernel id)."""
+    return sum(float(s.get("cost") or 0.0) for s in sessions()
+               if s.get("kernel_id") == kernel_id and s.get("ended"))
+
+
 def total() -> dict[str, float]:
     """What every kernel session cost, per currency."""
     sums: dict[str, float] = {}

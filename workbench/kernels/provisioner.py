@@ -39,6 +39,9 @@ from workbench.kernels.tunnel import Tunnel
 
 NAME = "workbench-remote"
 POLL_EVERY_S = 1.0  # jupyter_client polls every 0.1 s while it waits: one remote look per second
+# A kernel stops this many seconds' worth of money before its budget: the next poll, stopping the
+# kernel and releasing its allocation (scancel, the tunnel) are still paid.
+STOP_MARGIN_S = 15.0
 
 
 class WorkbenchProvisioner(KernelProvisionerBase):  # type: ignore[misc]
@@ -50,6 +53,8 @@ class WorkbenchProvisioner(KernelProvisionerBase):  # type: ignore[misc]
     cpus = Integer(4, config=True, help="CPUs of the Slurm allocation")
     cull_idle_s = Float(0.0, config=True, help="end the kernel after this long idle; 0: never")
     wait_s = Float(300.0, config=True, help="how long a Slurm allocation may stay pending")
+    budget_limit = Float(0.0, config=True, help="stop the kernel once its sessions cost this "
+                                                  "much (the target's currency); 0: no limit")
     start_timeout_s = Float(180.0, config=True, help="how long the kernel may take to start")
 
     placement: SSHPlacement | SlurmPlacement | None = None
@@ -91,6 +96,7 @@ class WorkbenchProvisioner(KernelProvisionerBase):  # type: ignore[misc]
         from workbench.targets import SlurmTarget, get_target
 
         target = get_target(self.target)
+        self._check_budget()
         key = self.connection_info["key"]
         conn = {**self.connection_info, "key": key.decode() if isinstance(key, bytes) else key}
         started = time.time()
@@ -157,6 +163,9 @@ class WorkbenchProvisioner(KernelProvisionerBase):  # type: ignore[misc]
             return 0
         if self.session:
             self.session.bill()
+            over = self._over_budget()
+            if over:
+                return self._cull(over)
         if self.cull_idle_s > 0 and activity and not activity.get("busy") and \
                 time.time() - float(activity.get("since") or time.time()) > self.cull_idle_s:
             return self._cull()
@@ -169,9 +178,42 @@ class WorkbenchProvisioner(KernelProvisionerBase):  # type: ignore[misc]
         self._release(reason)
         return 1
 
-    def _cull(self) -> int:
-        reason = (f"culled after {self.cull_idle_s:.0f} s idle on {self.target} "
-                  f"({self.gpus} GPU(s) held); start it again to get a new allocation")
+    # -- money -----------------------------------------------------------------------------------
+    def _check_budget(self) -> None:
+        """Refuse a start a budget cannot keep: no price, or already spent (with the release)."""
+        if self.budget_limit <= 0:
+            return
+        from workbench.kernels.ledger import hourly_price, spent
+
+        price, currency = hourly_price(self.target, self.gpus)
+        if price <= 0:
+            raise RemoteKernelError(
+                f"this kernel has a budget of {self.budget_limit:g} but {self.target} has no price, "
+                "so it could not be kept: set budget.price_per_gpu_hour (or price_per_cpu_core_hour)"
+                f" in the defaults of {self.target} in targets.yaml")
+        used = spent(self.kernel_id)
+        if used + price * STOP_MARGIN_S / 3600 >= self.budget_limit:
+            raise RemoteKernelError(
+                f"this kernel's budget of {self.budget_limit:g} {currency} is spent ({used:.4g} "
+                f"{currency} over its sessions); install it again with a larger --budget")
+
+    def _over_budget(self) -> str | None:
+        """Why the kernel must stop now to stay within its budget (None: it may go on). It stops
+        while what it has cost plus a poll and its release still fit under the limit."""
+        if self.budget_limit <= 0 or self.session is None:
+            return None
+        from workbench.kernels.ledger import spent
+
+        d = self.session.data
+        used = spent(self.kernel_id) + float(d["cost"])
+        if used + d["price_per_hour"] * STOP_MARGIN_S / 3600 < self.budget_limit:
+            return None
+        return (f"stopped at its budget: {used:.4g} of {self.budget_limit:g} {d['currency']} "
+                f"spent on {self.target}; install it again with a larger --budget")
+
+    def _cull(self, reason: str | None = None) -> int:
+        reason = reason or (f"culled after {self.cull_idle_s:.0f} s idle on {self.target} "
+                            f"({self.gpus} GPU(s) held); start it again to get a new allocation")
         stop_restarter = getattr(self.parent, "stop_restarter", None)
         if stop_restarter:  # an auto-restart would ask for the GPUs again at once
             stop_restarter()

@@ -55,12 +55,16 @@ def kernel_name(target: str) -> str:
 
 
 def install_kernel(target: str, gpus: int = 0, time: str = "1h", cull_idle: str | None = None,
-                   wait: str = "5m", prefix: str | None = None) -> str:
+                   wait: str = "5m", prefix: str | None = None,
+                   budget: float | None = None) -> str:
     """Write the kernelspec for ``target`` and return its name. ``cull_idle`` defaults to 1h for a
-    kernel with GPUs and to never (``0``) without."""
+    kernel with GPUs and to never (``0``) without; ``budget`` stops the kernel once its sessions
+    cost that much at the target's price (a restart counts on)."""
     t = get_target(target)  # an unknown target is refused here, with the known ones
     if gpus < 0:
         raise WorkbenchError(f"--gpus must be 0 or more, not {gpus}")
+    if budget is not None and budget <= 0:
+        raise WorkbenchError(f"--budget must be more than 0, not {budget:g} (leave it out for none)")
     cull = parse_duration(cull_idle) if cull_idle is not None else (3600.0 if gpus else 0.0)
     what = f"{gpus} GPU{'s' if gpus != 1 else ''}" if gpus else "CPU"
     spec: dict[str, Any] = {
@@ -73,7 +77,8 @@ def install_kernel(target: str, gpus: int = 0, time: str = "1h", cull_idle: str 
             "workbench": {"target": target},
             "kernel_provisioner": {"provisioner_name": PROVISIONER, "config": {
                 "target": target, "gpus": gpus, "time_limit": slurm_time(parse_duration(time)),
-                "cull_idle_s": cull, "wait_s": parse_duration(wait)}},
+                "cull_idle_s": cull, "wait_s": parse_duration(wait),
+                "budget_limit": budget or 0.0}},
         },
     }
     name = kernel_name(target)
