@@ -132,6 +132,24 @@ def test_a_resumed_controller_makes_record_and_study_agree_again(monkeypatch):
     assert len(optuna.load_study(study_name="sweep", storage=s.record.study_url).trials) == 2
 
 
+def test_a_grid_sweep_can_tell_the_study_its_last_point(monkeypatch):
+    """The controller asks and tells without Study.optimize(): covering the whole grid must not
+    make the sampler stop an optimisation loop that does not exist."""
+    import optuna
+
+    from workbench.sweep.runner import Controller
+
+    s = _recorded_sweep(monkeypatch, space={"train.lr": [1e-3, 3e-3]})
+    controller = Controller(s.record)
+    asked = [controller.study.ask() for _ in range(2)]
+    for trial, value in zip(asked, (0.5, 0.4), strict=True):
+        trial.suggest_categorical("train.lr", [1e-3, 3e-3])
+        controller.study.tell(trial.number, value)
+    study = optuna.load_study(study_name="sweep", storage=s.record.study_url)
+    assert sorted(t.params["train.lr"] for t in study.trials) == [1e-3, 3e-3]
+    assert study.best_value == 0.4
+
+
 # The main thread of this child ends on its own (the SYS_exit system call, not exit_group), the way
 # a process killed with kill -9 loses its main thread first: from then on it shows as a zombie,
 # while another thread still holds its files (the controller lock) for LINGER_S.
