@@ -90,6 +90,106 @@ def test_yaml_sweep_section_is_split_from_the_spec(tmp_path):
         split_yaml(path)
 
 
+# -- a controller killed between two steps ---------------------------------------------------------
+# Controller.__init__ reads the record written by workbench.sweep (its detached start is replaced
+# by nothing here: this test plays the killed controller itself, in-process, without training).
+def _recorded_sweep(monkeypatch, **kwargs):
+    import importlib
+
+    # (workbench.sweep is also the function that starts a sweep: import the module by its name)
+    runner = importlib.import_module("workbench.sweep.runner")
+    monkeypatch.setattr(runner, "start_controller", lambda record: None)
+    return workbench.sweep(SPEC, **kwargs)
+
+
+def test_a_resumed_controller_makes_record_and_study_agree_again(monkeypatch):
+    import optuna
+
+    from workbench.sweep.runner import Controller
+
+    s = _recorded_sweep(monkeypatch, space={"train.lr": [1e-3, 3e-3], "method.lora_r": [4, 8]})
+    dead = Controller(s.record)
+    first = dead._next_waiting()  # asked and recorded
+    # Trial 0 ended (written to the record) but the controller was killed before telling the
+    # study; trial 1 was asked from the study but the controller was killed before recording it.
+    s.record.update_trial(first["number"], state="succeeded", value=0.5, released=True, cost=1.0)
+    lost = dead.study.ask()
+    lost_params = {"train.lr": lost.suggest_categorical("train.lr", [1e-3, 3e-3]),
+                   "method.lora_r": lost.suggest_categorical("method.lora_r", [4, 8])}
+    del dead
+
+    Controller(s.record)._reconcile()
+    study = optuna.load_study(study_name="sweep", storage=s.record.study_url)
+    trials = {t["number"]: t for t in s.trials}
+    assert sorted(trials) == sorted(t.number for t in study.trials) == [0, 1]
+    assert trials[1]["state"] == "waiting" and trials[1]["params"] == lost_params
+    assert lost_params != trials[0]["params"]  # its own grid point, not lost to a FAIL
+    told = {t.number: t for t in study.trials}
+    assert told[0].state == optuna.trial.TrialState.COMPLETE and told[0].value == 0.5
+    assert told[1].state == optuna.trial.TrialState.RUNNING  # waiting to start, not failed
+    # The next controller starts the adopted trial before asking the study for another.
+    assert Controller(s.record)._next_waiting()["number"] == 1
+    assert len(optuna.load_study(study_name="sweep", storage=s.record.study_url).trials) == 2
+
+
+def test_a_grid_sweep_can_tell_the_study_its_last_point(monkeypatch):
+    """The controller asks and tells without Study.optimize(): covering the whole grid must not
+    make the sampler stop an optimisation loop that does not exist."""
+    import optuna
+
+    from workbench.sweep.runner import Controller
+
+    s = _recorded_sweep(monkeypatch, space={"train.lr": [1e-3, 3e-3]})
+    controller = Controller(s.record)
+    asked = [controller.study.ask() for _ in range(2)]
+    for trial, value in zip(asked, (0.5, 0.4), strict=True):
+        trial.suggest_categorical("train.lr", [1e-3, 3e-3])
+        controller.study.tell(trial.number, value)
+    study = optuna.load_study(study_name="sweep", storage=s.record.study_url)
+    assert sorted(t.params["train.lr"] for t in study.trials) == [1e-3, 3e-3]
+    assert study.best_value == 0.4
+
+
+# The main thread of this child ends on its own (the SYS_exit system call, not exit_group), the way
+# a process killed with kill -9 loses its main thread first: from then on it shows as a zombie,
+# while another thread still holds its files (the controller lock) for LINGER_S.
+_DYING_CONTROLLER = """
+import ctypes, os, platform, sys, threading, time
+from workbench.procs import ProcessIdentity
+from workbench.sweep.record import SweepRecord
+
+record = SweepRecord(sys.argv[1])
+held = record.controller_lock()  # kept referenced: the lock is released when it is collected
+assert held.__enter__()
+record.write(controller=ProcessIdentity.me("sweep-controller").to_dict())
+threading.Thread(target=lambda: (time.sleep(float(sys.argv[2])), os._exit(0))).start()
+print("holding", flush=True)
+ctypes.CDLL(None).syscall({"x86_64": 60, "aarch64": 93}[platform.machine()], 0)
+"""
+
+
+def test_a_controller_whose_main_thread_is_gone_is_not_alive_once_its_lock_is_released(
+        monkeypatch):
+    from workbench.sweep.record import controller_alive
+
+    s = _recorded_sweep(monkeypatch, space={"train.lr": [1e-3]})
+    linger_s = 4.0
+    child = subprocess.Popen([sys.executable, "-c", _DYING_CONTROLLER, str(s.record.path),
+                              str(linger_s)], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "holding"
+    controller = ProcessIdentity.from_dict(s.data()["controller"])
+    _wait_for(lambda: not controller.alive(), 30, "the child's main thread to end")
+    with s.record.controller_lock() as free:
+        held_while_gone = not free
+    started = time.time()
+    alive = controller_alive(s.record)
+    waited = time.time() - started
+    child.wait(timeout=60)
+    assert held_while_gone, "the child ended before the check; raise linger_s"
+    assert alive is False  # the dying controller's lock was waited for, not taken as a live one
+    assert waited < 30
+
+
 # -- real trials ----------------------------------------------------------------------------------
 def _run_cost(run_dir: str) -> float:
     status = json.loads((__import__("pathlib").Path(run_dir) / "status.json").read_text())
@@ -113,8 +213,9 @@ def test_budget_sweep_survives_a_controller_restart_and_never_overspends(wb_home
     _wait_for(one_ended, 400, "a trial to end")
     controller = ProcessIdentity.from_dict(s.data()["controller"])
     assert controller.signal(signal.SIGKILL)
-    _wait_for(lambda: not controller.alive(), 30, "the controller to die")
+    _wait_for(lambda: not controller.alive(), 60, "the controller to die")
     before = {t["number"]: (t["run_id"], t["state"]) for t in s.trials if t.get("released")}
+    # Its lock is released only once its last thread has exited; controller_alive waits for that.
     assert not s.controller_alive
     with pytest.raises(SweepError, match="resume"):
         s.wait(progress=False, timeout=30)
@@ -144,7 +245,12 @@ def test_budget_sweep_survives_a_controller_restart_and_never_overspends(wb_home
     import optuna
 
     study = optuna.load_study(study_name="sweep", storage=s.record.study_url)
-    assert len(study.trials) == len(trials)  # resume asked no trial twice
+    # Every trial the study was asked for is in the record (none lost across the kill, none asked
+    # again), and every one was told how it ended.
+    assert sorted(t.number for t in study.trials) == sorted(trials)
+    assert all(t.state.is_finished() for t in study.trials), [t.state for t in study.trials]
+    started = [tuple(sorted(t["params"].items())) for t in trials.values() if t.get("run_id")]
+    assert len(started) == len(set(started))  # no grid point was run twice
     df = s.trials_df()
     assert list(df["trial"]) == sorted(trials)
 

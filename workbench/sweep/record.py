@@ -35,6 +35,8 @@ ENDED = frozenset({SUCCEEDED, FAILED, CANCELLED, BUDGET_STOPPED})
 WAITING = "waiting"  # asked from the study, not started yet (a slot or the budget is awaited)
 LAUNCHING = "launching"  # launch() called; the run id is written once it returns
 SKIPPED = "skipped"  # never started: the budget left could not pay for it
+# How long controller_alive() waits for a dead controller's lock to be released (see there).
+DYING_WAIT_S = 30.0
 
 
 def sweeps_dir() -> Path:
@@ -119,19 +121,29 @@ class SweepRecord:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def controller_alive(record: SweepRecord) -> bool:
+def controller_alive(record: SweepRecord, dying_wait_s: float = DYING_WAIT_S) -> bool:
     """Is a controller running this sweep? It holds the lock for its life; one just started
-    (recorded, not yet holding the lock) is known by its recorded identity."""
+    (recorded, not yet holding the lock) is known by its recorded identity.
+
+    A process killed with kill -9 shows as gone (a zombie) once its main thread has exited, but
+    its files, and so the lock, are closed only when its last thread has: the controller has
+    several (torch's among them), and on a busy machine that can take a while. So a lock held
+    while the recorded controller is gone is waited on for up to ``dying_wait_s``; a lock still
+    held after that has a live holder.
+    """
     from workbench.procs import ProcessIdentity
 
-    with record.controller_lock() as free:
-        if not free:
+    deadline = time.time() + dying_wait_s
+    while True:
+        ident = record.read().get("controller")
+        who = ProcessIdentity.from_dict(ident) if ident else None
+        recorded_alive = who is not None and who.here and who.alive()
+        with record.controller_lock() as free:
+            if free:
+                return recorded_alive
+        if recorded_alive or time.time() >= deadline:
             return True
-    ident = record.read().get("controller")
-    if not ident:
-        return False
-    who = ProcessIdentity.from_dict(ident)
-    return who.here and who.alive()
+        time.sleep(0.1)
 
 
 def find_sweep(id_or_name: str) -> SweepRecord:

@@ -20,6 +20,7 @@ costs never passes the sweep's limit.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -33,10 +34,12 @@ from workbench.jobs import RELEASE_WAIT_S, Job
 from workbench.registry import Registry
 from workbench.rundir import (
     BUDGET_STOPPED,
+    PENDING,
     PRUNE_REQUEST,
     PRUNED,
     SUCCEEDED,
     TERMINAL,
+    RunDir,
 )
 from workbench.spec import RunSpec
 from workbench.sweep import record as rec
@@ -48,6 +51,9 @@ POLL_S = 1.0
 # The planner's price of a trial is an estimate (start-up on a busy machine is not in it): a trial
 # starts only when this multiple of it, plus starting and releasing, fits in what is left.
 PRICE_MARGIN = 1.5
+# How long a resumed controller gives a run registered by a killed launch() to show it was
+# submitted (a supervisor started just before the kill records itself a moment later).
+LAUNCH_SETTLE_S = 30.0
 
 
 def start_controller(record: rec.SweepRecord) -> procs.ProcessIdentity:
@@ -60,6 +66,11 @@ def start_controller(record: rec.SweepRecord) -> procs.ProcessIdentity:
     ident = procs.ProcessIdentity.of(child.pid, "sweep-controller")
     record.write(controller=ident.to_dict())
     return ident
+
+
+def asked(data: dict[str, Any]) -> int:
+    """Trials that count towards trials_total: all but those abandoned inside ask() (_adopt)."""
+    return sum(1 for t in data["trials"] if not t.get("abandoned"))
 
 
 def committed(data: dict[str, Any]) -> float:
@@ -128,42 +139,109 @@ class Controller:
         if self.stop_launching:
             return True
         waiting = [t for t in data["trials"] if t.get("state") == rec.WAITING]
-        return not waiting and len(data["trials"]) >= data["trials_total"]
+        return not waiting and asked(data) >= data["trials_total"]
 
     # -- starting -------------------------------------------------------------------------------
     def _reconcile(self) -> None:
-        """Pick up where a dead controller left: re-attach to runs, find cut-short launches."""
+        """Pick up where a dead controller left: the record and the study agree again (every
+        trial the study was asked for is in the record, every trial that ended in the record was
+        told to the study), runs are re-attached and launches cut short are found."""
         import optuna
 
         data = self.record.read()
         known = {t["number"] for t in data["trials"]}
-        for t in data["trials"]:
-            if t.get("released") or t.get("state") in (rec.WAITING, rec.SKIPPED):
+        for ft in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+            if ft.number not in known:  # asked, then killed before the record had it
+                self._adopt(ft.number)
+        for t in self.record.read()["trials"]:
+            if t.get("released") or t.get("state") == rec.SKIPPED:
+                self._tell(t)  # ended in the record, maybe killed before the study was told
+                continue
+            if t.get("state") == rec.WAITING:
                 continue
             run_id = t.get("run_id")
             if run_id is None:  # launch() may have registered the run before we were killed
-                try:
-                    run_id = self.registry.get_run(t["run_name"]).id
-                except WorkbenchError:
-                    self.record.update_trial(t["number"], state=rec.WAITING)
+                run_id = self._find_launched(t)
+                if run_id is None:
+                    self.record.update_trial(t["number"], state=rec.WAITING, limit=None)
                     continue
                 self.record.update_trial(t["number"], run_id=run_id)
             self.active[t["number"]] = Job(self.registry.get_run(run_id), registry=self.registry)
-        for ft in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-            if ft.number not in known:  # asked, then killed before the record had it
-                self.study.tell(ft.number, state=optuna.trial.TrialState.FAIL)
+
+    def _adopt(self, number: int) -> None:
+        """Put the study's trial ``number``, asked by a controller killed before it wrote it down,
+        into the record as waiting, with the settings the sampler gave it (or gives it now)."""
+        try:
+            params = suggest(trial_of(self.study, number), self.params)
+        except ValueError as exc:  # killed inside ask(): the grid sampler never gave it a point
+            self.record.update_trial(number, state=rec.FAILED, released=True, cost=0.0,
+                                     abandoned=True, error=f"asked by a controller killed before "
+                                     f"the sampler chose its settings ({exc}); not run")
+            self.study.tell(number, state=self._optuna_state(rec.FAILED), skip_if_finished=True)
+            return
+        self.record.update_trial(number, params=params, run_name=self._run_name(number),
+                                 state=rec.WAITING)
+
+    def _find_launched(self, t: dict[str, Any]) -> str | None:
+        """The run of a trial whose launch() was cut short, if launch() got as far as handing it
+        to the backend; a run registered but never submitted is removed (as launch() removes
+        one it refuses), so the trial starts afresh."""
+        try:
+            run = self.registry.get_run(t["run_name"])
+        except WorkbenchError:
+            return None
+        rd = RunDir(run.run_dir)
+        # A supervisor started just before the kill records itself a moment later.
+        deadline = time.time() + LAUNCH_SETTLE_S
+        while not self._submitted(run.backend_job_id, rd) and time.time() < deadline:
+            time.sleep(POLL_S)
+            run = self.registry.get_run(run.id)
+        if self._submitted(run.backend_job_id, rd):
+            return run.id
+        print(f"controller: trial {t['number']}: run {run.id} was registered but never "
+              "submitted (the launch was cut short); removing it and starting the trial again",
+              flush=True)
+        self.registry.delete_run(run.id)
+        shutil.rmtree(rd.path, ignore_errors=True)
+        return None
+
+    @staticmethod
+    def _submitted(job_id: str | None, rd: RunDir) -> bool:
+        status = rd.status()
+        return bool(job_id or status.get("submitted") or status.get("processes")
+                    or status.get("state") not in (None, PENDING))
+
+    @staticmethod
+    def _optuna_state(state: str) -> Any:
+        import optuna
+
+        if state in (PRUNED, BUDGET_STOPPED):  # stopped early: its intermediate values stand
+            return optuna.trial.TrialState.PRUNED
+        return optuna.trial.TrialState.FAIL
+
+    def _tell(self, t: dict[str, Any]) -> None:
+        """Tell the study how the trial ``t`` of the record ended (nothing if it was told)."""
+        if t.get("state") == SUCCEEDED and t.get("value") is not None:
+            self.study.tell(t["number"], t["value"], skip_if_finished=True)
+        else:
+            self.study.tell(t["number"], state=self._optuna_state(t.get("state", rec.FAILED)),
+                            skip_if_finished=True)
+
+    def _run_name(self, number: int) -> str:
+        tag = self.record.id.rsplit("-", 1)[-1]
+        return f"{self.base.name[:50]}-{tag}-t{number}"
 
     def _next_waiting(self) -> dict[str, Any] | None:
         data = self.record.read()
         for t in data["trials"]:
             if t.get("state") == rec.WAITING:
                 return t
-        if len(data["trials"]) >= data["trials_total"]:
+        if asked(data) >= data["trials_total"]:
             return None
+        # Killed between ask() and the record, the next controller adopts the trial (_adopt).
         trial = self.study.ask()
         params = suggest(trial, self.params)
-        tag = self.record.id.rsplit("-", 1)[-1]
-        name = f"{self.base.name[:50]}-{tag}-t{trial.number}"
+        name = self._run_name(trial.number)
         self.record.update_trial(trial.number, params=params, run_name=name, state=rec.WAITING)
         return {"number": trial.number, "params": params, "run_name": name}
 
@@ -198,8 +276,6 @@ class Controller:
 
     def _launch(self, t: dict[str, Any], spec: RunSpec, planned: float | None,
                 limit: float | None) -> None:
-        import optuna
-
         from workbench.launching import launch
 
         n = t["number"]
@@ -208,8 +284,9 @@ class Controller:
         try:
             job = launch(spec, registry=self.registry)
         except WorkbenchError as exc:
-            self.record.update_trial(n, state="failed", error=str(exc), released=True, cost=0.0)
-            self.study.tell(n, state=optuna.trial.TrialState.FAIL)
+            data = self.record.update_trial(n, state=rec.FAILED, error=str(exc), released=True,
+                                            cost=0.0)
+            self._tell(next(x for x in data["trials"] if x["number"] == n))
             print(f"controller: trial {n} could not start: {exc}", flush=True)
             return
         job.run_dir.write_status(sweep={"id": self.record.id, "trial": n})
@@ -219,13 +296,12 @@ class Controller:
 
     def _budget_spent(self, left: float, need: float) -> None:
         """Nothing runs and what is left cannot pay for the next trial: the sweep ends here."""
-        import optuna
-
         data = self.record.read()
         for t in data["trials"]:
             if t.get("state") == rec.WAITING:
-                self.study.tell(t["number"], state=optuna.trial.TrialState.FAIL)
+                # The record first: a controller killed in between tells the study (_reconcile).
                 self.record.update_trial(t["number"], state=rec.SKIPPED, released=True, cost=0.0)
+                self._tell({**t, "state": rec.SKIPPED})
         cur = data.get("currency", "")
         self.record.write(note=f"budget: {left:.4g} {cur} left of {data['budget']:g}, but the next "
                                f"trial is priced at {need:.4g} {cur} (planner estimate x "
@@ -247,8 +323,11 @@ class Controller:
 
     def _report(self, n: int, job: Job, prune: bool = True) -> None:
         """Report the objective's new intermediate values; prune the trial if it is clearly worse."""
+        frozen = trial_of_frozen(self.study, n)
+        if frozen.state.is_finished():  # told already (by a controller killed after telling)
+            return
         trial = trial_of(self.study, n)
-        seen = set(trial_of_frozen(self.study, n).intermediate_values)
+        seen = set(frozen.intermediate_values)
         for step, value in self.objective.intermediate(job.run_dir.path):
             if step not in seen:
                 trial.report(value, step)
@@ -263,8 +342,6 @@ class Controller:
             job.cancel()
 
     def _finish(self, n: int, job: Job, status: dict[str, Any]) -> None:
-        import optuna
-
         state = status["state"]
         self._report(n, job, prune=False)
         value = self.objective.final(job.run_dir.path) if state == SUCCEEDED else None
@@ -274,12 +351,6 @@ class Controller:
         cost = status.get("cost") if "released" in status else trial.get("limit")
         fields: dict[str, Any] = {"state": state, "cost": float(cost or 0.0), "value": value,
                                   "released": True, "cost_final": "released" in status}
-        if state == SUCCEEDED and value is not None:
-            self.study.tell(n, value)
-        elif state in (PRUNED, BUDGET_STOPPED):  # stopped early: its intermediate values stand
-            self.study.tell(n, state=optuna.trial.TrialState.PRUNED)
-        else:
-            self.study.tell(n, state=optuna.trial.TrialState.FAIL)
         if state == SUCCEEDED and value is None:
             said = self.objective.reported(job.run_dir.path)
             error = (f"objective {self.objective.name!r} was not reported by trial {n} "
@@ -290,7 +361,11 @@ class Controller:
             self.record.write(state=rec.FAILED, error=error)
             self.stop_launching = "objective"
             self._cancel_all(but=n)
+        # The record first, then the study: a controller killed in between leaves a trial that
+        # ended in the record, which the next one tells the study (_reconcile); never the reverse
+        # (a trial told, but still running in the record, would be watched and told again).
         self.record.update_trial(n, **fields)
+        self._tell({"number": n, **fields})
         self.active.pop(n, None)
         print(f"controller: trial {n} ended {state} value {value} cost {cost}", flush=True)
 

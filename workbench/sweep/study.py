@@ -30,7 +30,13 @@ def _sampler(strategy: str, params: list[Param], seed: int | None) -> Any:
     import optuna
 
     if strategy == "grid":
-        return optuna.samplers.GridSampler({p.path: p.grid_values() for p in params}, seed=seed)
+        class Grid(optuna.samplers.GridSampler):
+            def after_trial(self, *args: Any, **kwargs: Any) -> None:
+                # GridSampler calls Study.stop() once the grid is covered, which raises outside
+                # Study.optimize(); the controller asks and tells itself and counts the trials.
+                pass
+
+        return Grid({p.path: p.grid_values() for p in params}, seed=seed)
     if strategy == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if strategy == "optuna":
