@@ -209,9 +209,7 @@ def test_second_adapter_on_the_same_base_and_rank_above_max(servers, trained, tm
 
 def test_dpo_adapter_serves_and_answers_as_transformers(servers, tmp_path):
     """A LoRA trained with method.stage dpo is an ordinary adapter on the same base: it is added
-    to the shared server and its greedy answers are transformers + peft's."""
-    from workbench.infer import load_chat_model
-
+    to the shared server and its greedy answers are transformers + peft's, token for token."""
     rows = list(teaching_rows("train"))
     pairs = tmp_path / "pairs.jsonl"
     with pairs.open("w") as fh:
@@ -229,9 +227,9 @@ def test_dpo_adapter_serves_and_answers_as_transformers(servers, tmp_path):
     adapter, _ = servers
     name = adapter.add_adapter(job.run_dir.adapter_dir, name="serve-dpo")
     assert name in adapter.list_models()
-    got = adapter.generate(HELDOUT[:8], model=name)
-    assert all(got), got
-    assert got == load_chat_model(job).generate(HELDOUT[:8])
+    assert all(adapter.generate(HELDOUT[:8], model=name))
+    # Ids, not text: 4 DPO steps from the base model still answer garbage that may end mid-character.
+    assert adapter.generate_token_ids(HELDOUT[:8], model=name) == _transformers_ids(job, HELDOUT[:8])
 
 
 def _untrained_adapter(path: Path, rank: int) -> Path:
