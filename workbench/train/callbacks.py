@@ -100,7 +100,8 @@ class RunDirCallback(TrainerCallback):
             self._pending, self._status_at = None, now
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        # Every rank: its peak memory, for the plan's memory to be checked against (plan --check).
+        # Every rank: its peak memory so far (run.py records it again once all is saved), for
+        # the plan's memory to be checked against (plan --check).
         record_peak_memory(self.rd, args.process_index)
         if state.is_world_process_zero:
             self._flush_status(time.time())

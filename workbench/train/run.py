@@ -359,6 +359,10 @@ def main(run_dir: str) -> int:
     print(f"saved {out}", flush=True)
     if uploader is not None:
         uploader.close()
+    # After everything this rank held memory for (training, the in-run evaluation, saving).
+    from workbench.train.callbacks import record_peak_memory
+
+    record_peak_memory(rd, rank)
     _shutdown_distributed()
     return 0
 
