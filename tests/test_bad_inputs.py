@@ -15,13 +15,13 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 
 import workbench
+from tests.waiting import wait_for
 from workbench.cli import main
 from workbench.errors import SpecError
 from workbench.home import runs_dir
@@ -29,15 +29,7 @@ from workbench.registry import Registry
 
 from .test_launch import finished_job  # noqa: F401  (shared finished run)
 
-
-def _wait_for(cond, timeout: float, what: str):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
+_wait_for = wait_for
 
 
 # -- a negative budget -----------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import psutil
 import pytest
 
 import workbench
+from tests.waiting import wait_for
 from workbench.errors import BudgetError, ResourceError
 from workbench.home import runs_dir
 from workbench.registry import Registry
@@ -42,13 +43,7 @@ def _spec(name: str, limit: float | None, **train: object) -> dict:
 
 
 def _wait_for(cond, timeout: float, what: str):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+    return wait_for(cond, timeout, what, every=0.1)
 
 
 def _supervisor_started(job) -> float:

@@ -8,7 +8,6 @@ fresh kernel finds the run with ``workbench.get_job(name)`` and waits for it to 
 from __future__ import annotations
 
 import secrets
-import time
 
 import nbformat
 import psutil
@@ -17,18 +16,13 @@ from nbclient import NotebookClient
 from nbclient.util import run_sync
 
 import workbench
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
 
 def _wait_for(cond, timeout: float, what: str):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
+    return wait_for(cond, timeout, what, every=0.5)
 
 
 def _stdout(cell) -> str:

@@ -18,6 +18,7 @@ import time
 import pytest
 
 import workbench
+from tests.waiting import wait_for
 from workbench.errors import SweepError, SweepNotFoundError, WorkbenchError
 from workbench.procs import ProcessIdentity
 from workbench.registry import Registry
@@ -31,13 +32,7 @@ SPEC = {"name": "sw", "train": {"max_steps": 6, "eval_every": 2, "lr": 3e-3},
 
 
 def _wait_for(cond, timeout: float, what: str):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
+    return wait_for(cond, timeout, what, every=0.5)
 
 
 # -- bad inputs: refused before anything is written ------------------------------------------------
