@@ -53,10 +53,14 @@ def eval_table(lines: list[dict[str, Any]], limit: int = 20) -> str:
 
 
 class JobView(W.VBox):
-    def __init__(self, job: Any, interval: float = 1.0, autostart: bool = True,
-                 redraw_s: float = 1.5) -> None:
+    def __init__(self, job: Any, interval: float | None = None, autostart: bool = True,
+                 redraw_s: float = 0.5) -> None:
         self.job = job
-        self.interval = interval
+        # A local run's files are read in place: twice a second keeps a step on screen within
+        # a second (bench/bench_train.py --latency-only). A remote run's refresh is two SSH
+        # round trips, so it asks less often.
+        remote = getattr(getattr(job, "backend", None), "sync", None) is not None
+        self.interval = interval if interval is not None else (2.0 if remote else 0.5)
         self.header = W.HTML()
         self.chart = SeriesChart([job.id], min_redraw_s=redraw_s)
         self.evals = W.HTML()
