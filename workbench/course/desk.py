@@ -206,10 +206,12 @@ class CourseDesk:
                 status = get_job(h.run_id).status()
             except WorkbenchError:
                 continue
+            # Only an end after this hold counts: a resumed run's status.json still carries the
+            # previous attempt's ``released`` while the new attempt is queued.
             ended = status.get("state") in TERMINAL
-            released = "released" in status
-            stale = ended and time.time() - float(status.get("ended") or time.time()) \
-                > UNRELEASED_SETTLE_S
+            released = ended and float(status.get("released") or 0) >= h.at
+            ended_at = float(status.get("ended") or 0)
+            stale = ended and ended_at >= h.at and time.time() - ended_at > UNRELEASED_SETTLE_S
             if not (released or stale):
                 continue
             # A resume pays only what it added to the run's bill.

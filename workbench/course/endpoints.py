@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from workbench.course.desk import SERVICE_ACTOR, CourseDesk
+from workbench.course.desk import SERVICE_ACTOR, CourseDesk, Forbidden
 from workbench.course.ledger import RunHold
 from workbench.errors import CourseError, EndpointNotFoundError, InsufficientCreditError
 
@@ -103,8 +103,10 @@ class EndpointMeter:
 
     def undeploy(self, user: str, name: str) -> dict[str, Any]:
         holds = self._holds_of(name)
-        if not holds or (holds[0].student != user and not self.desk.is_instructor(user)):
-            raise CourseError(f"no live endpoint {name!r} of {user}'s; GET /endpoints lists them")
+        if not holds:
+            raise CourseError(f"no live endpoint {name!r}; GET /endpoints lists them")
+        if holds[0].student != user and not self.desk.is_instructor(user):
+            raise Forbidden(f"endpoint {name} is not {user}'s; GET /endpoints lists yours")
         self._stop(name, f"undeployed by {user}")
         return self.view(name)
 
