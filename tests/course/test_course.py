@@ -132,7 +132,7 @@ def hub() -> Iterator[dict[str, Any]]:
         "credits": {users["b"]: 0.01}, "prices": {"cpu_core_hour": 36, "endpoint_hour": 1000},
         "hold_margin": 10,  # the shared 2-core machine runs far slower than planned
         "caps": {"concurrent_runs": 1, "processes_per_run": 1, "hours_per_run": 1,
-                 "eval_minutes": 3},
+                 "eval_minutes": 5},  # held 3 CNY; a loaded machine took 140 s
         "idle_minutes": 1,  # the culler stops A's server, idle after its one request
         "state_dir": str(state),
         "hub": {"port": port, "hub_port": _free_port(), "proxy_api_port": _free_port(),
