@@ -77,6 +77,33 @@ def _wait_for(what: str, check: Any, timeout: float, log: Path | None = None) ->
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{tail}")
 
 
+def _students_python(root: Path) -> Path:
+    """A venv the students' Unix users can run (jupyterhub-singleuser, workbench_lab): the
+    interpreter copied out of its 0700 home under /root into ``root``, the project's venv added
+    as a site dir, this checkout first on PYTHONPATH (set in the spawner's environment)."""
+    base, ver = Path(sys.base_prefix), f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    py = root / "python"
+    (py / "bin").mkdir(parents=True)
+    (py / "lib").mkdir()
+    shutil.copy2(base / "bin" / ver, py / "bin" / ver)
+    for lib in (base / "lib").glob("libpython*"):  # its RUNPATH points under /root
+        shutil.copy2(lib, py / "lib" / lib.name, follow_symlinks=False)
+    shutil.copytree(base / "lib" / ver, py / "lib" / ver,
+                    ignore=shutil.ignore_patterns("site-packages", "test", "idlelib", "tkinter"))
+    env = {**os.environ, "LD_LIBRARY_PATH": str(py / "lib")}
+    subprocess.run([str(py / "bin" / ver), "-m", "venv", "--without-pip", str(root / "venv")],
+                   check=True, env=env)
+    site = root / "venv" / "lib" / ver / "site-packages"
+    project_site = next(Path(p) for p in sys.path if p.endswith("site-packages"))
+    (site / "workbench_project.pth").write_text(
+        f"import site; site.addsitedir({str(project_site)!r})\n")
+    conf = root / "venv" / "etc" / "jupyter" / "jupyter_server_config.d"
+    conf.mkdir(parents=True)
+    (conf / "workbench_lab.json").write_text(
+        json.dumps({"ServerApp": {"jpserver_extensions": {"workbench_lab": True}}}))
+    return root / "venv" / "bin" / "python"
+
+
 def _service_pids(course_json: Path) -> list[int]:
     out = []
     for p in psutil.process_iter(["cmdline"]):
@@ -100,10 +127,13 @@ def hub() -> Iterator[dict[str, Any]]:
     port = _free_port()
     course = {
         "name": "test-class", "instructors": [users["teacher"]],
-        "students": [users["a"], users["b"]], "currency": "CNY", "default_credit": 5,
-        "credits": {users["b"]: 0.01}, "prices": {"cpu_core_hour": 36},
+        "students": [users["a"], users["b"]], "currency": "CNY", "default_credit": 20,
+        # 36 CNY a core-hour is 1 fen a second; an endpoint's first hour (1000 CNY) fits nobody.
+        "credits": {users["b"]: 0.01}, "prices": {"cpu_core_hour": 36, "endpoint_hour": 1000},
         "hold_margin": 10,  # the shared 2-core machine runs far slower than planned
-        "caps": {"concurrent_runs": 1, "processes_per_run": 1, "hours_per_run": 1},
+        "caps": {"concurrent_runs": 1, "processes_per_run": 1, "hours_per_run": 1,
+                 "eval_minutes": 5},  # held 3 CNY; a loaded machine took 140 s
+        "idle_minutes": 1,  # the culler stops A's server, idle after its one request
         "state_dir": str(state),
         "hub": {"port": port, "hub_port": _free_port(), "proxy_api_port": _free_port(),
                 "service_port": _free_port()},
@@ -113,13 +143,21 @@ def hub() -> Iterator[dict[str, Any]]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     subprocess.run([sys.executable, "-m", "workbench.cli", "course", "init", str(course_file)],
                    check=True, env=env)
-    # A test-only service whose token may issue tokens for the users (what a login would do).
+    # A test-only service whose token may issue tokens for the users (what a login would do)
+    # and start their servers; the servers run a Python the students' users can execute.
     admin_token = secrets.token_hex(16)
+    python = _students_python(root)
+    spawner_env = {"PYTHONPATH": f"{REPO}:{REPO / 'extensions' / 'workbench_lab'}",
+                   "LD_LIBRARY_PATH": str(root / "python" / "lib")}
     with open(state / "jupyterhub_config.py", "a") as fh:
         fh.write(f"c.JupyterHub.services.append({{'name': 'course-test', "
                  f"'api_token': {admin_token!r}}})\n"
                  "c.JupyterHub.load_roles.append({'name': 'course-test', 'scopes': "
-                 "['admin:users', 'tokens'], 'services': ['course-test']})\n")
+                 "['admin:users', 'admin:servers', 'tokens', 'list:services', 'read:services'], "
+                 "'services': ['course-test']})\n"
+                 f"c.Spawner.cmd = [{str(python)!r}, '-m', 'jupyterhub.singleuser']\n"
+                 f"c.Spawner.environment.update({spawner_env!r})\n"
+                 "c.Spawner.start_timeout = c.Spawner.http_timeout = 180\n")
     log = root / "hub.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "jupyterhub", "-f",
@@ -127,14 +165,16 @@ def hub() -> Iterator[dict[str, Any]]:
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     info: dict[str, Any] = {"users": users, "state": state, "root": root, "log": log,
-                            "base": base, "service": f"{base}/services/course/",
+                            "admin": admin_token, "base": base,
+                            "service": f"{base}/services/course/",
                             "course_json": state / "course.json", "tokens": {}}
     try:
         _wait_for("the hub API", lambda: _http("GET", f"{base}/hub/api/", admin_token)[0] == 200,
                   120, log)
         for key, name in users.items():
             code, answer = _http("POST", f"{base}/hub/api/users/{name}/tokens", admin_token,
-                                 {"scopes": ["access:services!service=course"], "note": "test"})
+                                 {"scopes": ["access:services!service=course",
+                                             f"access:servers!user={name}"], "note": "test"})
             assert code == 201, answer
             info["tokens"][key] = answer["token"]
         info["client"] = {k: CourseClient(info["service"], t) for k, t in info["tokens"].items()}
@@ -177,23 +217,69 @@ def test_a_student_launches_through_workbench_launch_within_credit(
     import workbench
 
     a = hub["client"]["a"]
-    assert a.me()["balance"] == 500  # 5 CNY starting credit, in fen
+    assert a.me()["balance"] == 2000  # 20 CNY starting credit, in fen
     monkeypatch.setenv("WORKBENCH_COURSE_URL", hub["service"])
     monkeypatch.setenv("JUPYTERHUB_API_TOKEN", hub["tokens"]["a"])
     job = workbench.launch(SMALL_RUN)
     assert type(job).__name__ == "CourseJob"
     run_id = job.id
-    hub["a_run"] = run_id
+    hub["a_run"], hub["a_job"] = run_id, job
     assert run_id in _runs_on_disk(hub)  # owned by the service, not in A's home
     view = _wait_for("A's run to end and settle", lambda: _settled(a, run_id), 300, hub["log"])
     # Under heavy load a run may still outlast its hold: its budget stop then ends it, and the
     # charge stays within the hold either way.
     assert view["state"] in ("succeeded", "budget_stopped"), view
     status = json.loads((hub["state"] / "home" / "runs" / run_id / "status.json").read_text())
-    assert 0 < view["charge"] <= view["hold"] <= 500
+    assert 0 < view["charge"] <= view["hold"] <= 2000
     assert status["cost"] * 100 <= view["charge"] < status["cost"] * 100 + 1  # whole fen, up
     me = a.me()
-    assert me["held"] == 0 and me["balance"] == 500 - view["charge"]
+    assert me["held"] == 0 and me["balance"] == 2000 - view["charge"]
+
+
+def test_a_students_evaluate_resume_deploy_and_sweep_go_through_the_service(
+        hub: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """In A's kernel environment: job.evaluate() is held and charged by the second it ran,
+    job.resume() is held and charged only what it added, workbench.deploy() is refused before
+    anything starts (an endpoint's first hour costs more than any credit), a sweep is refused."""
+    import workbench
+
+    a, job, run_id = hub["client"]["a"], hub["a_job"], hub["a_run"]
+    monkeypatch.setenv("WORKBENCH_COURSE_URL", hub["service"])
+    monkeypatch.setenv("JUPYTERHUB_API_TOKEN", hub["tokens"]["a"])
+    run_dir = hub["state"] / "home" / "runs" / run_id
+    balance = a.me()["balance"]
+    started = time.time()
+    report = job.evaluate("heldout", max_samples=4)
+    took = time.time() - started
+    assert "heldout" in report["table"]
+    # 36 CNY a core-hour is 1 fen a second: the charge is at most the seconds the call took.
+    assert 0 < report["charge"] <= min(report["hold"], took + 1)
+    manual = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()
+              if json.loads(line).get("phase") == "manual"]
+    assert manual and manual[-1]["task"] == "heldout"
+    me = a.me()
+    assert me["held"] == 0 and me["balance"] == balance - report["charge"]
+
+    before = json.loads((run_dir / "status.json").read_text())
+    job.resume(**{"train.max_steps": 9})
+    assert a.run(run_id)["kind"] == "resume" and a.me()["held"] > 0
+    view = _wait_for("A's resumed run to settle", lambda: _settled(a, run_id), 300, hub["log"])
+    after = json.loads((run_dir / "status.json").read_text())
+    assert view["state"] in ("succeeded", "budget_stopped"), view
+    if view["state"] == "succeeded":
+        assert after["step"] == 9
+    added = (after["cost"] - before["cost"]) * 100  # the resume's bill, not the whole run's
+    assert added <= view["charge"] < added + 1 and view["charge"] <= view["hold"]
+    assert a.me()["balance"] == me["balance"] - view["charge"]
+
+    with pytest.raises(InsufficientCreditError, match="1000.00 CNY.*nothing was started"):
+        workbench.deploy(job)
+    assert not (hub["state"] / "home" / "endpoints").exists() or not any(
+        (hub["state"] / "home" / "endpoints").iterdir())
+    assert a.endpoints() == []
+    with pytest.raises(CourseError, match="sweeps are not available in a course"):
+        workbench.sweep(SMALL_RUN, space={"train.lr": [1e-3, 2e-3]})
+    assert a.me()["balance"] == me["balance"] - view["charge"]  # neither held nor charged
 
 
 def test_a_run_over_credit_is_refused_before_it_starts(hub: dict[str, Any]) -> None:
@@ -217,6 +303,11 @@ def test_a_student_cannot_see_others_runs_or_raise_their_credit(hub: dict[str, A
                  {"student": hub["users"]["b"], "amount": 100})[0] == 403
     assert _http("GET", f"{service}export.csv", token_b)[0] == 403
     assert _http("GET", f"{service}me", "not-a-token")[0] == 403
+    for action, body in ((f"evaluate/{hub['a_run']}", {}), (f"resume/{hub['a_run']}", {}),
+                         ("deploy", {"runs": [hub["a_run"]]}), ("students", None)):
+        code, answer = _http("POST" if body is not None else "GET", service + action, token_b,
+                             body)
+        assert code == 403, (action, answer)
     assert b.me()["balance"] == 1
     # On disk: B's own Unix user can list the parent but not the ledger, prices or A's run.
     user_b = hub["users"]["b"]
@@ -230,14 +321,54 @@ def test_a_student_cannot_see_others_runs_or_raise_their_credit(hub: dict[str, A
         assert read.returncode != 0 and "Permission denied" in read.stderr, path
 
 
+def test_the_panel_shows_a_students_credit_from_their_own_server(hub: dict[str, Any]) -> None:
+    """A's single-user server, spawned by the hub as A's Unix user from a Python A can run:
+    the lab extension's /workbench/api/course answers A's balance, held and spent (in CNY)
+    from the course service, with the server's own hub token."""
+    base, name, admin = hub["base"], hub["users"]["a"], hub["admin"]
+    code, answer = _http("POST", f"{base}/hub/api/users/{name}/server", admin)
+    assert code in (201, 202), answer
+
+    def ready() -> bool:
+        user = _http("GET", f"{base}/hub/api/users/{name}", admin)[1]
+        return bool(user["servers"].get("", {}).get("ready"))
+
+    _wait_for("A's server", ready, 180, hub["log"])
+    me = hub["client"]["a"].me()
+    code, panel = _http("GET", f"{base}/user/{name}/workbench/api/course", hub["tokens"]["a"])
+    assert code == 200, panel
+    assert panel["course"] is True and panel["instructor"] is False and panel["currency"] == "CNY"
+    assert panel["me"]["balance"] == pytest.approx(me["balance"] / 100)
+    assert panel["me"]["spent"] == pytest.approx(me["charges"] / 100) and panel["me"]["spent"] > 0
+    assert panel["me"]["held"] == 0 and "students" not in panel
+    owners = {p.username() for p in psutil.process_iter()
+              if "jupyterhub.singleuser" in " ".join(_cmdline(p))}
+    assert owners == {name}  # the server runs as A, not as root
+
+
+def _cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return []
+
+
 def test_instructor_grant_lets_the_launch_run_across_a_service_kill(hub: dict[str, Any]) -> None:
+    from workbench_lab.course import course_grant, course_panel
+
     teacher, b = hub["client"]["teacher"], hub["client"]["b"]
     user_b = hub["users"]["b"]
     # The planner learns from ended runs (A's), so ask the course what B's run will hold.
     need = b.quote(SMALL_RUN)["hold"]
     assert need > b.me()["balance"] == 1
     grant = (need // 100) + 1  # whole CNY, enough for the hold
-    assert teacher.grant(user_b, grant, note="lab 2")["balance"] == 1 + grant * 100
+    # The instructor's panel: every student's account, and its grant form.
+    table = {row["student"]: row for row in course_panel(teacher)["students"]}
+    assert table[user_b]["balance"] == 0.01 and table[hub["users"]["a"]]["runs"] == 1
+    panel = course_grant({"student": user_b, "amount": grant, "note": "lab 2"}, teacher)
+    assert {row["student"]: row for row in panel["students"]}[user_b]["balance"] == \
+        pytest.approx(0.01 + grant)
+    assert b.me()["balance"] == 1 + grant * 100
     job = b.launch(SMALL_RUN)
     assert job.id in [r["run"] for r in teacher.runs()]  # the instructor sees every run
     _wait_for("B's run to start", lambda: job.state in ("running", "succeeded"), 240, hub["log"])
@@ -272,3 +403,15 @@ def test_a_student_is_refused_force_and_a_course_error_is_typed(hub: dict[str, A
         launch_via_course(SMALL_RUN, force=True)
     with pytest.raises(CourseError, match="allows 1 per run|processes"):
         hub["client"]["a"].launch({**SMALL_RUN, "resources": {"processes_per_node": 2}})
+
+
+def test_the_idle_culler_stopped_the_students_server(hub: dict[str, Any]) -> None:
+    """jupyterhub-idle-culler, configured by `workbench course init` (idle_minutes: 1), stops
+    A's server, idle since the panel test."""
+    base, name, admin = hub["base"], hub["users"]["a"], hub["admin"]
+    services = _http("GET", f"{base}/hub/api/services", admin)[1]
+    assert "idle-culler" in services
+    _wait_for("the culler to stop A's idle server",
+              lambda: _http("GET", f"{base}/hub/api/users/{name}", admin)[1]["servers"] == {},
+              240, hub["log"])
+    assert "Culling server" in hub["log"].read_text(errors="replace")

@@ -18,7 +18,7 @@ from workbench.spec import RunSpec
 def _course(tmp_path: Path, **over: object) -> Path:
     data = {"name": "c1", "instructors": ["t"], "students": ["ana", "ben"],
             "prices": {"cpu_core_hour": 2.0, "gpu_hour": {"A100-80G": 7.5}},
-            "caps": {"gpus_per_run": 1, "processes_per_run": 2},
+            "caps": {"gpus_per_run": 1, "processes_per_run": 2}, "idle_minutes": 2,
             "state_dir": str(tmp_path / "state"), "hub": {"proxy_command": "/bin/true"}, **over}
     path = tmp_path / "course.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -41,8 +41,12 @@ def test_init_writes_private_files_the_hub_can_load(tmp_path: Path) -> None:
 
     c = _Cfg()
     exec(config.read_text(), {"get_config": lambda: c})
-    [service] = c["JupyterHub"]["services"]
+    service, culler = c["JupyterHub"]["services"]
     assert service["name"] == "course" and str(state / "course.json") in service["command"]
+    # The course file's idle_minutes (2) is the culler's --timeout, in seconds.
+    assert culler["name"] == "idle-culler" and "--timeout=120" in culler["command"]
+    [role] = [r for r in c["JupyterHub"]["load_roles"] if r["name"] == "idle-culler"]
+    assert "delete:servers" in role["scopes"] and role["services"] == ["idle-culler"]
     assert c["Authenticator"]["allowed_users"] == {"t", "ana", "ben"}
     assert c["Authenticator"]["admin_users"] == {"t"}
     assert load_course(state / "course.json").students == ["ana", "ben"]

@@ -59,6 +59,23 @@ def test_rows_are_in_the_database_not_the_object(ledger: Ledger, tmp_path: Path)
     assert ledger.holds(open_only=True) == [] and ledger.balance("ana") == 950
 
 
+def test_a_resumed_run_has_one_hold_per_attempt(ledger: Ledger) -> None:
+    """A run's launch and its resume each hold; the run's view is its newest attempt, and an
+    evaluation of it (another kind of hold) is not an attempt."""
+    first = ledger.hold("ana", 200, actor="ana")
+    ledger.attach_run(first, "run-1", "/runs/run-1")
+    ledger.settle(first, 120, actor="svc")
+    again = ledger.hold("ana", 300, actor="ana")
+    ledger.attach_run(again, "run-1", "/runs/run-1", kind="resume", base_cost=1.2)
+    scored = ledger.hold("ana", 10, actor="ana")
+    ledger.attach_run(scored, "run-1", "/runs/run-1", kind="evaluate")
+    newest = ledger.run_hold("run-1")
+    assert (newest.hold_id, newest.kind, newest.base_cost) == (again, "resume", 1.2)
+    assert ledger.account("ana").held == 310 and ledger.balance("ana") == 1000 - 120 - 310
+    with pytest.raises(CourseError, match="pays for one of"):
+        ledger.attach_run(ledger.hold("ana", 1, actor="ana"), "run-1", "/x", kind="refund")
+
+
 @pytest.mark.parametrize("amount", [-5, 0, 1.5])
 def test_bad_grants_are_refused(ledger: Ledger, amount: object) -> None:
     with pytest.raises(CourseError):

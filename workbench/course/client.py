@@ -77,6 +77,28 @@ class CourseClient:
     def stop(self, run_id: str) -> str:
         return str(self.request("POST", f"stop/{run_id}")["state"])
 
+    def resume(self, run_id: str, **changes: Any) -> dict[str, Any]:
+        return dict(self.request("POST", f"resume/{run_id}", {"changes": changes}))
+
+    def evaluate(self, run_id: str, tasks: list[str] | None = None,
+                 **knobs: Any) -> dict[str, Any]:
+        return dict(self.request("POST", f"evaluate/{run_id}", {"tasks": tasks, **knobs}))
+
+    def deploy(self, runs: list[str], name: str | None = None,
+               **options: Any) -> CourseEndpoint:
+        answer = self.request("POST", "deploy", {"runs": runs, "name": name,
+                                                 "options": options})
+        return CourseEndpoint(self, answer["name"], answer)
+
+    def endpoints(self) -> list[dict[str, Any]]:
+        return list(self.request("GET", "endpoints")["endpoints"])
+
+    def undeploy(self, name: str) -> dict[str, Any]:
+        return dict(self.request("POST", f"undeploy/{name}"))
+
+    def students(self) -> dict[str, Any]:
+        return dict(self.request("GET", "students"))
+
     def grant(self, student: str, amount: float, note: str = "") -> dict[str, Any]:
         return dict(self.request("POST", "grant",
                                  {"student": student, "amount": amount, "note": note}))
@@ -115,6 +137,59 @@ class CourseJob:
     def cancel(self) -> str:
         return self.client.stop(self.id)
 
+    def resume(self, **changes: Any) -> CourseJob:
+        """Resume through the course: what it may cost is held first (402 when the credit is
+        short); ``changes`` may raise ``train.max_steps`` or ``train.epochs``."""
+        self.launched = self.client.resume(self.id, **changes)
+        return self
+
+    def evaluate(self, tasks: Any = None, **knobs: Any) -> dict[str, Any]:
+        """Score this ended run in the course service (held, then charged by the second); the
+        scores join the run's eval.jsonl. Returns the score table and the charge."""
+        if isinstance(tasks, str):
+            tasks = [tasks]
+        return self.client.evaluate(self.id, tasks, **knobs)
+
+    def deploy(self, *more: Any, name: str | None = None, **options: Any) -> CourseEndpoint:
+        return deploy_via_course(self, *more, name=name, **options)
+
+
+class CourseEndpoint:
+    """An endpoint the course service runs, paid by the hour from the student's credit."""
+
+    def __init__(self, client: CourseClient, name: str, view: dict[str, Any]) -> None:
+        self.client, self.name, self.view = client, name, view
+
+    def __repr__(self) -> str:
+        return f"<CourseEndpoint {self.name} {self.view.get('state')} {self.url}>"
+
+    @property
+    def url(self) -> str:
+        return str(self.view.get("url") or "")
+
+    def refresh(self) -> dict[str, Any]:
+        for view in self.client.endpoints():
+            if view["name"] == self.name:
+                self.view = view
+        return self.view
+
+    @property
+    def state(self) -> str:
+        return str(self.refresh().get("state"))
+
+    def chat(self, message: str, model: str | None = None, max_tokens: int = 64) -> str:
+        body = {"model": model or (self.view.get("models") or [""])[-1], "max_tokens": max_tokens,
+                "temperature": 0.0, "messages": [{"role": "user", "content": message}]}
+        req = urllib.request.Request(f"{self.url}/v1/chat/completions", method="POST",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return str(json.loads(resp.read())["choices"][0]["message"]["content"])
+
+    def stop(self) -> str:
+        self.view = self.client.undeploy(self.name)
+        return str(self.view.get("state"))
+
 
 def launch_via_course(spec: Any, force: bool = False) -> CourseJob:
     """What ``workbench.launch`` does under a course hub (``force`` is not the student's to
@@ -123,6 +198,27 @@ def launch_via_course(spec: Any, force: bool = False) -> CourseJob:
         raise CourseError("force=True is not available in a course: the course service plans "
                           "and prices every run; make the run fit instead")
     return CourseClient().launch(spec)
+
+
+def deploy_via_course(source: Any, *more: Any, name: str | None = None,
+                      **options: Any) -> CourseEndpoint:
+    """What ``workbench.deploy`` does under a course hub: the service serves the student's runs
+    (CourseJobs or run ids) and holds the endpoint's time against their credit."""
+    runs = [s.id if isinstance(s, CourseJob) else s for s in (source, *more)]
+    if not all(isinstance(r, str) for r in runs):
+        raise CourseError("in a course, deploy the course's runs: workbench.deploy(job) with the "
+                          "job workbench.launch returned, or its run id")
+    unknown = set(options) - {"merge", "max_model_len"}
+    if unknown:
+        raise CourseError(f"in a course the service chooses {sorted(unknown)}; deploy takes "
+                          "name=, merge= and max_model_len=")
+    return CourseClient().deploy(runs, name=name, **options)
+
+
+def sweep_via_course() -> None:
+    """What ``workbench.sweep`` does under a course hub: the service says why it cannot."""
+    CourseClient().request("POST", "sweep", {})
+    raise CourseError("sweeps are not available in a course: launch the trials one by one")
 
 
 def _spec_body(spec: Any) -> dict[str, Any]:
@@ -142,4 +238,6 @@ def _error(exc: urllib.error.HTTPError) -> Exception:
         return err
     if exc.code == 404:
         return RunNotFoundError(message)
+    if exc.code == 403:
+        return CourseError(f"not allowed ({exc.code}): {message}")
     return CourseError(f"the course service refused ({exc.code}): {message}")

@@ -9,7 +9,8 @@ A course file names the people, the money and the limits of one class::
     default_credit: 10                # each student's starting credit, in currency units
     credits: {ben: 5}                 # per-student starting credit, where it differs
     prices: {cpu_core_hour: 0.5, gpu_hour: {A100-80G: 7.5}}
-    caps: {concurrent_runs: 1, gpus_per_run: 1, hours_per_run: 2}
+    caps: {concurrent_runs: 1, gpus_per_run: 1, hours_per_run: 2, endpoints: 1}
+    idle_minutes: 30                  # idle endpoints and students' servers are stopped
     targets: [local]                  # what students may launch on
     state_dir: /srv/workbench-course  # only the service's user reads it: ledger, runs, prices
 
@@ -46,6 +47,7 @@ class Prices(_Strict):
     cpu_core_hour: float = Field(0.0, ge=0)  # per training process on CPU
     gpu_hour: dict[str, float] = Field(default_factory=dict)  # per card, by GPU type
     default_gpu_hour: float | None = Field(None, ge=0)  # a card of a type not listed
+    endpoint_hour: float | None = Field(None, ge=0)  # a deployed endpoint; None: no deploys
 
 
 class Caps(_Strict):
@@ -53,6 +55,8 @@ class Caps(_Strict):
     gpus_per_run: int = Field(1, ge=0)
     processes_per_run: int = Field(2, ge=1)  # CPU runs: training processes (cores billed)
     hours_per_run: float = Field(2.0, gt=0)  # the planner's estimate must be under it
+    endpoints: int = Field(1, ge=0)  # endpoints up at once, per student
+    eval_minutes: float = Field(10.0, gt=0)  # an evaluation is held for (and stopped at) this
 
 
 class Hub(_Strict):
@@ -74,6 +78,8 @@ class Course(_Strict):
     default_credit: float = Field(10.0, ge=0)
     credits: dict[str, float] = Field(default_factory=dict)
     hold_margin: float = Field(2.0, ge=1.0)  # hold = planned cost x margin; the rest returns
+    endpoint_hold_minutes: float = Field(60.0, gt=0)  # an endpoint's time is held in blocks
+    idle_minutes: float = Field(30.0, gt=0)  # idle endpoints and students' servers are culled
     prices: Prices = Field(default_factory=Prices)
     caps: Caps = Field(default_factory=Caps)
     targets: list[str] = Field(default_factory=lambda: ["local"])
@@ -184,8 +190,27 @@ def hub_config(course: Course) -> str:
         f"{scope!r}]",
         f"c.Spawner.environment = {{'WORKBENCH_COURSE_URL': {course.public_service_url!r}}}",
         "c.Spawner.default_url = '/lab'",
+        *_culler(course),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _culler(course: Course) -> list[str]:
+    """jupyterhub-idle-culler as a hub service: students' servers (and the kernels in them)
+    idle longer than ``idle_minutes`` are stopped. Their time is not charged to the credit."""
+    import importlib.util
+
+    if importlib.util.find_spec("jupyterhub_idle_culler") is None:
+        raise CourseError("jupyterhub-idle-culler is not installed: pip install "
+                          "'workbench[course]' (or jupyterhub-idle-culler) into the hub's venv")
+    timeout = max(60, round(course.idle_minutes * 60))
+    service = {"name": "idle-culler",
+               "command": [sys.executable, "-m", "jupyterhub_idle_culler",
+                           f"--timeout={timeout}", f"--cull-every={min(300, timeout // 2)}"]}
+    role = {"name": "idle-culler", "services": ["idle-culler"],
+            "scopes": ["list:users", "read:users:activity", "read:servers", "delete:servers"]}
+    return [f"c.JupyterHub.services.append({service!r})",
+            f"c.JupyterHub.load_roles.append({role!r})"]
 
 
 def init(course_file: str | Path) -> Path:

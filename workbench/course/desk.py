@@ -85,18 +85,9 @@ class CourseDesk:
         from workbench.launching import launch
         from workbench.registry import Registry
 
-        open_runs = self.ledger.holds(student, open_only=True)
-        if len(open_runs) >= self.course.caps.concurrent_runs:
-            raise CourseError(f"{student} already has {len(open_runs)} run(s) going; this course "
-                              f"allows {self.course.caps.concurrent_runs} at once: wait for one "
-                              "to end or stop it")
+        self._check_concurrent(student)
         q = self.quote(student, spec)
-        try:
-            hold_id = self.ledger.hold(student, q["hold"], actor=student,
-                                       note=f"launch {q['spec'].name}")
-        except InsufficientCreditError as exc:
-            raise InsufficientCreditError(student, exc.needed, exc.balance,
-                                         self.course.money) from None
+        hold_id = self._hold(student, q["hold"], f"launch {q['spec'].name}")
         limited = q["spec"].updated(**{"budget.limit": q["hold"] / self.course.minor_per_unit})
         try:
             # An explicit registry: the service's own, never the course hook in launch().
@@ -109,6 +100,89 @@ class CourseDesk:
         return {"run": job.id, "student": student, "hold": q["hold"], "hold_text": q["hold_text"],
                 "planned_cost": q["planned_cost"], "currency": self.course.currency}
 
+    def _check_concurrent(self, student: str) -> None:
+        open_runs = [h for h in self.ledger.holds(student, open_only=True)
+                     if h.kind in (None, "launch", "resume")]
+        if len(open_runs) >= self.course.caps.concurrent_runs:
+            raise CourseError(f"{student} already has {len(open_runs)} run(s) going; this course "
+                              f"allows {self.course.caps.concurrent_runs} at once: wait for one "
+                              "to end or stop it")
+
+    def _hold(self, student: str, amount: int, note: str) -> int:
+        try:
+            return self.ledger.hold(student, amount, actor=student, note=note)
+        except InsufficientCreditError as exc:
+            raise InsufficientCreditError(student, exc.needed, exc.balance,
+                                         self.course.money) from None
+
+    def resume(self, user: str, run_id: str, changes: dict[str, Any]) -> dict[str, Any]:
+        """Hold what the resumed run may cost, then resume it with its budget limit at what it
+        had spent plus the hold; settled (the cost it adds) like a launch."""
+        from workbench.jobs import get_job
+
+        student = self._student(user)
+        with self._lock(student):
+            last = self._visible(student, run_id)
+            if last.charge is None:
+                raise CourseError(f"run {run_id} is still going or not settled yet; wait for "
+                                  "job.wait() to return before resuming it")
+            bad = set(changes) - {"train.max_steps", "train.epochs"}
+            if bad:
+                raise CourseError(f"a course resume may change train.max_steps or train.epochs, "
+                                  f"not {sorted(bad)} (the course sets the budget)")
+            self._check_concurrent(student)
+            job = get_job(run_id)
+            spent = float(job.status().get("cost") or 0.0)
+            # The whole run's plan: a resume from a snapshot adds at most that much.
+            q = self.quote(student, job.spec.updated(**changes) if changes else job.spec)
+            hold_id = self._hold(student, q["hold"], f"resume {run_id}")
+            limit = spent + q["hold"] / self.course.minor_per_unit
+            try:
+                job.resume(**changes, **{"budget.limit": limit})
+            except BaseException:
+                self.ledger.settle(hold_id, 0, actor=SERVICE_ACTOR, note="resume refused")
+                raise
+            self.ledger.attach_run(hold_id, run_id, str(job.run_dir.path), kind="resume",
+                                   base_cost=spent)
+        return {"run": run_id, "student": student, "hold": q["hold"],
+                "hold_text": q["hold_text"], "planned_cost": q["planned_cost"],
+                "currency": self.course.currency}
+
+    def evaluate(self, user: str, run_id: str, tasks: list[str] | None,
+                 knobs: dict[str, Any]) -> dict[str, Any]:
+        """Score an ended run in a process of its own, held at one CPU core for ``eval_minutes``
+        and killed at that limit; charged for the seconds it ran."""
+        import subprocess
+        import sys
+
+        student = self._student(user)
+        h = self._visible(student, run_id)
+        price = self.course.prices.cpu_core_hour
+        limit_s = round(self.course.caps.eval_minutes * 60)
+        amount = self.course.minor(price * limit_s / 3600)
+        hold_id = self._hold(student, amount, f"evaluate {run_id}")
+        self.ledger.attach_run(hold_id, run_id, h.run_dir or "", kind="evaluate")
+        cmd = ["timeout", "-s", "KILL", str(limit_s), sys.executable, "-m", "workbench.cli",
+               "eval", run_id]
+        if tasks:
+            cmd += ["--tasks", ",".join(tasks)]
+        for key in ("max_samples", "max_new_tokens"):
+            if knobs.get(key) is not None:
+                cmd += [f"--{key.replace('_', '-')}", str(int(knobs[key]))]
+        started = time.time()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+        finally:
+            used = min(amount, self.course.minor(price * (time.time() - started) / 3600))
+            self.ledger.settle(hold_id, used, actor=SERVICE_ACTOR, note=f"evaluate {run_id}")
+        if proc.returncode != 0:
+            why = "it ran past the course's eval_minutes" if proc.returncode in (-9, 137) else (
+                proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise CourseError(f"evaluating {run_id} failed ({why}); charged "
+                              f"{self.course.money(used)}")
+        return {"run": run_id, "table": proc.stdout.strip(), "charge": used,
+                "charge_text": self.course.money(used), "hold": amount}
+
     # -- settling --------------------------------------------------------------------------------
     def settle_ended(self) -> list[str]:
         """Charge and release every open hold whose run has ended and released; the run ids."""
@@ -117,19 +191,31 @@ class CourseDesk:
 
         settled = []
         for h in self.ledger.holds(open_only=True):
-            if h.run_id is None:
-                continue  # launched moments ago, or its launch is still being written
+            if h.kind == "evaluate" and time.time() - h.at > self.course.caps.eval_minutes * 60 \
+                    + UNRELEASED_SETTLE_S:
+                # The service died while it ran; `timeout -s KILL` ended it by its limit, which
+                # is all it could have used: the whole hold is charged.
+                amount = h.amount
+                if self.ledger.settle(h.hold_id, amount, actor=SERVICE_ACTOR,
+                                      note=f"evaluate {h.run_id} (service restarted)"):
+                    settled.append(str(h.run_id))
+                continue
+            if h.run_id is None or h.kind not in ("launch", "resume"):
+                continue  # launched moments ago, or an endpoint (workbench.course.endpoints)
             try:
                 status = get_job(h.run_id).status()
             except WorkbenchError:
                 continue
+            # Only an end after this hold counts: a resumed run's status.json still carries the
+            # previous attempt's ``released`` while the new attempt is queued.
             ended = status.get("state") in TERMINAL
-            released = "released" in status
-            stale = ended and time.time() - float(status.get("ended") or time.time()) \
-                > UNRELEASED_SETTLE_S
+            released = ended and float(status.get("released") or 0) >= h.at
+            ended_at = float(status.get("ended") or 0)
+            stale = ended and ended_at >= h.at and time.time() - ended_at > UNRELEASED_SETTLE_S
             if not (released or stale):
                 continue
-            charge = self.course.minor(status.get("cost") or 0.0)
+            # A resume pays only what it added to the run's bill.
+            charge = self.course.minor(max(0.0, float(status.get("cost") or 0.0) - h.base_cost))
             note = f"run {h.run_id} {status.get('state')}" + ("" if released else " (unreleased)")
             if self.ledger.settle(h.hold_id, charge, actor=SERVICE_ACTOR, note=note):
                 settled.append(h.run_id)
@@ -140,8 +226,8 @@ class CourseDesk:
         from workbench.jobs import get_job
 
         view: dict[str, Any] = {"run": h.run_id, "student": h.student, "hold": h.amount,
-                                "charge": h.charge, "held_at": h.at}
-        if h.run_id:
+                                "charge": h.charge, "held_at": h.at, "kind": h.kind or "launch"}
+        if h.run_id and h.kind in (None, "launch", "resume"):
             try:
                 status = get_job(h.run_id).status()
             except WorkbenchError:
@@ -190,6 +276,18 @@ class CourseDesk:
         self.ledger.grant(student, self.course.minor(amount), actor=user, note=note)
         return self.ledger.account(student).to_dict()
 
+    def students_table(self, user: str) -> list[dict[str, Any]]:
+        """Instructors: each student's account (minor units) and how many runs they launched."""
+        if not self.is_instructor(user):
+            raise Forbidden(f"{user} is not an instructor of {self.course.name}")
+        out = []
+        for student in self.ledger.students():
+            holds = self.ledger.holds(student)
+            out.append({**self.ledger.account(student).to_dict(),
+                        "runs": len([h for h in holds if h.run_id and h.kind == "launch"]),
+                        "running": len([h for h in holds if h.charge is None])})
+        return out
+
     def export_csv(self, user: str) -> str:
         if not self.is_instructor(user):
             raise Forbidden(f"{user} is not an instructor of {self.course.name}")
@@ -200,7 +298,7 @@ class CourseDesk:
         per = self.course.minor_per_unit
         for student in self.ledger.students():
             a = self.ledger.account(student)
-            n = len([h for h in self.ledger.holds(student) if h.run_id])
+            n = len([h for h in self.ledger.holds(student) if h.run_id and h.kind == "launch"])
             w.writerow([student, *(f"{v / per:.2f}" for v in (a.credits, a.grants, a.charges,
                                                               a.held, a.balance)),
                         n, self.course.currency])

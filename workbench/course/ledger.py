@@ -57,14 +57,21 @@ entries = sa.Table(
 )
 sa.Index("entries_student", entries.c.student)
 sa.Index("entries_release_once", entries.c.hold_id, entries.c.kind, unique=True)
+# What each hold paid for: a launch or resume of a run (``run_id``), an evaluation of it, or one
+# block of an endpoint's time (``run_id`` is then the endpoint's name). ``base_cost`` is what the
+# run had already billed when the hold was taken: a resume is charged only what it adds.
 runs = sa.Table(
     "runs", _meta,
-    sa.Column("run_id", sa.String(200), primary_key=True),
-    sa.Column("hold_id", sa.Integer, nullable=False, unique=True),
+    sa.Column("hold_id", sa.Integer, primary_key=True),
+    sa.Column("run_id", sa.String(200), nullable=False),
+    sa.Column("kind", sa.String(16), nullable=False, default="launch"),
     sa.Column("student", sa.String(128), nullable=False),
     sa.Column("run_dir", sa.Text, nullable=False),
+    sa.Column("base_cost", sa.Float, nullable=False, default=0.0),
     sa.Column("created", sa.Float, nullable=False),
 )
+sa.Index("runs_run_id", runs.c.run_id)
+HOLD_FOR = ("launch", "resume", "evaluate", "endpoint")
 
 
 def to_minor(amount: float | Decimal | str, minor_per_unit: int = 100) -> int:
@@ -104,6 +111,9 @@ class RunHold:
     run_dir: str | None
     charge: int | None
     at: float
+    kind: str | None = None  # launch | resume | evaluate | endpoint (None: not attached yet)
+    base_cost: float = 0.0
+    since: float | None = None  # when the time this hold pays for starts
 
 
 class Ledger:
@@ -163,11 +173,17 @@ class Ledger:
                 raise InsufficientCreditError(student, amount, balance)
             return self._add(db, student, "hold", amount, actor, note)
 
-    def attach_run(self, hold_id: int, run_id: str, run_dir: str) -> None:
+    def attach_run(self, hold_id: int, run_id: str, run_dir: str, kind: str = "launch",
+                   base_cost: float = 0.0, since: float | None = None) -> None:
+        """Record what a hold pays for; ``since``: when the time it pays for starts (an
+        endpoint's next block starts where the last one ends), by default now."""
+        if kind not in HOLD_FOR:
+            raise CourseError(f"a hold pays for one of {HOLD_FOR}, not {kind!r}")
         with self.engine.begin() as db:
             student = self._hold_row(db, hold_id).student
             db.execute(runs.insert().values(run_id=run_id, hold_id=hold_id, student=student,
-                                            run_dir=run_dir, created=time.time()))
+                                            run_dir=run_dir, kind=kind, base_cost=base_cost,
+                                            created=time.time() if since is None else since))
 
     def settle(self, hold_id: int, charge: int, actor: str, note: str = "") -> bool:
         """Charge what the run cost and release its hold, in one transaction. False if the hold
@@ -222,7 +238,9 @@ class Ledger:
         """Every hold (newest first) with its run and, once settled, its charge."""
         charge = entries.alias("charge")
         q = (sa.select(entries.c.id, entries.c.student, entries.c.amount, entries.c.at,
-                       runs.c.run_id, runs.c.run_dir, charge.c.amount.label("charged"))
+                       runs.c.run_id, runs.c.run_dir, runs.c.kind, runs.c.base_cost,
+                       runs.c.created.label("since"),
+                       charge.c.amount.label("charged"))
              .select_from(entries.outerjoin(runs, runs.c.hold_id == entries.c.id)
                           .outerjoin(charge, sa.and_(charge.c.hold_id == entries.c.id,
                                                      charge.c.kind == "charge")))
@@ -232,12 +250,14 @@ class Ledger:
         if open_only:
             q = q.where(charge.c.id.is_(None))
         with self.engine.connect() as db:
-            return [RunHold(r.id, r.student, r.amount, r.run_id, r.run_dir, r.charged, r.at)
+            return [RunHold(r.id, r.student, r.amount, r.run_id, r.run_dir, r.charged, r.at,
+                            r.kind, float(r.base_cost or 0.0), r.since)
                     for r in db.execute(q)]
 
-    def run_hold(self, run_id: str) -> RunHold:
+    def run_hold(self, run_id: str, kinds: tuple[str, ...] = ("launch", "resume")) -> RunHold:
+        """The newest hold of ``kinds`` for ``run_id`` (a run's launch or its latest resume)."""
         for h in self.holds():
-            if h.run_id == run_id:
+            if h.run_id == run_id and h.kind in kinds:
                 return h
         raise RunNotFoundError(f"no course run {run_id!r}; GET /runs lists yours")
 

@@ -10,11 +10,18 @@ adapter over :class:`~workbench.course.desk.CourseDesk`:
     POST /launch        hold the planned cost, then launch (402 when the credit is short)
     GET  /runs          own runs (instructors: every run);  GET /runs/RUN  one run
     POST /stop/RUN      students their own runs, instructors any
+    POST /resume/RUN    hold what the resumed run may cost, then resume it (body: changes)
+    POST /evaluate/RUN  score an ended run, held at one core for eval_minutes (body: tasks)
+    POST /deploy        hold an endpoint's first block, then serve (body: runs, name)
+    GET  /endpoints     own endpoints (instructors: all);  POST /undeploy/NAME
+    POST /sweep         refused: sweeps are not available in a course (400, says what to do)
     POST /grant         instructors: {"student", "amount", "note"}
+    GET  /students      instructors: each student's credit, held, spent and runs
     GET  /export.csv    instructors: spend per student
 
 Every ``SETTLE_EVERY_S`` the service settles ended runs, including those that ended while it was
-down: the holds and their runs are in the ledger, not in this process.
+down (the holds and their runs are in the ledger, not in this process), and meters endpoints
+(:class:`~workbench.course.endpoints.EndpointMeter`).
 
     python -m workbench.course.service STATE_DIR/course.json
 """
@@ -35,6 +42,7 @@ from tornado import web
 
 from workbench.course.config import SERVICE_NAME, load_course
 from workbench.course.desk import CourseDesk, Forbidden
+from workbench.course.endpoints import EndpointMeter
 from workbench.errors import InsufficientCreditError, RunNotFoundError, WorkbenchError
 
 SETTLE_EVERY_S = 2.0
@@ -42,8 +50,9 @@ log = logging.getLogger("workbench.course")
 
 
 class _Handler(HubAuthenticated, web.RequestHandler):
-    def initialize(self, desk: CourseDesk, pool: ThreadPoolExecutor) -> None:
-        self.desk, self.pool = desk, pool
+    def initialize(self, desk: CourseDesk, pool: ThreadPoolExecutor,
+                   meter: EndpointMeter) -> None:
+        self.desk, self.pool, self.meter = desk, pool, meter
 
     def user(self) -> str:
         model = self.get_current_user()
@@ -130,6 +139,60 @@ class Stop(_Handler):
         self.finish({"run": run_id, "state": state})
 
 
+class Resume(_Handler):
+    async def post(self, run_id: str) -> None:
+        changes = self.body().get("changes") or {}
+        if not isinstance(changes, dict):
+            raise _Refused(400, 'give {"changes": {"train.max_steps": N}}')
+        self.finish(await self.call(self.desk.resume, self.user(), run_id, changes))
+
+
+class Evaluate(_Handler):
+    async def post(self, run_id: str) -> None:
+        body = self.body()
+        tasks = body.get("tasks")
+        if tasks is not None and not (isinstance(tasks, list)
+                                      and all(isinstance(t, str) for t in tasks)):
+            raise _Refused(400, 'give {"tasks": ["heldout", ...]} (task names) or no tasks')
+        knobs = {k: body[k] for k in ("max_samples", "max_new_tokens") if body.get(k) is not None}
+        self.finish(await self.call(self.desk.evaluate, self.user(), run_id, tasks, knobs))
+
+
+class Deploy(_Handler):
+    async def post(self) -> None:
+        body = self.body()
+        runs = body.get("runs")
+        if not isinstance(runs, list) or not all(isinstance(r, str) for r in runs):
+            raise _Refused(400, 'give {"runs": [RUN_ID, ...], "name": optional}')
+        self.set_status(201)
+        self.finish(await self.call(self.meter.deploy, self.user(), runs, body.get("name"),
+                                    body.get("options") or {}))
+
+
+class Endpoints(_Handler):
+    async def get(self) -> None:
+        self.finish({"endpoints": await self.call(self.meter.endpoints, self.user())})
+
+
+class Undeploy(_Handler):
+    async def post(self, name: str) -> None:
+        self.finish(await self.call(self.meter.undeploy, self.user(), name))
+
+
+class Sweep(_Handler):
+    async def post(self) -> None:
+        self.user()
+        raise _Refused(400, "sweeps are not available in a course yet: launch the trials you "
+                            "want one by one with workbench.launch (each is priced and held)")
+
+
+class Students(_Handler):
+    async def get(self) -> None:
+        self.finish({"students": await self.call(self.desk.students_table, self.user()),
+                     "currency": self.desk.course.currency,
+                     "minor_per_unit": self.desk.course.minor_per_unit})
+
+
 class Grant(_Handler):
     async def post(self) -> None:
         body = self.body()
@@ -149,26 +212,31 @@ class Export(_Handler):
         self.finish(text)
 
 
-def make_app(desk: CourseDesk, prefix: str = "/") -> web.Application:
-    pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="course")
-    args = {"desk": desk, "pool": pool}
+def make_app(desk: CourseDesk, meter: EndpointMeter, prefix: str = "/") -> web.Application:
+    # Deploys and evaluations hold a worker for a minute or more: enough for the rest.
+    pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="course")
+    args = {"desk": desk, "pool": pool, "meter": meter}
     p = prefix.rstrip("/")
     return web.Application([
         (f"{p}/me", Me, args), (f"{p}/quote", Quote, args), (f"{p}/launch", Launch, args),
         (f"{p}/runs", Runs, args), (f"{p}/runs/([^/]+)", Runs, args),
-        (f"{p}/stop/([^/]+)", Stop, args), (f"{p}/grant", Grant, args),
-        (f"{p}/export.csv", Export, args),
+        (f"{p}/stop/([^/]+)", Stop, args), (f"{p}/resume/([^/]+)", Resume, args),
+        (f"{p}/evaluate/([^/]+)", Evaluate, args), (f"{p}/deploy", Deploy, args),
+        (f"{p}/endpoints", Endpoints, args), (f"{p}/undeploy/([^/]+)", Undeploy, args),
+        (f"{p}/sweep", Sweep, args), (f"{p}/grant", Grant, args),
+        (f"{p}/students", Students, args), (f"{p}/export.csv", Export, args),
     ])
 
 
-async def _settle_forever(desk: CourseDesk) -> None:
+async def _settle_forever(desk: CourseDesk, meter: EndpointMeter) -> None:
     loop = asyncio.get_running_loop()
     while True:
-        try:
-            for run_id in await loop.run_in_executor(None, desk.settle_ended):
-                log.info("settled %s", run_id)
-        except Exception:  # a bad run dir must not stop the settling of every other run
-            log.exception("settling failed; retrying")
+        for job in (desk.settle_ended, meter.tick):
+            try:
+                for name in await loop.run_in_executor(None, job):
+                    log.info("settled %s", name)
+            except Exception:  # a bad run dir must not stop the settling of every other run
+                log.exception("settling failed; retrying")
         await asyncio.sleep(SETTLE_EVERY_S)
 
 
@@ -179,10 +247,11 @@ async def serve(course_file: str) -> None:
     # The hub tells a managed service where to listen and under which prefix it is proxied.
     url = urlparse(os.environ.get("JUPYTERHUB_SERVICE_URL", course.service_url))
     prefix = os.environ.get("JUPYTERHUB_SERVICE_PREFIX", f"/services/{SERVICE_NAME}/")
-    app = make_app(desk, prefix)
+    meter = EndpointMeter(desk)
+    app = make_app(desk, meter, prefix)
     app.listen(url.port or 80, url.hostname or "127.0.0.1")
     log.info("course service for %s on %s%s", course.name, url.geturl(), prefix)
-    await _settle_forever(desk)
+    await _settle_forever(desk, meter)
 
 
 def main(argv: list[str] | None = None) -> int:

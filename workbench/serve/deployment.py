@@ -56,6 +56,12 @@ def deploy(source: Any, *more: Any, name: str | None = None, target: str = "loca
     (``ep.api_key``) the server then requires. ``merge`` and ``max_model_len`` default to the
     run's ``serve`` section; ``extra_args`` go to vLLM as they are.
     """
+    if registry is None and os.environ.get("WORKBENCH_COURSE_URL"):  # a course hub's kernel:
+        from workbench.course.client import deploy_via_course  # its service serves and bills
+
+        options = {k: v for k, v in (("merge", merge), ("max_model_len", max_model_len))
+                   if v is not None}
+        return deploy_via_course(source, *more, name=name, **options)  # type: ignore[return-value]
     from workbench.registry import EndpointRecord, Registry
 
     registry = registry or Registry()

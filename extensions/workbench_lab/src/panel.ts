@@ -7,6 +7,7 @@
 import { Dialog, showDialog, showErrorMessage } from '@jupyterlab/apputils';
 import { Widget } from '@lumino/widgets';
 
+import { CourseSection } from './course';
 import { duration, money, number } from './format';
 import { drawSparkline } from './sparkline';
 import {
@@ -215,6 +216,7 @@ export class RunsPanel extends Widget {
   private readonly endpointsList = document.createElement('ul');
   private readonly endpointsSection = document.createElement('section');
   private readonly statusNode = document.createElement('div');
+  private readonly course: CourseSection;
   private timer: number | null = null;
   private intervalMs = 2000;
   private inFlight = false;
@@ -232,6 +234,7 @@ export class RunsPanel extends Widget {
     readonly host: IRunsPanelHost
   ) {
     super();
+    this.course = new CourseSection(service);
     this.id = 'workbench-runs';
     this.addClass('jp-WorkbenchRuns');
     this.title.caption = 'Workbench runs';
@@ -254,7 +257,13 @@ export class RunsPanel extends Widget {
     this.endpointsList.className = 'jp-WorkbenchRuns-list';
     this.endpointsSection.append(eh, this.endpointsList);
     this.endpointsSection.hidden = true;
-    this.node.append(header, this.statusNode, this.list, this.endpointsSection);
+    this.node.append(
+      header,
+      this.course.node,
+      this.statusNode,
+      this.list,
+      this.endpointsSection
+    );
     this.select('', false);
   }
 
@@ -285,7 +294,7 @@ export class RunsPanel extends Widget {
     }
     this.inFlight = true;
     try {
-      const reply = await this.service.listRuns();
+      const [reply] = await Promise.all([this.service.listRuns(), this.course.refresh()]);
       this.targets = reply.targets?.length ? reply.targets : ['local'];
       this.render(reply);
       this.statusNode.textContent = '';

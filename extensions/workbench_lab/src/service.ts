@@ -83,6 +83,27 @@ export interface IRunsReply {
   targets?: string[];
 }
 
+/** One student's account in currency units, as an instructor sees it. */
+export interface ICourseStudent {
+  student: string;
+  balance: number;
+  held: number;
+  spent: number;
+  granted: number;
+  runs: number;
+  running: number;
+}
+
+/** The course view (/workbench/api/course): empty outside a course hub. */
+export interface ICourseReply {
+  course: boolean;
+  user?: string;
+  instructor?: boolean;
+  currency?: string;
+  me?: { balance: number; held: number; spent: number; granted: number };
+  students?: ICourseStudent[];
+}
+
 export type RunAction = 'cancel' | 'resume' | 'deploy' | 'tensorboard';
 
 export const TERMINAL_STATES = new Set([
@@ -149,6 +170,17 @@ export class WorkbenchService {
     return this.request('notebooks', {
       method: 'POST',
       body: JSON.stringify({ directory, runs })
+    });
+  }
+
+  course(): Promise<ICourseReply> {
+    return this.request<ICourseReply>('course');
+  }
+
+  grant(student: string, amount: number, note: string): Promise<ICourseReply> {
+    return this.request<ICourseReply>('course/grant', {
+      method: 'POST',
+      body: JSON.stringify({ student, amount, note })
     });
   }
 

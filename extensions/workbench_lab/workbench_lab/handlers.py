@@ -14,6 +14,8 @@ to status codes with the error's message as the reason the panel shows.
     POST /workbench/api/endpoints/NAME/stop     stop a deployed endpoint
     POST /workbench/api/notebooks               {"directory": "", "target": "local"} -> {"path"}
                                                 {"directory": "", "runs": [ID, ID, ...]}: compare
+    GET  /workbench/api/course                  the student's credit; instructors: every student
+    POST /workbench/api/course/grant            instructors: {"student", "amount", "note"}
     GET|POST /workbench/tensorboard/RUN_ID/...  the run's TensorBoard (started by the POST above)
 """
 
@@ -32,6 +34,7 @@ from jupyter_server.utils import ensure_async, url_path_join
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 
 from workbench.errors import WorkbenchError
+from workbench_lab.course import course_grant, course_panel
 from workbench_lab.template import compare_notebook, new_run_notebook
 from workbench_lab.tensorboard import TensorBoardError, TensorBoards
 from workbench_lab.view import RUN_ID_PATTERN, InvalidRequestError, RunsView, UnsupportedError
@@ -113,6 +116,18 @@ class EndpointStopHandler(WorkbenchHandler):
     @tornado.web.authenticated
     async def post(self, name: str) -> None:
         self.reply(await self.call(self.view.stop_endpoint, name))
+
+
+class CourseHandler(WorkbenchHandler):
+    @tornado.web.authenticated
+    async def get(self) -> None:
+        self.reply(await self.call(course_panel))
+
+
+class CourseGrantHandler(WorkbenchHandler):
+    @tornado.web.authenticated
+    async def post(self) -> None:
+        self.reply(await self.call(course_grant, self.get_json_body()))
 
 
 class NotebooksHandler(WorkbenchHandler):
@@ -211,6 +226,8 @@ def routes(base_url: str) -> list[tuple[str, type[JupyterHandler]]]:
          ActionHandler),
         (url_path_join(api, "endpoints", rf"(?P<name>{RUN_ID_PATTERN})", "stop"), EndpointStopHandler),
         (url_path_join(api, "notebooks"), NotebooksHandler),
+        (url_path_join(api, "course"), CourseHandler),
+        (url_path_join(api, "course", "grant"), CourseGrantHandler),
         (url_path_join(base_url, "workbench", "tensorboard", run, "(?P<path>.*)"),
          TensorBoardProxyHandler),
     ]

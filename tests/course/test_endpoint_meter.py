@@ -1,0 +1,148 @@
+"""The course's endpoint meter on a real ledger (SQLite) and a real registry: blocks held ahead,
+charged when passed, the endpoint stopped when the next block cannot be held or when it idles.
+
+The "server" is a real process registered as the endpoint, ``python -m http.server`` serving the
+endpoint folder, so its /metrics is a file the test writes in vLLM's Prometheus format. vLLM
+itself takes 50-100 s to start on 2 cores; what is under test reads only the registry, the
+process and /metrics. The meter's clock is passed in (``tick(now=...)``), so no test waits.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from workbench.course.config import Course
+from workbench.course.desk import CourseDesk
+from workbench.course.endpoints import STOP_FILE, EndpointMeter
+from workbench.course.ledger import Ledger
+from workbench.registry import EndpointRecord, Registry
+from workbench.serve.endpoint import refresh_state
+
+
+def _metrics(done: int, running: int) -> str:
+    # The lines vLLM's /metrics has for these two series (labels included).
+    return ("# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+            "# TYPE vllm:num_requests_running gauge\n"
+            f'vllm:num_requests_running{{engine="0",model_name="m"}} {float(running)}\n'
+            "# TYPE vllm:request_success_total counter\n"
+            f'vllm:request_success_total{{engine="0",finished_reason="stop",model_name="m"}} '
+            f"{float(done)}\n"
+            f'vllm:request_success_total{{engine="0",finished_reason="length",model_name="m"}} '
+            "1.0\n")
+
+
+@pytest.fixture
+def course_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict]:
+    monkeypatch.setenv("WORKBENCH_HOME", str(tmp_path / "home"))
+    servers: list[subprocess.Popen] = []
+
+    def serve(name: str) -> Path:
+        folder = tmp_path / "home" / "endpoints" / name
+        folder.mkdir(parents=True)
+        (folder / "metrics").write_text(_metrics(3, 0))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        proc = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind",
+                                 "127.0.0.1", "--directory", str(folder)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+        servers.append(proc)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.2)
+        now = time.time()
+        Registry().add_endpoint(EndpointRecord(
+            name=name, target="local", url=url, state="healthy", pid=proc.pid, server_pid=None,
+            endpoint_dir=str(folder), serves="{}", created=now, updated=now))
+        return folder
+
+    yield {"serve": serve, "root": tmp_path}
+    for proc in servers:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def _meter(root: Path, credit: float, idle_minutes: float = 30) -> EndpointMeter:
+    course = Course.model_validate({
+        "name": "meter", "instructors": ["teacher"], "students": ["ana"],
+        "default_credit": credit, "state_dir": str(root / "state"),
+        "prices": {"endpoint_hour": 36},  # 1 fen a second
+        "endpoint_hold_minutes": 1, "idle_minutes": idle_minutes})
+    desk = CourseDesk(course, Ledger(f"sqlite:///{root / 'ledger.sqlite'}"))
+    desk.open_accounts()
+    return EndpointMeter(desk)
+
+
+def _deployed(meter: EndpointMeter, name: str, folder: Path, since: float) -> int:
+    """The rows deploy writes before its server starts: the first block's hold and what for."""
+    hold = meter.ledger.hold("ana", 60, actor="ana", note=f"deploy {name}")
+    meter.ledger.attach_run(hold, name, str(folder), kind="endpoint", since=since)
+    return hold
+
+
+def test_blocks_are_held_ahead_and_the_endpoint_stops_when_the_credit_runs_out(
+        course_home: dict) -> None:
+    meter = _meter(course_home["root"], credit=1.5)  # 150 fen: two 60-fen blocks, not three
+    folder = course_home["serve"]("ana-ep")
+    t0 = time.time()
+    first = _deployed(meter, "ana-ep", folder, since=t0)
+    ledger = meter.ledger
+    assert meter.tick(now=t0 + 10) == [] and ledger.account("ana").held == 60
+    meter.tick(now=t0 + 45)  # within 30 s of the block's end: the next block is held
+    account = ledger.account("ana")
+    assert account.held == 120 and account.balance == 30
+    meter.tick(now=t0 + 61)  # the first block has passed: charged in full
+    [charge] = [e for e in ledger.entries("ana") if e["kind"] == "charge"]
+    assert charge["hold_id"] == first and charge["amount"] == 60
+    assert refresh_state("ana-ep").state == "healthy"
+    # 30 fen left cannot hold a third block: stopped now, before its paid time ends.
+    assert meter.tick(now=t0 + 95) == ["ana-ep"]
+    server = Registry().get_endpoint("ana-ep")
+    assert refresh_state("ana-ep").state == "stopped"
+    assert not psutil.pid_exists(server.pid) or psutil.Process(server.pid).status() == \
+        psutil.STATUS_ZOMBIE
+    assert "credit ran out" in json.loads((folder / STOP_FILE).read_text())["reason"]
+    account = ledger.account("ana")
+    # The second block ran from t0 + 60 to the stop at t0 + 95: 35 s, 35 fen; 55 fen stay.
+    assert account.held == 0 and account.charges == 60 + 35 and account.balance == 55
+    assert ledger.holds(open_only=True) == []
+
+
+def test_an_idle_endpoint_is_stopped_and_charged_the_seconds_it_was_up(
+        course_home: dict) -> None:
+    meter = _meter(course_home["root"], credit=5, idle_minutes=0.5)
+    folder = course_home["serve"]("ana-idle")
+    t0 = time.time()
+    _deployed(meter, "ana-idle", folder, since=t0)
+    meter.tick(now=t0 + 5)  # first look: 4 requests done (3 stopped, 1 at its length)
+    (folder / "metrics").write_text(_metrics(5, 0))  # a request finished
+    meter.tick(now=t0 + 20)
+    (folder / "metrics").write_text(_metrics(5, 1))  # one running, none finished since
+    meter.tick(now=t0 + 40)
+    (folder / "metrics").write_text(_metrics(6, 0))
+    meter.tick(now=t0 + 60)  # renews its block (credit 500 fen) and saw a request finish
+    assert refresh_state("ana-idle").state == "healthy"
+    assert meter.tick(now=t0 + 85) == []  # idle 25 s of 30
+    # Idle 31 s; the third block (from t0 + 120) was held in the same look and comes back.
+    assert meter.tick(now=t0 + 91) == ["ana-idle"]
+    assert refresh_state("ana-idle").state == "stopped"
+    assert json.loads((folder / STOP_FILE).read_text())["reason"].startswith("idle")
+    account = meter.ledger.account("ana")
+    assert account.held == 0 and account.charges == 60 + 31 and account.balance == 500 - 91
+    assert [e["amount"] for e in meter.ledger.entries("ana") if e["kind"] == "hold"] == [60] * 3
