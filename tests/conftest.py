@@ -32,3 +32,17 @@ def registry(tmp_path: Path):
     from workbench.registry import Registry
 
     return Registry(tmp_path / "registry.sqlite")
+
+
+@pytest.fixture(scope="session")
+def finished_job(wb_home: Path):
+    """One finished real run (2 processes, 40 steps, the default evaluation schedule: what a
+    newcomer gets; snapshots every 10 steps, the newest 2 kept), shared by every test that only
+    reads a finished run: each real run costs the suite ~30 s."""
+    import workbench
+
+    job = workbench.launch({"name": "itest", "train": {"max_steps": 40, "lr": 3e-3},
+                            "checkpoint": {"every_steps": 10, "keep": 2}})
+    state = job.wait(timeout=600, progress=False)
+    assert state == "succeeded", job.logs(tail=30)
+    return job

@@ -27,8 +27,6 @@ from workbench.errors import SpecError
 from workbench.home import runs_dir
 from workbench.registry import Registry
 
-from .test_launch import finished_job  # noqa: F401  (shared finished run)
-
 _wait_for = wait_for
 
 
@@ -48,8 +46,7 @@ def test_a_negative_budget_in_a_spec_is_refused_before_anything_is_written(tmp_p
 
 
 @pytest.mark.slow
-def test_a_negative_budget_on_resume_is_refused_and_nothing_is_recorded(finished_job,  # noqa: F811
-                                                                        capsys):
+def test_a_negative_budget_on_resume_is_refused_and_nothing_is_recorded(finished_job, capsys):
     job = finished_job
     status = job.status()
     with pytest.raises(SpecError, match=r"budget\.limit.*greater than 0"):

@@ -10,6 +10,7 @@ the wall time the test itself saw the supervisor hold the resources.
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
@@ -27,7 +28,9 @@ from tests.waiting import wait_for
 from workbench.errors import BudgetError, ResourceError
 from workbench.home import runs_dir
 from workbench.registry import Registry
+from workbench.snapshots import newest_verified
 from workbench.train.callbacks import BudgetSpentAtStart, SnapshotCallback
+from workbench.widgets.job_view import JobView
 
 pytestmark = pytest.mark.slow
 
@@ -60,6 +63,18 @@ def _supervisor_started(job) -> float:
 def _lines(job) -> list[dict]:
     path = job.run_dir.metrics_file
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def _processes_of(run_dir) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and str(run_dir) in " ".join(
+                    p.info["cmdline"] or []):
+                found.append(p)
+        except psutil.NoSuchProcess:
+            continue
+    return found
 
 
 def _check_bill(status: dict, limit: float, held_from: float | None = None) -> None:
@@ -171,6 +186,20 @@ def test_a_budget_stop_bills_start_up_and_stays_within_the_limit(stopped):
     assert f"{status['cost']:.4g} of 200 CNY spent at step {status['step']}" in status["note"]
 
 
+def test_a_budget_stop_snapshots_on_the_way_out_and_every_view_says_how_to_go_on(stopped):
+    job, _ = stopped
+    status = job.status()
+    stopped_at = status["step"]
+    assert 0 < stopped_at < 100000 and status["currency"] == "CNY"
+    assert newest_verified(job.run_dir).name == f"step-{stopped_at}"
+    # status.json, the summary and the job view: where it stopped and how to go on.
+    note = status["note"]
+    assert f"{status['cost']:.4g} of 200 CNY spent at step {stopped_at} of 100000" in note
+    assert f"workbench resume {job.id} --budget N" in note and "'budget.limit'" in note
+    assert job.summary()["note"] == note
+    assert html.escape(note) in JobView(job, autostart=False).error.value
+
+
 def test_a_budget_stopped_run_is_not_resumed_into_spending(stopped):
     job, _ = stopped
     before = job.status()
@@ -203,6 +232,26 @@ def test_a_requeued_attempt_of_a_spent_run_stops_before_starting_the_ranks(stopp
     assert status["billed_before_s"] == pytest.approx(before["billed_s"])  # continues the bill
 
 
+# Resumes the shared stopped run into success: keep it after the other tests of `stopped`.
+def test_a_budget_stopped_run_resumes_with_a_larger_budget_and_the_bill_carries_over(stopped):
+    job, _ = stopped
+    status = job.status()
+    stopped_at = status["step"]
+    with pytest.raises(workbench.WorkbenchError, match="would stop it again at once"):
+        job.resume(**{"budget.limit": status["cost"]})  # no larger than what was spent
+    assert job.state == "budget_stopped"
+    job.resume(**{"budget.limit": 1000.0, "train.max_steps": stopped_at + 10})
+    assert job.wait(timeout=600, progress=False) == "succeeded", job.logs(tail=30)
+    final = job.status()
+    assert final["step"] == stopped_at + 10
+    assert final["cost"] > status["cost"]  # billing carries over across attempts
+    assert final.get("note") is None  # the stop is over
+    assert "resuming from step-" + str(stopped_at) in job.logs(tail=None, name="rank-0.log")
+    assert any(m.get("event") == "resume" for m in _lines(job))
+    with pytest.raises(workbench.WorkbenchError, match="cannot change"):
+        job.resume(**{"model.id": "other"})
+
+
 def test_a_restart_inside_an_attempt_is_billed_and_the_limit_holds():
     # A rank killed with -9 after the first snapshot: the supervisor starts the ranks again and
     # the bill must cover both start-ups (the limit, 1000 s of wall time, is only a ceiling).
@@ -223,10 +272,15 @@ def test_a_restart_inside_an_attempt_is_billed_and_the_limit_holds():
     _check_bill(status, 2000.0, held_from)
 
 
-def test_resuming_a_cancelled_run_with_a_limit_it_already_spent_is_refused():
+def test_a_cancel_mid_run_ends_every_process_and_a_limit_it_already_spent_is_refused():
     job = workbench.launch(_spec("budget-cancel", None))
     _wait_for(lambda: (job.status().get("step") or 0) >= 2, 300, "two steps")
+    assert job.state == "running"
+    assert len(_processes_of(job.run_dir.path)) >= 3  # supervisor, torchrun, 2 ranks
     assert job.cancel(timeout=60) == "cancelled"
+    assert Registry().get_run(job.id).state == "cancelled"
+    _wait_for(lambda: not _processes_of(job.run_dir.path), 30, "every process of the run ended")
+    assert job.cancel() == "cancelled"  # cancelling an ended run is harmless
     spent = job.status()["cost"]
     assert spent > 0
     for limit in (spent, spent / 2):

@@ -13,8 +13,6 @@ from workbench.cli import main, status_table
 from workbench.spec import RunSpec
 from workbench.widgets import JobView, RunForm
 
-from .test_launch import finished_job  # noqa: F401  (shared finished run)
-
 
 def test_public_api_is_exactly_the_intended_names():
     assert sorted(workbench.__all__) == sorted([
@@ -50,7 +48,7 @@ def test_run_form_shows_errors_instead_of_launching(tmp_path):
     assert "not found" in form.preview.value
 
 
-def test_job_view_renders_a_finished_run(finished_job):  # noqa: F811
+def test_job_view_renders_a_finished_run(finished_job):
     view = JobView(finished_job)
     assert "succeeded" in view.header.value
     train = view.chart.figure.data[0]  # the interactive chart holds every train step

@@ -1,7 +1,8 @@
 """Real training through the one launch path: 2 processes (gloo) on the built-in tiny model.
 
 Each test here starts real torchrun jobs, so they are the slow part of the suite (~30 s each on
-two CPU cores); the finished run is shared by the tests that only read it.
+two CPU cores); the finished run (tests/conftest.py: finished_job) is shared by the tests here
+and elsewhere that only read it.
 """
 
 from __future__ import annotations
@@ -10,9 +11,7 @@ import json
 import os
 import subprocess
 import sys
-import time
 
-import psutil
 import pytest
 
 import workbench
@@ -27,26 +26,6 @@ from workbench.home import runs_dir
 from workbench.registry import Registry
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="session")
-def finished_job(wb_home):
-    job = workbench.launch({"name": "itest", "train": {"max_steps": 40, "lr": 3e-3}})
-    state = job.wait(timeout=600, progress=False)
-    assert state == "succeeded", job.logs(tail=30)
-    return job
-
-
-def _processes_of(run_dir) -> list[psutil.Process]:
-    found = []
-    for p in psutil.process_iter(["cmdline", "status"]):
-        try:
-            if p.info["status"] != psutil.STATUS_ZOMBIE and str(run_dir) in " ".join(
-                    p.info["cmdline"] or []):
-                found.append(p)
-        except psutil.NoSuchProcess:
-            continue
-    return found
 
 
 def test_two_process_run_completes_with_falling_loss(finished_job):
@@ -73,21 +52,7 @@ def test_two_process_run_completes_with_falling_loss(finished_job):
     assert {"step", "loss", "lr", "grad_norm"} <= set(df.columns)
 
 
-def test_cancel_mid_run_leaves_cancelled_and_no_processes():
-    job = workbench.launch({"name": "cancelme", "train": {"max_steps": 100000}})
-    deadline = time.time() + 180
-    while time.time() < deadline and not job.metrics():
-        time.sleep(0.5)
-    assert job.metrics(), job.logs(tail=20)
-    assert job.state == "running"
-    assert len(_processes_of(job.run_dir.path)) >= 3  # supervisor, torchrun, 2 ranks
-    assert job.cancel() == "cancelled"
-    assert Registry().get_run(job.id).state == "cancelled"
-    deadline = time.time() + 15
-    while time.time() < deadline and _processes_of(job.run_dir.path):
-        time.sleep(0.5)
-    assert _processes_of(job.run_dir.path) == []
-    assert job.cancel() == "cancelled"  # cancelling an ended run is harmless
+# Cancelling a run mid-training: tests/test_budget.py (a cancelled run's bill and resume).
 
 
 def test_cli_launch_then_reattach_after_the_launcher_is_gone(tmp_path):
@@ -107,14 +72,7 @@ def test_cli_launch_then_reattach_after_the_launcher_is_gone(tmp_path):
     assert json.loads((model / "workbench.json").read_text())["method"] == "full"
 
 
-def test_a_failing_run_surfaces_the_error_text():
-    job = workbench.launch({"name": "broken", "method": {"target_modules": ["no_such_proj"]},
-                            "train": {"max_steps": 5}})
-    assert job.wait(timeout=300, progress=False) == "failed"
-    error = job.status()["error"]
-    assert "no_such_proj" in error and "rank-" in error
-    with pytest.raises(workbench.JobFailedError, match="no_such_proj"):
-        job.wait(raise_on_failure=True, progress=False)
+# A failing run's error text: tests/test_trust_procs.py (its root cause, over two attempts).
 
 
 def _nothing_written(before_runs: set, before_registry: int) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from workbench.backends.slurm import SlurmBackend
 from workbench.rundir import FAILED, RunDir
-from workbench.secrets import scrub, split_env
+from workbench.secrets import scrub, split_env, write_secret_env
 from workbench.spec import RunSpec
 from workbench.targets import SlurmTarget, TargetError
 
@@ -131,3 +131,35 @@ def test_ssh_commands_get_the_secrets_from_a_private_file_not_their_command_line
         assert "$HOME" in home_place
     finally:
         subprocess.run(["rm", "-rf", str(Path.home() / ".wb-secret-test")])
+
+
+@pytest.mark.parametrize(("slurm", "recorded"), [
+    ("COMPLETED", "succeeded"), ("FAILED", "failed"), ("CANCELLED", "running"),
+    ("COMPLETED", "budget_stopped"), ("TIMEOUT", "running"), ("NODE_FAIL", "running"),
+])
+def test_the_secret_env_file_stays_while_slurm_may_requeue_the_job_and_goes_at_its_end(
+        tmp_path, monkeypatch, slurm, recorded):
+    from workbench.backends.remote import LocalTransport, load_placement, save_placement
+
+    target = SlurmTarget(name="secretive", partition="debug", env=SECRETS)
+    backend = SlurmBackend(target.ref, target)
+    rd = RunDir(tmp_path / "runs" / "r-ends").create(RunSpec())
+    env_file = Path(write_secret_env(LocalTransport(), target.env, str(rd.path.resolve())))
+    save_placement(rd.path, target=target.ref, kind="slurm", dir=None, job="42", final=False)
+    # What `scontrol show job` says, in turn: the decision is the backend's, from Slurm's state
+    # (tests/remote runs real Slurm jobs; this checks every ending without paying for each).
+    said = {"JobState": "PENDING"}
+    monkeypatch.setattr(backend, "job_info", lambda job: dict(said))
+    for state, run_state in (("PENDING", "queued"), ("RUNNING", "running"),
+                             ("REQUEUED", "cancelled"), ("RUNNING", "running")):
+        said["JobState"] = state
+        rd.write_status(state=run_state)
+        assert backend.status(rd.path, "slurm:42")["state"] in ("queued", "running")
+        assert env_file.is_file(), state  # a requeued attempt sources it again
+    said["JobState"] = slurm
+    rd.write_status(state=recorded)
+    final = backend.status(rd.path, "slurm:42")
+    assert final["state"] in ("succeeded", "failed", "cancelled", "budget_stopped")
+    assert load_placement(rd.path)["final"]
+    assert not env_file.exists()
+    assert env_file.parent.is_dir()  # other runs' files live there too

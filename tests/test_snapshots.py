@@ -1,4 +1,5 @@
-"""Never lose a run: verified snapshots, automatic resume, budget stop, S3, reproduce.zip.
+"""Never lose a run: verified snapshots, automatic resume, S3, reproduce.zip (the budget stop
+and its resume with a larger budget: tests/test_budget.py).
 
 All with real training (2 gloo ranks on the built-in tiny model), a real kill -9, and a real
 S3-compatible server on loopback (moto's server, reached through s3fs like any S3 endpoint).
@@ -6,7 +7,6 @@ S3-compatible server on loopback (moto's server, reached through s3fs like any S
 
 from __future__ import annotations
 
-import html
 import json
 import os
 import re
@@ -23,7 +23,6 @@ from workbench.procs import of_attempt
 from workbench.reproduce import compare_bundle, scrub, write_bundle
 from workbench.rundir import RunDir
 from workbench.snapshots import MANIFEST, newest_verified, snapshots, verify
-from workbench.widgets.job_view import JobView
 
 pytestmark = pytest.mark.slow
 
@@ -107,39 +106,6 @@ def test_partial_and_corrupt_snapshots_are_skipped(uninterrupted, tmp_path):
     assert "step-40: no manifest" in messages and "step-30: optimizer.pt does not match" in messages
 
 
-def test_budget_stop_then_resume_with_a_larger_budget():
-    # 3,600 per core-hour on 2 processes: 2 per second, so a limit of 200 stops within 100 s,
-    # start-up included (25 s on a loaded 2-core machine, more when test sessions share it).
-    job = workbench.launch({"name": "budget", "train": {"max_steps": 100000},
-                            "checkpoint": {"keep": 1},
-                            "budget": {"price_per_cpu_core_hour": 3600.0, "limit": 200.0}})
-    assert job.wait(timeout=600, progress=False) == "budget_stopped", job.logs(tail=30)
-    status = job.status()
-    stopped_at = status["step"]
-    assert 0 < stopped_at < 100000
-    assert status["cost"] <= 200.0 and status["currency"] == "CNY"
-    assert newest_verified(job.run_dir).name == f"step-{stopped_at}"  # snapshotted on the way out
-    # Every view says where it stopped and how to go on: status.json, the summary, the job view.
-    note = status["note"]
-    assert f"{status['cost']:.4g} of 200 CNY spent at step {stopped_at} of 100000" in note  # final bill
-    assert f"workbench resume {job.id} --budget N" in note and "'budget.limit'" in note
-    assert job.summary()["note"] == note
-    assert html.escape(note) in JobView(job, autostart=False).error.value
-    with pytest.raises(workbench.WorkbenchError, match="would stop it again at once"):
-        job.resume(**{"budget.limit": status["cost"]})  # no larger than what was spent
-    assert job.state == "budget_stopped"
-    job.resume(**{"budget.limit": 1000.0, "train.max_steps": stopped_at + 10})
-    assert job.wait(timeout=600, progress=False) == "succeeded", job.logs(tail=30)
-    final = job.status()
-    assert final["step"] == stopped_at + 10
-    assert final["cost"] > status["cost"]  # billing carries over across attempts
-    assert final.get("note") is None  # the stop is over
-    assert any(m.get("event") == "resume" for m in
-               map(json.loads, job.run_dir.metrics_file.read_text().splitlines()))
-    with pytest.raises(workbench.WorkbenchError, match="cannot change"):
-        job.resume(**{"model.id": "other"})
-
-
 @pytest.fixture(scope="module")
 def s3_endpoint():
     from moto.server import ThreadedMotoServer
@@ -217,6 +183,34 @@ def test_reproduce_bundle_recreates_the_spec_and_holds_no_secret(uninterrupted, 
     assert len(report.recorded.get("git_commit", "")) == 40, report.recorded
     with pytest.raises(workbench.WorkbenchError, match="not found"):
         compare_bundle(tmp_path / "nope.zip")
+
+
+# Resumes the shared run: keep it after the tests that read that run as it first ended.
+def test_a_resume_at_the_final_step_trains_nothing_and_ends_as_the_run_did(uninterrupted):
+    from safetensors.torch import load_file
+
+    job = uninterrupted
+    before = job.status()
+    adapter = job.artefact() / "adapter_model.safetensors"
+    weights, saved_at = load_file(adapter), adapter.stat().st_mtime_ns
+    assert newest_verified(job.run_dir).name == "step-30"  # the snapshot at the final step
+    job.resume()
+    assert job.wait(timeout=600, progress=False) == "succeeded", job.logs(tail=30)
+    status = job.status()
+    assert status["attempt"] == before["attempt"] + 1
+    assert "resuming from step-30" in job.logs(tail=None, name="rank-0.log")
+    # Every line metrics.jsonl holds, either attempt's: no step past the last (was: step 31).
+    lines = [json.loads(x) for x in job.run_dir.metrics_file.read_text().splitlines()]
+    assert max(m["step"] for m in lines if "step" in m) == 30
+    assert sorted(_losses(job)) == list(range(1, 31))
+    assert status["step"] == status["total_steps"] == 30
+    assert status["summary"] == before["summary"]  # the training attempt's, not a 0-step one
+    # The end saved the outputs again, and they hold the snapshot's (the trained) weights.
+    assert adapter.stat().st_mtime_ns > saved_at
+    again = load_file(adapter)
+    assert again.keys() == weights.keys()
+    assert all(again[k].equal(weights[k]) for k in weights)
+    assert [p.name for p in snapshots(job.run_dir)] == ["step-30", "step-20"]
 
 
 def test_scrub_masks_token_shapes_and_named_secrets():

@@ -159,7 +159,11 @@ slow = pytest.mark.slow
 
 
 @slow
-def test_a_stale_handle_keeps_the_state_true_and_its_cancel_stops_the_resumed_run():
+def test_a_stale_handle_and_a_kill_9_of_the_supervisor_keep_the_state_true_and_resume_once():
+    """One long run, three attempts (each real run costs the suite ~30 s): a cancel and a resume
+    through another handle leave a stale handle's state true; a kill -9 of the resumed attempt's
+    supervisor ends every rank, and of two concurrent resumes one is refused; the stale handle's
+    cancel stops the last attempt."""
     job = workbench.launch({"name": "stale", **LONG})
     _wait_for(lambda: _ranks_started(job, 1), 240, "the first attempt's ranks started")
     stale = workbench.get_job(job.id)  # e.g. the lab panel's handle, kept for the server's life
@@ -172,20 +176,12 @@ def test_a_stale_handle_keeps_the_state_true_and_its_cancel_stops_the_resumed_ru
     with pytest.raises(RunBusyError, match="live processes"):
         stale.resume()
     assert len(_supervisors(job.run_dir.path)) == 1
+
+    # kill -9 of the supervisor: torchrun and both ranks end with it.
     second = _attempt(job)
-    assert stale.cancel() == "cancelled"
-    _wait_for(lambda: not _live(second), 30, "the resumed attempt's processes ended")
-    assert job.state == "cancelled"
-
-
-@slow
-def test_kill_9_of_the_supervisor_ends_every_rank_and_the_run_resumes_once():
-    job = workbench.launch({"name": "orphans", **LONG})
-    _wait_for(lambda: _ranks_started(job, 1), 240, "the ranks started")
-    first = _attempt(job)
-    supervisor = next(p for p in first if p.role == "supervisor")
+    supervisor = next(p for p in second if p.role == "supervisor")
     os.kill(supervisor.pid, signal.SIGKILL)
-    _wait_for(lambda: not _live(first), 30, "torchrun and both ranks ended with the supervisor")
+    _wait_for(lambda: not _live(second), 30, "torchrun and both ranks ended with the supervisor")
     status = job.status()
     assert status["state"] == "failed", status
     assert "supervisor" in status["error"] and "died" in status["error"]
@@ -208,13 +204,14 @@ def test_kill_9_of_the_supervisor_ends_every_rank_and_the_run_resumes_once():
         t.join()
     refused = [o for o in outcomes if isinstance(o, RunBusyError)]
     assert len(outcomes) == 2 and len(refused) == 1, outcomes
-    _wait_for(lambda: _ranks_started(job, 2), 240, "the resumed run's ranks started")
+    _wait_for(lambda: _ranks_started(job, 3), 240, "the resumed run's ranks started")
     assert len(_supervisors(job.run_dir.path)) == 1
     with pytest.raises(RunBusyError, match="live processes"):
         job.resume()
-    second = _attempt(job)
-    assert job.cancel() == "cancelled"
-    _wait_for(lambda: not _live(second), 30, "the resumed run's processes ended")
+    third = _attempt(job)
+    assert stale.cancel() == "cancelled"
+    _wait_for(lambda: not _live(third), 30, "the resumed attempt's processes ended")
+    assert job.state == "cancelled"
 
 
 @slow
@@ -223,7 +220,9 @@ def test_the_error_is_the_root_cause_of_this_attempt():
                             "train": {"max_steps": 5}})
     assert job.wait(timeout=300, progress=False) == "failed"
     error = job.status()["error"]
-    assert "no_such_proj" in error and "ChildFailedError" not in error
+    assert "no_such_proj" in error and "rank-" in error and "ChildFailedError" not in error
+    with pytest.raises(workbench.JobFailedError, match="no_such_proj"):
+        job.wait(raise_on_failure=True, progress=False)
     # The second attempt fails otherwise, in rank 1 only: its log path is taken by a folder.
     logs = job.run_dir.logs_dir
     (logs / "rank-1.log").rename(logs / "rank-1.first-attempt")

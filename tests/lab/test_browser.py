@@ -21,52 +21,20 @@ import workbench
 from workbench.serve import endpoints
 from workbench.targets import target_names
 
-from .conftest import ARTIFACTS, LabServer, wait_for
-
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run",
-                 "--disable-dev-shm-usage"]
-
-# Both come from `make browser` (a prerequisite of `make test`): their absence is a set-up error.
-import playwright.sync_api as playwright_api  # noqa: E402
-
-assert CHROMIUM.exists(), "no /usr/bin/chromium: run `make browser` (Debian's chromium)"
+from .browser import accept_kernel_dialog, browser_page, open_lab, shot
+from .conftest import LabServer, wait_for
 
 
 @pytest.fixture(scope="module")
 def page(lab_server: LabServer):
-    with playwright_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        context = browser.new_context(viewport={"width": 1400, "height": 900})
-        page = context.new_page()
-        page.set_default_timeout(60_000)
-        try:
-            yield page
-        finally:
-            context.close()
-            browser.close()
-
-
-def _open_lab(page, lab_server: LabServer, path: str = "") -> None:
-    # ?reset: a fresh workspace, so no notebook of an earlier test comes back as the current one.
-    page.goto(f"{lab_server.url}/lab{'/tree/' + path if path else ''}?reset&token={lab_server.token}")
-    page.wait_for_selector("#jupyterlab-splash", state="detached", timeout=90_000)
-    # Our plugin has activated once its commands exist (the splash goes before all plugins are).
-    page.wait_for_function("() => window.jupyterapp?.commands.hasCommand('workbench:new-run')"
-                           " && window.jupyterapp.commands.hasCommand('launcher:create')")
+    with browser_page() as page:
+        yield page
 
 
 @pytest.fixture(autouse=True)
 def _shot_on_exit(request, page):
     yield
     shot(page, f"last-{request.node.name}")
-
-
-def _accept_kernel_dialog(page) -> None:
-    dialog = page.locator(".jp-Dialog")
-    if dialog.count():
-        dialog.locator(".jp-mod-accept").first.click()
 
 
 def _command(page, command: str, args: dict | None = None) -> None:
@@ -85,7 +53,7 @@ def _run_first_cell(page, attempts: int = 8, wait_s: float = 15) -> None:
         _command(page, "notebook:run-cell")
         deadline = time.time() + wait_s
         while time.time() < deadline:
-            _accept_kernel_dialog(page)
+            accept_kernel_dialog(page)
             text = prompt.inner_text()
             if "*" in text or any(c.isdigit() for c in text):
                 return
@@ -103,7 +71,7 @@ def _run_all_cells(page, attempts: int = 8, wait_s: float = 15) -> None:
         _command(page, "notebook:run-all-cells")
         deadline = time.time() + wait_s
         while time.time() < deadline:
-            _accept_kernel_dialog(page)
+            accept_kernel_dialog(page)
             text = prompt.text_content() or ""
             if "*" in text or any(c.isdigit() for c in text):
                 return
@@ -114,7 +82,7 @@ def _run_all_cells(page, attempts: int = 8, wait_s: float = 15) -> None:
 def _wait_accepting_dialogs(page, locator, timeout_s: float) -> None:
     """Wait for ``locator``, accepting the kernel dialogs JupyterLab may raise meanwhile."""
     def seen() -> bool:
-        _accept_kernel_dialog(page)
+        accept_kernel_dialog(page)
         return locator.count() > 0
 
     wait_for(seen, timeout_s, f"{locator} to appear")
@@ -126,11 +94,6 @@ def _run_card(page, run_id: str):
     card = page.locator(f".jp-WorkbenchRuns-run[data-run-id='{run_id}']")
     card.wait_for(timeout=30_000)
     return card
-
-
-def shot(page, name: str) -> None:
-    ARTIFACTS.mkdir(exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / f"{name}.png"))
 
 
 def _write_notebook(root: Path) -> str:
@@ -145,7 +108,7 @@ def _write_notebook(root: Path) -> str:
 
 
 def test_launcher_offers_the_kernel_and_the_new_run_card(page, lab_server: LabServer) -> None:
-    _open_lab(page, lab_server)
+    open_lab(page, lab_server)
     _command(page, "launcher:create")
     launcher = page.locator(".jp-Launcher").first
     launcher.get_by_text("Python (Workbench)").first.wait_for()
@@ -165,12 +128,12 @@ def test_launcher_offers_the_kernel_and_the_new_run_card(page, lab_server: LabSe
     shot(page, "02-new-run-notebook")
     _command(page, "application:close-all")
     page.wait_for_timeout(500)
-    _accept_kernel_dialog(page)
+    accept_kernel_dialog(page)
 
 
 def test_run_from_a_notebook_shows_in_the_panel_grows_and_cancels(page, lab_server: LabServer) -> None:
     path = _write_notebook(lab_server.root)
-    _open_lab(page, lab_server, path)
+    open_lab(page, lab_server, path)
     _wait_accepting_dialogs(page, page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']"), 90)
     page.locator(".jp-Notebook .jp-Cell").first.wait_for()
     page.locator(".lm-TabBar-tab.lm-mod-current", has_text="panel-test").first.wait_for()
@@ -212,14 +175,12 @@ def test_run_from_a_notebook_shows_in_the_panel_grows_and_cancels(page, lab_serv
 
 
 @pytest.fixture(scope="module")
-def finished_run(lab_server: LabServer) -> workbench.Job:
-    job = workbench.launch({"name": "lab-finished", "train": {"max_steps": 12}})
-    assert job.wait(timeout=240, progress=False) == "succeeded", job.logs()
-    return job
+def finished_run(lab_server: LabServer, finished_job: workbench.Job) -> workbench.Job:
+    return finished_job  # the suite's shared finished run (tests/conftest.py)
 
 
 def _card(page, lab_server: LabServer, job: workbench.Job):
-    _open_lab(page, lab_server)
+    open_lab(page, lab_server)
     return _run_card(page, job.id)
 
 
@@ -227,7 +188,7 @@ def test_tensorboard_opens_in_a_new_tab_through_jupyter(page, lab_server: LabSer
                                                         finished_run) -> None:
     card = _card(page, lab_server, finished_run)
     with page.context.expect_page(timeout=90_000) as opened:
-        card.get_by_role("button", name="open TensorBoard for lab-finished").click()
+        card.get_by_role("button", name=f"open TensorBoard for {finished_run.name}").click()
     tab = opened.value
     tab.wait_for_load_state()
     # The same origin as JupyterLab, logged in by its cookie: no loopback port in the address.
@@ -247,9 +208,9 @@ def test_deploy_asks_where_to_serve_starting_from_the_runs_target(page, lab_serv
     # (checked on the requests themselves, not by waiting a while for an endpoint not to appear).
     sent: list[str] = []
     page.on("request", lambda r: sent.append(f"{r.method} {r.url}"))
-    card.get_by_role("button", name="deploy lab-finished").click()
+    card.get_by_role("button", name=f"deploy {finished_run.name}").click()
     dialog = page.locator(".jp-Dialog")
-    dialog.get_by_text("Deploy lab-finished").wait_for()
+    dialog.get_by_text(f"Deploy {finished_run.name}").wait_for()
     choice = dialog.get_by_role("combobox", name="deploy target")
     assert choice.input_value() == finished_run.target == "local"
     offered = choice.locator("option").all_inner_texts()
@@ -306,7 +267,7 @@ def test_the_quickstart_runs_in_the_lab_with_plots_and_no_noise(page, lab_server
     """What a newcomer sees: `make lab`'s quickstart, run top to bottom in the browser."""
     nb = nbformat.read(Path(__file__).parents[2] / "notebooks" / "quickstart.ipynb", as_version=4)
     nbformat.write(nb, lab_server.root / "quickstart.ipynb")
-    _open_lab(page, lab_server, "quickstart.ipynb")
+    open_lab(page, lab_server, "quickstart.ipynb")
     _wait_accepting_dialogs(page, page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']"), 90)
     # The notebook declares the kernel the lab installs: no kernel dialog, no "Python 3".
     page.locator(".jp-Toolbar-kernelName", has_text="Python (Workbench)").first.wait_for()
@@ -316,7 +277,7 @@ def test_the_quickstart_runs_in_the_lab_with_plots_and_no_noise(page, lab_server
     last_prompt = cells.last.locator(".jp-InputPrompt")
 
     def finished() -> bool:
-        _accept_kernel_dialog(page)
+        accept_kernel_dialog(page)
         text = last_prompt.text_content() or ""
         return any(c.isdigit() for c in text) and "*" not in text
 

@@ -14,11 +14,9 @@ from .conftest import LabServer, wait_for
 
 
 @pytest.fixture(scope="module")
-def short_run(lab_server: LabServer) -> workbench.Job:
-    job = workbench.launch({"name": "lab-short", "train": {"max_steps": 20},
-                            "checkpoint": {"every_steps": 10, "keep": 2}})
-    assert job.wait(timeout=240, progress=False) == "succeeded", job.logs()
-    return job
+def short_run(lab_server: LabServer, finished_job: workbench.Job) -> workbench.Job:
+    # The suite's shared finished run (tests/conftest.py), snapshotted every 10 steps.
+    return finished_job
 
 
 @pytest.fixture
@@ -94,7 +92,8 @@ def test_list_and_details_of_a_finished_run(lab_server: LabServer, short_run) ->
     summary = short_run.summary()  # the same library call the server makes
     for key in ("state", "target", "step", "total_steps", "first_loss", "last_loss"):
         assert row[key] == summary[key], key
-    assert row["state"] == "succeeded" and row["step"] == row["total_steps"] == 20
+    last = short_run.spec.train.max_steps
+    assert row["state"] == "succeeded" and row["step"] == row["total_steps"] == last
     assert len(row["curve"]) >= 10 and all(len(p) == 2 for p in row["curve"])
     assert row["browse_path"] == f"runs/{short_run.id}"
 
@@ -105,29 +104,12 @@ def test_list_and_details_of_a_finished_run(lab_server: LabServer, short_run) ->
     assert "rank-0.log" in details["log_names"] and "==> " in details["logs"]
     assert body["capabilities"]["snapshots"]
     snaps = details["snapshots"]
-    assert [s["name"] for s in snaps][:1] == ["step-20"] and all(s["complete"] for s in snaps)
-    assert snaps[0]["browse_path"] == f"runs/{short_run.id}/checkpoints/step-20"
+    assert [s["name"] for s in snaps][:1] == [f"step-{last}"] and all(s["complete"] for s in snaps)
+    assert snaps[0]["browse_path"] == f"runs/{short_run.id}/checkpoints/step-{last}"
 
     logs = requests.get(lab_server.api(f"runs/{short_run.id}/logs") + "?name=rank-0.log&tail=5",
                         headers=lab_server.auth, timeout=30).json()
     assert logs["text"] == short_run.logs(tail=5, name="rank-0.log")
-
-
-def test_cancel_from_the_api_stops_a_live_run(lab_server: LabServer) -> None:
-    job = workbench.launch({"name": "lab-cancel", "train": {"max_steps": 100000}})
-    try:
-        wait_for(lambda: job.state == "running", 180, "the long run to start")
-        reply = requests.post(lab_server.api(f"runs/{job.id}/cancel"), headers=lab_server.auth,
-                              timeout=60)
-        assert reply.status_code == 200, reply.text
-        assert reply.json()["state"] == "cancelled"
-        assert job.state == "cancelled"
-        # Cancelling an ended run is harmless and says how it ended.
-        again = requests.post(lab_server.api(f"runs/{job.id}/cancel"), headers=lab_server.auth,
-                              timeout=60)
-        assert again.json()["state"] == "cancelled"
-    finally:
-        job.cancel()
 
 
 def test_deploy_from_the_api_returns_at_once_and_the_endpoint_serves(lab_server: LabServer,
@@ -185,11 +167,20 @@ def test_deploy_to_a_bad_target_is_refused_before_anything_starts(lab_server: La
     assert after["endpoints"] == before["endpoints"]  # no endpoint was even recorded
 
 
-def test_resume_from_the_api_restarts_an_ended_run(lab_server: LabServer) -> None:
+def test_cancel_and_resume_from_the_api_stop_and_restart_a_live_run(lab_server: LabServer) -> None:
+    # One long run for both buttons: each real run costs the suite ~30 s.
     job = workbench.launch({"name": "lab-resume", "train": {"max_steps": 100000}})
     try:
         wait_for(lambda: job.state == "running", 180, "the long run to start")
-        job.cancel()
+        reply = requests.post(lab_server.api(f"runs/{job.id}/cancel"), headers=lab_server.auth,
+                              timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["state"] == "cancelled"
+        assert job.state == "cancelled"
+        # Cancelling an ended run is harmless and says how it ended.
+        again = requests.post(lab_server.api(f"runs/{job.id}/cancel"), headers=lab_server.auth,
+                              timeout=60)
+        assert again.json()["state"] == "cancelled"
         caps = requests.get(lab_server.api("runs"), headers=lab_server.auth, timeout=30).json()
         assert caps["capabilities"]["resume"] is True
         reply = requests.post(lab_server.api(f"runs/{job.id}/resume"), headers=lab_server.auth,
@@ -199,55 +190,6 @@ def test_resume_from_the_api_restarts_an_ended_run(lab_server: LabServer) -> Non
     finally:
         job.cancel()
     assert job.state == "cancelled"
-
-
-def test_settings_are_in_the_settings_editor(lab_server: LabServer) -> None:
-    reply = requests.get(f"{lab_server.url}/lab/api/settings/workbench-lab:plugin",
-                         headers=lab_server.auth, timeout=30)
-    assert reply.status_code == 200
-    props = reply.json()["schema"]["properties"]
-    assert props["refreshInterval"]["default"] == 2 and props["defaultTarget"]["default"] == "local"
-
-
-def test_tensorboard_opens_for_a_run_with_events(lab_server: LabServer, short_run,
-                                                 cookie_session: requests.Session) -> None:
-    assert list(short_run.run_dir.tb_dir.rglob("events.out.tfevents.*"))  # tracking default
-    reply = requests.post(lab_server.api(f"runs/{short_run.id}/tensorboard"), headers=lab_server.auth,
-                          timeout=60)
-    assert reply.status_code == 200, reply.text
-    url = reply.json()["url"]
-    # Served through Jupyter (a path on its own server), so it works wherever Jupyter is reached.
-    assert url == f"/workbench/tensorboard/{short_run.id}/"
-    page = requests.get(lab_server.url + url, headers=lab_server.auth, timeout=30)
-    assert page.status_code == 200 and "<title>TensorBoard</title>" in page.text, page.text[:300]
-    tags = requests.get(lab_server.url + url + "data/plugin/scalars/tags", headers=lab_server.auth,
-                        timeout=30).json()
-    run = next(r for r, t in tags.items() if "train/loss" in t)
-    # The page's own scalar query is a POST with TensorBoard's header and no Jupyter XSRF token.
-    series = requests.post(lab_server.url + url + "data/plugin/scalars/scalars_multirun",
-                           data={"tag": "train/loss", "runs": run}, timeout=30,
-                           headers={**lab_server.auth, "X-XSRF-Protected": "1"})
-    assert series.status_code == 200, series.text[:300]
-    losses = {m["step"]: m["loss"] for m in short_run.metrics() if "loss" in m}
-    points = series.json()[run]  # [wall time, step, value]
-    assert points and all(p[2] == pytest.approx(losses[p[1]], rel=1e-5) for p in points)
-    # A browser tab opened from the panel carries Jupyter's login cookie, not a token.
-    assert cookie_session.get(lab_server.url + url, timeout=30).status_code == 200
-    # Jupyter's authentication still applies.
-    anonymous = requests.get(lab_server.url + url + "data/plugin/scalars/tags", timeout=30,
-                             allow_redirects=False)
-    assert anonymous.status_code in (302, 403)
-    assert "tags" not in anonymous.text
-    # Asking again reuses the same TensorBoard.
-    again = requests.post(lab_server.api(f"runs/{short_run.id}/tensorboard"), headers=lab_server.auth,
-                          timeout=60)
-    assert again.json()["url"] == url
-
-
-def test_tensorboard_of_a_run_not_opened_is_a_clear_404(lab_server: LabServer, short_run) -> None:
-    reply = requests.get(f"{lab_server.url}/workbench/tensorboard/no-such-run/", timeout=30,
-                         headers=lab_server.auth)
-    assert reply.status_code == 404 and "open it from the Runs panel" in reply.reason
 
 
 @pytest.mark.parametrize(("body", "says"), [

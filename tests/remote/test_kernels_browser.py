@@ -21,8 +21,8 @@ import pytest
 import requests
 from cluster import processes_with, squeue_job_names
 
+from tests.lab.browser import accept_kernel_dialog, browser_page, open_lab, shot
 from tests.lab.conftest import LabServer, running_lab, wait_for
-from tests.lab.test_browser import CHROMIUM, CHROMIUM_ARGS, _accept_kernel_dialog, _open_lab, shot
 from workbench.cli import run as cli
 
 SLURM_KERNEL = "Workbench on login (1 GPU)"
@@ -54,18 +54,8 @@ def lab(targets, wb_home: Path, tmp_path_factory) -> Iterator[LabServer]:
 
 @pytest.fixture(scope="module")
 def page(lab: LabServer):
-    import playwright.sync_api as playwright_api
-
-    with playwright_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        context = browser.new_context(viewport={"width": 1400, "height": 900})
-        page = context.new_page()
-        page.set_default_timeout(60_000)
-        try:
-            yield page
-        finally:
-            context.close()
-            browser.close()
+    with browser_page() as page:
+        yield page
 
 
 def _run_cell(page, code: str):
@@ -110,7 +100,7 @@ def _running_jobs_of(kernel_id: str) -> list[str]:
 
 def test_slurm_kernel_from_the_launcher_runs_interrupts_restarts_and_leaves_nothing(
         page, lab: LabServer, cluster) -> None:
-    _open_lab(page, lab)
+    open_lab(page, lab)
     page.evaluate("() => { window.jupyterapp.commands.execute('launcher:create'); }")
     launcher = page.locator(".jp-Launcher").first
     launcher.locator(".jp-LauncherCard", has_text=SSH_KERNEL).first.wait_for()
@@ -158,7 +148,7 @@ def test_slurm_kernel_from_the_launcher_runs_interrupts_restarts_and_leaves_noth
     shot(page, "remote-04-restarted")
 
     _kernel_menu(page, "Shut Down Kernel")
-    wait_for(lambda: (_accept_kernel_dialog(page), requests.get(
+    wait_for(lambda: (accept_kernel_dialog(page), requests.get(
         f"{lab.url}/api/kernels", headers=lab.auth, timeout=10).json() == [])[1], 120,
         "the server to drop the kernel")
     page.locator(".jp-Toolbar-kernelName", has_text="No Kernel").first.wait_for()

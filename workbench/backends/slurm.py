@@ -28,6 +28,7 @@ from workbench.backends.remote import (
     SSHTransport,
     Transport,
     is_mirrored,
+    load_placement,
     put_dir,
     read_remote,
     save_placement,
@@ -55,7 +56,7 @@ from workbench.rundir import (
     TERMINAL,
     RunDir,
 )
-from workbench.secrets import scrub, secret_values, write_secret_env
+from workbench.secrets import env_file_path, remote_quote, scrub, secret_values, write_secret_env
 from workbench.spec import RunSpec
 from workbench.target_check import TargetReport, probe_environment, register_check
 from workbench.targets import SlurmTarget, TargetError, get_target
@@ -120,7 +121,7 @@ class SlurmBackend:
         rd.write_status(state=QUEUED, submitted=time.time(), target=self.ref)
         # A resumed run is submitted again into the same run directory: start a fresh record.
         save_placement(rd.path, target=self.ref, kind="slurm", dir=cluster_dir, job=None,
-                       final=False, artefact_fetched=False)
+                       final=False, artefact_fetched=False, secret_env_removed=False)
         try:
             if cluster_dir:
                 put_dir(self.transport, rd.path, cluster_dir.rsplit("/", 1)[0], run_dir=True)
@@ -207,6 +208,28 @@ class SlurmBackend:
         return {}
 
     def status(self, run_dir: Path, job_id: str | None) -> dict[str, Any]:
+        out = self._status(run_dir, job_id)
+        if MirroredRunDir(run_dir).final:
+            self._remove_secret_env(run_dir)
+        return out
+
+    def _remove_secret_env(self, run_dir: Path) -> None:
+        """The job's secret env file goes once the outcome is final (completed, failed, cancelled,
+        budget-stopped: Slurm will not requeue it). Until then a requeued attempt still sources
+        it; a resume submits again and writes it again."""
+        placement = load_placement(run_dir)
+        if placement.get("secret_env_removed"):
+            return
+        where = placement.get("dir") or str(Path(run_dir).resolve())
+        try:
+            res = self.transport.run(f"rm -f {remote_quote(env_file_path(where))}", check=False,
+                                     timeout=60)
+        except TargetError:
+            return  # the login node may come back: the next status() tries again
+        if res.returncode == 0:
+            save_placement(run_dir, secret_env_removed=True)
+
+    def _status(self, run_dir: Path, job_id: str | None) -> dict[str, Any]:
         rd, mirror = RunDir(run_dir), MirroredRunDir(run_dir)
         job = mirror.placement.get("job")
         if mirror.final or not job:

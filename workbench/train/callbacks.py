@@ -63,7 +63,10 @@ class RunDirCallback(TrainerCallback):
             return
         now = time.time()
         if _SUMMARY_KEY in logs:
-            self.rd.write_status(summary={k: v for k, v in logs.items() if k != "epoch"})
+            # An attempt that trained no step (resumed at the final step) has no loss of its
+            # own: its 0.0 would replace the summary of the attempt that did the training.
+            if state.global_step > self._first_step:
+                self.rd.write_status(summary={k: v for k, v in logs.items() if k != "epoch"})
             return
         record: dict[str, Any] = {"step": state.global_step, "time": now}
         for key, value in logs.items():

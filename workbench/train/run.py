@@ -199,6 +199,19 @@ def snapshotting_trainer_class(base: type | None = None) -> type:
             self.rd, self.keep, self.uploader, self.billing = run_dir, keep, uploader, billing
             self.writer = AsyncWriter(self.args.process_index)
 
+        def _init_training_state(self, max_steps: int, per_epoch: int, epochs: int,
+                                 resume_from: str | None, trial: Any) -> tuple[int, int]:
+            epochs_trained, skip = super()._init_training_state(max_steps, per_epoch, epochs,
+                                                                resume_from, trial)
+            if self.state.global_step >= max_steps:
+                # Resumed from a snapshot taken at the final step. The Trainer checks for the end
+                # only after a step, so it would train one more (step N+1 of N at lr 0); with no
+                # epoch left, it goes straight to its normal end, the snapshot's weights loaded.
+                print(f"resumed at the final step {self.state.global_step}: nothing left to "
+                      "train", flush=True)
+                return epochs, 0
+            return epochs_trained, skip
+
         def _commit(self, folder: Path, step: int, stall_s: float, started: float) -> None:
             prefix = str(folder) + os.sep
             known = {k[len(prefix):]: self.writer.hashes.pop(k)
