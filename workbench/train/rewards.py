@@ -100,7 +100,8 @@ def load_user_reward(ref: str) -> RewardFn:
     except Exception as exc:  # an ImportError, or the module's own error while importing
         raise RewardError(
             f"reward {ref!r}: cannot import module {module_name!r} ({type(exc).__name__}: {exc}); "
-            "put it on PYTHONPATH (of the notebook and of the training target) or fix it") from None
+            "put its folder on this Python's path (PYTHONPATH or sys.path) or fix it; launch "
+            "copies it to the training nodes") from None
     fn = getattr(module, attr, None)
     if fn is None:
         raise RewardError(f"reward {ref!r}: module {module_name!r} has no {attr!r}; check the "
