@@ -19,7 +19,7 @@ from workbench.errors import PreferenceDataError, RewardError, SpecError
 from workbench.home import runs_dir
 from workbench.plan import plan
 from workbench.spec import RewardSpec, RunSpec
-from workbench.train.rewards import build_reward, check_rewards, load_user_reward
+from workbench.train.rewards import build_reward, check_rewards, load_user_reward, ship_rewards
 
 U = {"role": "user", "content": "Opposite of up?"}
 
@@ -124,6 +124,38 @@ def test_a_users_reward_is_imported_and_checked(reward_module):
         check_rewards([RewardSpec(fn="exact_match")], {"prompt", "solution"})
 
 
+_SCORE = "def score(completions, **kwargs):\n    return [1.0 for _ in completions]\n"
+
+
+def test_a_users_reward_package_ships_whole_and_a_namespace_package_is_refused(tmp_path,
+                                                                              monkeypatch):
+    src = tmp_path / "src"
+    (src / "wb_pkg_rewards" / "sub" / "__pycache__").mkdir(parents=True)
+    (src / "wb_pkg_rewards" / "__init__.py").write_text("")
+    (src / "wb_pkg_rewards" / "sub" / "__init__.py").write_text(_SCORE)
+    (src / "wb_pkg_rewards" / "words.txt").write_text("moo\n")  # data the reward may read
+    (src / "wb_pkg_rewards" / "sub" / "__pycache__" / "x.pyc").write_bytes(b"stale")
+    (src / "wb_ns_rewards").mkdir()  # no __init__.py: a namespace package, no one folder
+    (src / "wb_ns_rewards" / "r.py").write_text(_SCORE)
+    monkeypatch.syspath_prepend(str(src))
+    try:
+        dest = tmp_path / "run" / "data" / "rewards"
+        rewards = [RewardSpec(fn="wb_pkg_rewards.sub:score"),
+                   RewardSpec(fn="length", target_chars=3)]
+        check_rewards(rewards, {"prompt"})
+        assert ship_rewards(rewards, dest) == ["wb_pkg_rewards"]
+        copied = {p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file()}
+        assert copied == {"wb_pkg_rewards/__init__.py", "wb_pkg_rewards/sub/__init__.py",
+                          "wb_pkg_rewards/words.txt"}
+        ns = [RewardSpec(fn="wb_ns_rewards.r:score")]
+        check_rewards(ns, {"prompt"})  # importable here, but there is no one folder to copy
+        with pytest.raises(RewardError, match="module 'wb_ns_rewards' is not a plain .py file"):
+            ship_rewards(ns, dest)
+    finally:
+        for name in [m for m in sys.modules if m.startswith(("wb_pkg_rewards", "wb_ns_rewards"))]:
+            sys.modules.pop(name)
+
+
 # -- spec --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("method,path_words", [
@@ -183,8 +215,9 @@ def _write(path, rows):
 
 
 @pytest.mark.parametrize("case", ["same", "missing", "sft_rows_for_dpo", "bad_reward_fn",
-                                  "missing_column"])
-def test_bad_preference_inputs_fail_at_launch_before_any_process(case, tmp_path, registry):
+                                  "unshippable_reward", "missing_column"])
+def test_bad_preference_inputs_fail_at_launch_before_any_process(case, tmp_path, registry,
+                                                                 monkeypatch):
     good = [{"prompt": f"q{i}", "chosen": "yes", "rejected": "no"} for i in range(20)]
     rows, method = list(good), {"stage": "dpo"}
     error: type[Exception] = PreferenceDataError
@@ -198,6 +231,13 @@ def test_bad_preference_inputs_fail_at_launch_before_any_process(case, tmp_path,
         rows = [{"prompt": "q", "answer": "a"}] * 8
         method = {"stage": "grpo", "rewards": [{"fn": "no_such_module_xyz:score"}]}
         error = RewardError
+    elif case == "unshippable_reward":  # importable here, but no file the training nodes can get
+        (tmp_path / "ns" / "wb_ns_launch").mkdir(parents=True)
+        (tmp_path / "ns" / "wb_ns_launch" / "r.py").write_text(_SCORE)
+        monkeypatch.syspath_prepend(str(tmp_path / "ns"))
+        rows = [{"prompt": "q", "answer": "a"}] * 8
+        method = {"stage": "grpo", "rewards": [{"fn": "wb_ns_launch.r:score"}]}
+        error = RewardError
     else:
         rows = [{"prompt": "q", "solution": "a"}] * 8
         method = {"stage": "grpo", "rewards": [{"fn": "exact_match"}]}
@@ -207,6 +247,8 @@ def test_bad_preference_inputs_fail_at_launch_before_any_process(case, tmp_path,
         workbench.launch({"name": f"bad-{case.replace('_', '-')}", "method": method,
                           "data": {"sources": [{"path": _write(tmp_path / "d.jsonl", rows)}]}},
                          registry=registry)
+    for name in [m for m in sys.modules if m.startswith("wb_ns_launch")]:
+        sys.modules.pop(name)
     if case in ("same", "missing"):
         assert f"line {14 if case == 'same' else 6}" in str(err.value)
     after = set(runs_dir().iterdir()) if runs_dir().is_dir() else set()

@@ -1,7 +1,9 @@
 """DPO, ORPO, KTO and GRPO train for real through launch() on the built-in tiny model.
 
-DPO runs in 2 processes (DDP over gloo) and is killed and resumed; KTO runs under ZeRO-2 in 2
-processes; ORPO and GRPO run in one process. Steps and data are tiny: these check the path
+Every stage runs in 2 processes: DPO, ORPO and GRPO under DDP over gloo, KTO under ZeRO-2. DPO
+and GRPO (the stage with the most state: sampled completions and their rewards) are killed -9
+and resumed; GRPO also scores with a user's reward function from a folder the ranks do not have
+on their path (launch ships it with the run). Steps and data are tiny: these check the path
 (data, TRL trainer, our callbacks, snapshots, artefacts), not what the model learns (the
 preference notebook does that).
 """
@@ -12,11 +14,14 @@ import json
 import os
 import re
 import signal
+import sys
+import textwrap
 import time
 
 import pytest
 
 import workbench
+from tests.waiting import wait_for
 from workbench.assets.teaching import teaching_rows
 from workbench.procs import of_attempt
 
@@ -117,27 +122,100 @@ def test_kto_under_zero2_in_two_processes(tmp_path_factory):
     assert len(lines) == 3 and all("kl" in m for m in lines), lines[0]
 
 
-def test_orpo_trains_with_no_reference(tmp_path_factory):
-    job = workbench.launch(_spec("orpo", "orpo", _data(tmp_path_factory, "pairs"), 3,
-                                 resources={"processes_per_node": 1}))
+def test_orpo_in_two_processes_trains_with_no_reference(tmp_path_factory):
+    job = workbench.launch(_spec("orpo", "orpo", _data(tmp_path_factory, "pairs"), 3))
     _succeeded(job)
+    assert job.status()["world_size"] == 2
     lines = _train_lines(job)
-    assert len(lines) == 3
+    assert [m["step"] for m in lines] == [1, 2, 3]
     assert all("rewards/margins" in m and "rewards/accuracies" in m for m in lines), lines[0]
+    assert "reference:" not in job.logs(tail=None, name="rank-0.log")
 
 
-def test_grpo_with_a_rule_reward_logs_mean_reward_spread_and_kl(tmp_path_factory):
-    job = workbench.launch(_spec(
-        "grpo", "grpo", _data(tmp_path_factory, "prompts"), 2,
-        method={"num_generations": 4, "max_completion_length": 8,
-                "rewards": [{"fn": "length", "target_chars": 12}, {"fn": "exact_match"}]},
-        resources={"processes_per_node": 1}))
+# -- GRPO: 2 processes, a user's reward shipped with the run, killed -9 and resumed -------------
+
+GRPO_STEPS = 8
+_USER_REWARD = textwrap.dedent("""
+    print(f"wb_pref_reward imported from {__file__}", flush=True)
+
+    def quarter(completions, **kwargs):
+        return [0.25 for _ in completions]
+    """)
+
+
+@pytest.fixture(scope="module")
+def user_reward(tmp_path_factory):
+    """A reward module in a folder on this process's sys.path (as a notebook's own folder is)
+    and NOT on the ranks' PYTHONPATH: the ranks can only import it if launch shipped it."""
+    folder = tmp_path_factory.mktemp("user-rewards")
+    (folder / "wb_pref_reward.py").write_text(_USER_REWARD)
+    assert str(folder) not in os.environ.get("PYTHONPATH", "")
+    sys.path.insert(0, str(folder))
+    yield folder
+    sys.path.remove(str(folder))
+    sys.modules.pop("wb_pref_reward", None)
+
+
+def _grpo_spec(name: str, data: str) -> dict:
+    return _spec(name, "grpo", data, GRPO_STEPS,
+                 method={"num_generations": 4, "max_completion_length": 8,
+                         "rewards": [{"fn": "length", "target_chars": 12}, {"fn": "exact_match"},
+                                     {"fn": "wb_pref_reward:quarter"}]},
+                 checkpoint={"every_steps": 2, "keep": 2})
+
+
+@pytest.fixture(scope="module")
+def grpo_job(user_reward, tmp_path_factory):
+    job = workbench.launch(_grpo_spec("grpo-ddp", _data(tmp_path_factory, "prompts")))
     _succeeded(job)
-    lines = _train_lines(job)
-    assert len(lines) == 2
+    return job
+
+
+def test_grpo_in_two_processes_logs_rewards_spread_and_kl_with_a_shipped_user_reward(grpo_job):
+    assert grpo_job.status()["world_size"] == 2
+    lines = _train_lines(grpo_job)
+    assert [m["step"] for m in lines] == list(range(1, GRPO_STEPS + 1))
     for m in lines:
         assert {"reward", "reward_std", "kl", "rewards/length/mean",
                 "rewards/exact_match/mean"} <= set(m)
         assert 0.0 <= m["rewards/length/mean"] <= 1.0
+        # The user's function scored every completion of both ranks (0.25 each, no spread).
+        assert m["rewards/quarter/mean"] == pytest.approx(0.25)
+        assert m["rewards/quarter/std"] == pytest.approx(0.0)
     # Random tokens differ in length, so the length reward has a spread to learn from.
     assert any(m["reward_std"] > 0 for m in lines)
+    shipped = grpo_job.run_dir.path / "data" / "rewards" / "wb_pref_reward.py"
+    assert shipped.read_text() == _USER_REWARD
+    for rank in (0, 1):  # each rank imported the run's copy, not the notebook's folder
+        assert f"wb_pref_reward imported from {shipped}" in grpo_job.logs(
+            tail=None, name=f"rank-{rank}.log")
+
+
+def test_grpo_killed_mid_run_resumes_from_its_snapshot_on_the_same_curve(grpo_job,
+                                                                         tmp_path_factory):
+    job = workbench.launch(_grpo_spec("grpo-kill", _data(tmp_path_factory, "prompts")))
+    wait_for(lambda: ((job.status().get("snapshot") or {}).get("step") or 0) >= 2, 600,
+             "the first GRPO snapshot")
+    victim = next(p for p in of_attempt(job.status()) if p.role == "rank" and p.rank == 1)
+    assert victim.signal(signal.SIGKILL), "rank 1 ended before it could be killed"
+    _succeeded(job)
+    assert job.status()["restarts"] == 1
+    resumed = re.search(r"resuming from step-(\d+)", job.logs(tail=None, name="rank-0.log"))
+    assert resumed, job.logs(tail=30, name="rank-0.log")
+    at = int(resumed.group(1))
+    assert 2 <= at < GRPO_STEPS  # killed mid-run, not after the last step
+    raw = [m for m in job.run_dir.metrics() if "loss" in m or m.get("event") == "resume"]
+    cut = next(i for i, m in enumerate(raw) if m.get("event") == "resume")
+    assert raw[cut]["step"] == at
+    # The first attempt trained from step 1; the second picked up right after the snapshot and
+    # trained every later step once.
+    assert [m["step"] for m in raw[:cut]][:at] == list(range(1, at + 1))
+    assert [m["step"] for m in raw[cut + 1:]] == list(range(at + 1, GRPO_STEPS + 1))
+    a, b = _train_lines(grpo_job), _train_lines(job)
+    assert [m["step"] for m in b] == list(range(1, GRPO_STEPS + 1))
+    # Sampling is seeded (per rank) and the snapshot holds every rank's RNG state, so the resumed
+    # run samples the same completions and gets the same rewards as the uninterrupted one.
+    for x, y in zip(a, b):
+        for key in ("loss", "reward", "reward_std", "rewards/length/mean", "kl",
+                    "completions/mean_length"):
+            assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-5), (x["step"], key)

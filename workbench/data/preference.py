@@ -177,7 +177,8 @@ def normalise(row: dict[str, Any], stage: str, where: str,
 
 def prepare_preference_data(spec: RunSpec, out_dir: str | Path) -> Any:
     """Write ``train.jsonl``/``validation.jsonl`` of normalised rows (split by prompt, so one
-    prompt never lands on both sides) and check the GRPO rewards against the data."""
+    prompt never lands on both sides), check the GRPO rewards against the data and copy the
+    user rewards' modules beside the rows (``rewards/``), so they travel with the run."""
     from workbench.data.prepare import DataSummary
 
     stage = spec.method.stage
@@ -217,9 +218,10 @@ def prepare_preference_data(spec: RunSpec, out_dir: str | Path) -> Any:
         raise EmptyDatasetError(f"no training rows ({counts['validation']} went to validation); "
                                 "add data or lower data.validation_fraction")
     if stage == "grpo":
-        from workbench.train.rewards import check_rewards
+        from workbench.train.rewards import SHIPPED_DIR, check_rewards, ship_rewards
 
         check_rewards(spec.method.rewards, columns or set())
+        ship_rewards(spec.method.rewards, out / SHIPPED_DIR)  # travels with the run directory
     summary = DataSummary(counts=counts, per_source=per_source, preview=preview)
     (out / "summary.json").write_text(json.dumps({**summary.to_dict(), "stage": stage},
                                                  indent=1), encoding="utf-8")

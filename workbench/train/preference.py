@@ -120,11 +120,13 @@ def reference_model(spec: RunSpec, source: str) -> Any:
     return ref
 
 
-def trainer_kwargs(spec: RunSpec, tokenizer: Any, source: str) -> dict[str, Any]:
+def trainer_kwargs(spec: RunSpec, tokenizer: Any, source: str, rd: RunDir) -> dict[str, Any]:
     """What the stage's TRL trainer takes besides model/args/data/callbacks."""
     kwargs: dict[str, Any] = {"processing_class": tokenizer}
     if spec.method.stage == "grpo":
-        from workbench.train.rewards import check_rewards
+        from workbench.train.rewards import check_rewards, use_shipped_rewards
+
+        use_shipped_rewards(rd.data_dir)  # the user rewards' code as launch checked it
 
         kwargs["reward_funcs"] = check_rewards(spec.method.rewards,
                                                {r.column for r in spec.method.rewards})

@@ -12,7 +12,11 @@ each one as ``rewards/<name>/mean`` and ``/std``. Built-ins (configured by ``met
 
 :func:`check_rewards` runs at launch, before any process starts: it imports each user function,
 checks it is callable with TRL's keyword call, and checks that each built-in's column is in the
-data, raising :class:`~workbench.errors.RewardError` otherwise.
+data, raising :class:`~workbench.errors.RewardError` otherwise. :func:`ship_rewards` then copies
+each user reward's module (a ``.py`` file, or its top-level package folder) into the run
+directory (``data/rewards/``), which travels to every target with the run; the ranks put that
+folder first on ``sys.path`` (:func:`use_shipped_rewards`), so they import the very code that
+was checked, wherever they run.
 
     >>> fn = build_reward(RewardSpec(fn="exact_match"))
     >>> fn(prompts=[None, None], completions=["Moo.", "woof"], answer=["moo", "moo"])
@@ -24,7 +28,11 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
+import shutil
+import sys
+import sysconfig
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from workbench.errors import RewardError
@@ -32,6 +40,8 @@ from workbench.spec import BUILTIN_REWARDS, RewardSpec
 
 RewardFn = Callable[..., list[float]]
 _COLUMN_REWARDS = ("exact_match", "contains")
+SHIPPED_DIR = "rewards"  # under RUN_DIR/data: the user reward modules copied there at launch
+_SHIP_LIMIT = 16 << 20  # bytes: more is a library to install on the target, not a reward file
 
 
 def completion_text(completion: Any) -> str:
@@ -90,7 +100,8 @@ def load_user_reward(ref: str) -> RewardFn:
     except Exception as exc:  # an ImportError, or the module's own error while importing
         raise RewardError(
             f"reward {ref!r}: cannot import module {module_name!r} ({type(exc).__name__}: {exc}); "
-            "put it on PYTHONPATH (of the notebook and of the training target) or fix it") from None
+            "put its folder on this Python's path (PYTHONPATH or sys.path) or fix it; launch "
+            "copies it to the training nodes") from None
     fn = getattr(module, attr, None)
     if fn is None:
         raise RewardError(f"reward {ref!r}: module {module_name!r} has no {attr!r}; check the "
@@ -124,3 +135,60 @@ def check_rewards(rewards: Sequence[RewardSpec], columns: set[str]) -> list[Rewa
                 f"{', '.join(sorted(columns - {'prompt'})) or 'none besides prompt'}); set "
                 "method.rewards[].column or add the column")
     return [build_reward(r) for r in rewards]
+
+
+def _installed(path: Path) -> bool:
+    """Inside this Python installation (stdlib, site-packages): the target's environment has it,
+    as it has workbench; such a module is not copied."""
+    roots = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    return any(path.is_relative_to(Path(r).resolve()) for r in roots)
+
+
+def ship_rewards(rewards: Sequence[RewardSpec], dest: Path) -> list[str]:
+    """Copy each user reward's top-level module into ``dest`` (after :func:`check_rewards`
+    imported it); returns what was copied. :class:`RewardError` for a module that is not a plain
+    ``.py`` file or a package folder of them (a compiled extension, a namespace package, a zip),
+    or one too big to travel with every run."""
+    shipped: list[str] = []
+    for r in rewards:
+        if r.fn in BUILTIN_REWARDS:
+            continue
+        top = r.fn.partition(":")[0].split(".")[0]
+        module = importlib.import_module(top)
+        file = getattr(module, "__file__", None)
+        is_package = hasattr(module, "__path__")
+        where = Path(file).resolve() if file else None
+        if where is None or where.suffix != ".py" or (
+                is_package and where.name != "__init__.py"):
+            raise RewardError(
+                f"reward {r.fn!r}: module {top!r} is not a plain .py file or package folder "
+                f"({where or 'it has no file: a namespace package, built-in or zip import'}), so it "
+                "cannot be copied to the training nodes; make it a .py file (or a folder with "
+                "__init__.py), or install it in the target's environment (pip install)")
+        if _installed(where) or top in shipped:
+            continue
+        source = where.parent if is_package else where
+        files = [p for p in (source.rglob("*") if is_package else [source]) if p.is_file()
+                 and "__pycache__" not in p.parts]
+        size = sum(p.stat().st_size for p in files)
+        if size > _SHIP_LIMIT:
+            raise RewardError(
+                f"reward {r.fn!r}: module {top!r} ({source}) is {size / 2**20:.0f} MiB, too big to "
+                "copy with every run; install it in the target's environment (pip install) or "
+                "keep the reward in a small file of its own")
+        dest.mkdir(parents=True, exist_ok=True)
+        if is_package:
+            shutil.copytree(source, dest / top,
+                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            shutil.copy2(source, dest / source.name)
+        shipped.append(top)
+    return shipped
+
+
+def use_shipped_rewards(data_dir: Path) -> None:
+    """On a rank: import user rewards from the copies launch shipped with the run, ahead of
+    whatever the node's own path holds."""
+    shipped = data_dir / SHIPPED_DIR
+    if shipped.is_dir() and str(shipped) not in sys.path:
+        sys.path.insert(0, str(shipped))

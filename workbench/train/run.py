@@ -334,7 +334,7 @@ def main(run_dir: str) -> int:
         args=args,
         train_dataset=train_rows,
         eval_dataset=eval_rows if len(eval_rows) else None,
-        **(stage.trainer_kwargs(spec, tokenizer, source) if stage
+        **(stage.trainer_kwargs(spec, tokenizer, source, rd) if stage
            else {"data_collator": Collator(tokenizer.pad_token_id)}),
         # In-run scoring (eval:) answers validation prompts: SFT rows. Preference stages report
         # TRL's own validation metrics (rewards/accuracies); job.evaluate() scores them after.
