@@ -96,8 +96,9 @@ gpu-wheels:
 gpu-extras:
 	@if [ -d $(GPU_WHEELS) ]; then from="--no-index --find-links $(GPU_WHEELS)"; else from=""; fi; \
 	out=$$($(BIN)/pip install --no-deps $$from -r bench/gpu_wheels.txt) || { echo "$$out"; exit 1; }; \
-	echo "$$out" | grep "^Successfully installed" | sed 's/^Successfully installed/gpu extras: brought/' \
-	  || echo "gpu extras: nothing to bring (already installed)"
+	if echo "$$out" | grep -q "^Successfully installed"; then \
+	  echo "$$out" | grep "^Successfully installed" | sed 's/^Successfully installed/gpu extras: brought/'; \
+	else echo "gpu extras: nothing to bring (already installed)"; fi
 
 clean:
 	rm -rf $(VENV) build *.egg-info

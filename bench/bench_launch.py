@@ -37,9 +37,27 @@ def workbench_side(spec_file: Path, env: dict[str, str]) -> dict[str, float]:
     found = re.search(r"run dir (\S+)\)", done.stdout)
     if done.returncode != 0 or found is None or "succeeded" not in done.stdout:
         raise SystemExit(f"workbench launch failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
-    lines = (Path(found[1]) / "metrics.jsonl").read_text().splitlines()
+    run_dir = Path(found[1])
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     first = next(json.loads(x)["time"] for x in lines if '"loss"' in x)
-    return {"first_step_s": first - t0, "exit_s": t_exit - t0}
+    return {"first_step_s": first - t0, "exit_s": t_exit - t0, **phases(run_dir, t0, first)}
+
+
+def phases(run_dir: Path, t0: float, first_step: float) -> dict[str, float]:
+    """Where a workbench launch's time went, from its status.json: the CLI until the run
+    directory exists (imports, plan, model check), until the supervisor has started (data
+    prepared and tokenised, backend submit), until torchrun has started the ranks, and the
+    ranks until their first step (imports, model and data load, Trainer set-up)."""
+    status = json.loads((run_dir / "status.json").read_text())
+    procs = status.get("processes") or []
+    sup = min((p["create_time"] for p in procs if p["role"] == "supervisor"), default=None)
+    rank = min((p["create_time"] for p in procs if p["role"] == "rank"), default=None)
+    if sup is None or rank is None:
+        return {}
+    return {"phase_cli_to_run_dir_s": status["created"] - t0,
+            "phase_run_dir_to_supervisor_s": sup - status["created"],
+            "phase_supervisor_to_ranks_s": rank - sup,
+            "phase_ranks_to_first_step_s": first_step - rank}
 
 
 def plain_side(model_dir: str, data: Path, steps: int, tmp: Path,
@@ -82,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             runs[side].append(workbench_side(spec_file, env) if side == "workbench"
                               else plain_side(model_dir, data, args.steps, tmp, env))
             print(f"round {r} {side}: {runs[side][-1]}", flush=True)
-    med = {side: {k: statistics.median(x[k] for x in rs) for k in ("first_step_s", "exit_s")}
+    med = {side: {k: statistics.median(x[k] for x in rs if k in x) for k in rs[0]}
            for side, rs in runs.items()}
     result = {
         "steps": args.steps, "rounds": args.rounds, "processes": 2, "model": "builtin:tiny-llama",
