@@ -25,6 +25,8 @@ $(STAMP): pyproject.toml Makefile
 	# news feed and update check off) and the Python (Workbench) kernel the notebooks declare.
 	$(BIN)/pip install -q ./extensions/workbench_lab
 	$(BIN)/jupyter kernelspec install --sys-prefix --name workbench kernels/workbench
+	@if $(BIN)/python -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; \
+	then $(MAKE) --no-print-directory gpu-extras; fi
 	touch $(STAMP)
 
 $(STAMP): extensions/workbench_lab/package.json extensions/workbench_lab/pyproject.toml \
@@ -71,10 +73,32 @@ lint: setup
 bench: setup
 	$(BIN)/python bench/bench_train.py
 
-# One GPU: LoRA tokens/s + MFU (padded/packed), peak memory vs the plan, snapshot stall; <= 8 min,
-# nothing downloaded. JSON in bench/results/gpu_check-<card>.json. `--smoke` runs it on CPU.
-gpu-check: setup
+# One GPU: LoRA tokens/s + MFU (padded/packed), Liger on/off side by side, peak memory vs the
+# plan, snapshot stall; <= 8 min, nothing downloaded. JSON in bench/results/gpu_check-<card>.json.
+# `--smoke` runs it on CPU.
+gpu-check: setup gpu-extras
 	$(BIN)/python bench/gpu_check.py
+
+# GPU machines often have no package index: fetch the fast paths' wheels (bench/gpu_wheels.txt)
+# beforehand, on a machine that has one, for the GPU machine's Python and platform
+# (e.g. GPU_WHEELS_PLATFORM="--python-version 3.11 --platform manylinux_2_28_x86_64"), and copy
+# $(GPU_WHEELS) along with the checkout.
+GPU_WHEELS ?= .gpu-wheels
+GPU_WHEELS_PLATFORM ?=
+.PHONY: gpu-wheels gpu-extras
+gpu-wheels:
+	$(PY) -m pip download -q --no-deps --only-binary=:all: $(GPU_WHEELS_PLATFORM) \
+	  -d $(GPU_WHEELS) -r bench/gpu_wheels.txt
+	@ls $(GPU_WHEELS)
+
+# On a CUDA machine (make setup calls this there): the fast-path extras from $(GPU_WHEELS) when
+# it was fetched, else from the package index; says what it had to bring.
+gpu-extras:
+	@if [ -d $(GPU_WHEELS) ]; then from="--no-index --find-links $(GPU_WHEELS)"; else from=""; fi; \
+	out=$$($(BIN)/pip install --no-deps $$from -r bench/gpu_wheels.txt) || { echo "$$out"; exit 1; }; \
+	if echo "$$out" | grep -q "^Successfully installed"; then \
+	  echo "$$out" | grep "^Successfully installed" | sed 's/^Successfully installed/gpu extras: brought/'; \
+	else echo "gpu extras: nothing to bring (already installed)"; fi
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,5 +1,6 @@
 """One GPU check (issue 16): LoRA throughput and MFU with and without packing, peak memory
-against the planner, and snapshot stall against a synchronous save, written to one JSON.
+against the planner, snapshot stall against a synchronous save, and LoRA tokens/s with and
+without Liger's kernels side by side (alternating rounds), written to one JSON.
 
     make gpu-check                          # on one modern GPU: a 7B-shaped Llama, <= 8 minutes
     python bench/gpu_check.py --smoke       # anywhere (CPU): a tiny Llama, seconds; the test
@@ -25,6 +26,7 @@ import json
 import os
 import platform
 import resource
+import statistics
 import sys
 import tempfile
 import time
@@ -42,9 +44,9 @@ from workbench.precision import local_device_kind, resolve_precision  # noqa: E4
 from workbench.spec import RunSpec  # noqa: E402
 
 FULL = {"model": "meta-llama/Llama-2-7b-hf", "batch": 4, "seq": 1024, "steps": 8, "warmup": 2,
-        "examples": 256, "min_len": 64}
+        "examples": 256, "min_len": 64, "rounds": 4}
 SMOKE = {"model": "builtin:tiny-llama", "batch": 2, "seq": 64, "steps": 3, "warmup": 1,
-         "examples": 24, "min_len": 8}
+         "examples": 24, "min_len": 8, "rounds": 2}
 
 
 def _spec(cfg: dict[str, Any], on_gpu: bool, gpu_type: str | None) -> RunSpec:
@@ -120,6 +122,60 @@ def train_lora(model: Any, data: list[tuple], steps: int, warmup: int, amp: str,
         tokens += real
     _sync(device)
     return tokens / (time.perf_counter() - t0), opt, loss
+
+
+def alternate(variants: dict[str, Any], rounds: int) -> dict[str, Any]:
+    """Tokens/s of each variant (a callable returning tokens/s), measured side by side: ``rounds``
+    rounds, the order reversed every round so neither variant always runs first (warm caches,
+    clocks, a neighbour's load hit both alike). The median of each variant's rounds, and every
+    round, in the order they ran."""
+    names = list(variants)
+    runs: dict[str, list[float]] = {n: [] for n in names}
+    order: list[str] = []
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            runs[name].append(variants[name]())
+            order.append(name)
+    return {"rounds": rounds, "order": order, "tokens_per_s": runs,
+            "median_tokens_per_s": {n: statistics.median(v) for n, v in runs.items()}}
+
+
+def liger_side_by_side(model_id: str, device: torch.device, dtype: torch.dtype,
+                       data: list[tuple], cfg: dict[str, Any], amp: str) -> dict[str, Any]:
+    """LoRA tokens/s with and without Liger's kernels (RMSNorm, SwiGLU, RoPE, fused linear
+    cross-entropy) on two copies of the same random model, alternating; or why it was skipped."""
+    import importlib.util
+
+    if device.type != "cuda":
+        return {"skipped": "Liger's Triton kernels need a CUDA GPU"}
+    if importlib.util.find_spec("liger_kernel") is None:
+        return {"skipped": "liger-kernel is not installed (make gpu-wheels, or "
+                           "pip install 'workbench[gpu]')"}
+    import gc
+
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    from peft import LoraConfig, get_peft_model
+
+    gc.collect()  # the first measurement's model, before two more copies are built
+    torch.cuda.empty_cache()
+    models = {}
+    for name in ("plain", "liger"):
+        base = build_model(model_id, device, dtype)
+        if name == "liger":
+            _apply_liger_kernel_to_instance(model=base)  # patches this instance only
+        m = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+        m.train()
+        models[name] = m
+
+    def run(name: str) -> Any:
+        return lambda: train_lora(models[name], data, cfg["steps"], cfg["warmup"], amp, device)[0]
+
+    result = alternate({n: run(n) for n in models}, cfg["rounds"])
+    med = result["median_tokens_per_s"]
+    result["liger_over_plain"] = med["liger"] / med["plain"]
+    models.clear()  # free both copies before the caller goes on
+    torch.cuda.empty_cache()
+    return result
 
 
 def _sync(device: torch.device) -> None:
@@ -224,6 +280,11 @@ def main(argv: list[str] | None = None) -> int:
                         "planned_over_measured": predicted.memory.total / measured}
     with tempfile.TemporaryDirectory() as tmp:
         result["snapshot"] = snapshot_stall(model, opt, data, device, Path(tmp))
+    del model, opt
+    # Packed rows: every token is real, so the two variants train on exactly the same work.
+    result["liger"] = liger_side_by_side(cfg["model"], device,
+                                         getattr(torch, precision.load_dtype), data, cfg,
+                                         precision.amp)
     out = args.out or Path(__file__).parent / "results" / (
         f"gpu_check-{'smoke' if args.smoke else gpu_type}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -233,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{lora['packed']['tokens_per_s']:.0f} packed (MFU {lora['packed']['mfu']:.1%}); "
           f"memory planned {predicted.memory.total:.2f} / measured {measured:.2f} GiB; "
           f"snapshot stall {result['snapshot']['stall_over_sync']:.2f} x a sync save; "
+          + (f"liger {result['liger']['liger_over_plain']:.2f} x plain; "
+             if "liger_over_plain" in result["liger"] else
+             f"liger skipped ({result['liger']['skipped']}); ") +
           f"wrote {out}", flush=True)
     return 0
 

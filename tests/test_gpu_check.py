@@ -36,3 +36,22 @@ def test_smoke_mode_measures_everything_on_cpu(tmp_path, wb_home):
     assert snap["stall_s"] >= 0
     assert snap["async_equals_sync"]  # the background writer wrote the same weights
     assert "wrote" in done.stdout
+    # Liger's side by side needs CUDA: on CPU it says why it was skipped instead of a figure.
+    assert "CUDA" in r["liger"]["skipped"] and "liger_over_plain" not in r["liger"]
+
+
+def test_side_by_side_alternates_the_order_every_round():
+    """The alternation itself, with two counting variants (no model needed to check the order)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    from gpu_check import alternate
+
+    calls = []
+    speeds = {"plain": iter([10.0, 30.0, 20.0]), "liger": iter([15.0, 45.0, 14.0])}
+
+    def variant(name):
+        return lambda: calls.append(name) or next(speeds[name])
+
+    r = alternate({"plain": variant("plain"), "liger": variant("liger")}, rounds=3)
+    assert calls == ["plain", "liger", "liger", "plain", "plain", "liger"] == r["order"]
+    assert r["tokens_per_s"] == {"plain": [10.0, 30.0, 20.0], "liger": [15.0, 45.0, 14.0]}
+    assert r["median_tokens_per_s"] == {"plain": 20.0, "liger": 15.0}

@@ -33,6 +33,8 @@ def test_two_process_run_completes_with_falling_loss(finished_job):
     status = job.status()
     assert status["state"] == "succeeded" and status["world_size"] == 2
     assert status["step"] == status["total_steps"] == 40
+    # On CPU no CUDA-only fast path is asked for; the tiny Llama gets transformers' SDPA.
+    assert status["fast_paths"] == "fast paths: liger off, sdpa, adamw, tf32 off"
     rows = job.metrics()
     train = [m for m in rows if "loss" in m]
     assert [m["step"] for m in train] == list(range(1, 41))

@@ -169,3 +169,7 @@ class EvalTaskError(EvalError, ValueError):
 
 class JudgeError(EvalError):
     """The judge endpoint is unreachable or refused the request (key, model name, URL)."""
+
+
+class FastPathError(WorkbenchError, ValueError):
+    """A training fast path set ``on`` in ``train.fast`` cannot work where the run trains."""

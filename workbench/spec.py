@@ -130,6 +130,30 @@ class MethodSpec(_Section):
     rewards: list[RewardSpec] = Field(default_factory=list)  # grpo: summed per completion
 
 
+Switch = Literal["auto", "on", "off"]
+
+
+class FastSpec(_Section):
+    """The training fast paths (workbench.train.fastpath decides ``auto``; plan and status say
+    what was chosen). ``train.fast: off`` turns every switch off, ``auto`` leaves them to it."""
+
+    liger: Switch = "auto"  # Liger's fused RMSNorm/SwiGLU/RoPE/loss kernels (CUDA, liger-kernel)
+    # auto: flash_attention_2 where flash-attn is installed and the weights are 16-bit, else
+    # transformers' default (sdpa where the model has it); default: always transformers' choice.
+    attention: Literal["auto", "default", "sdpa", "flash_attention_2", "eager"] = "auto"
+    fused_adamw: Switch = "auto"  # torch's fused AdamW kernel (adamw_torch_fused)
+    tf32: Switch = "auto"  # TF32 matmuls for fp32 work on Ampere and newer cards
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, v: Any) -> Any:
+        if v == "off":
+            return {"liger": "off", "attention": "default", "fused_adamw": "off", "tf32": "off"}
+        if v == "auto":
+            return {}
+        return v
+
+
 class TrainSpec(_Section):
     epochs: float = Field(1.0, gt=0)
     max_steps: int | None = Field(None, gt=0)  # overrides epochs when set
@@ -145,6 +169,7 @@ class TrainSpec(_Section):
     # Steps between validation losses. None: about EVALS_PER_RUN per run (a curve to read, for
     # the forward passes of ~EVALS_PER_RUN x validation_fraction of an epoch); 0: only at the end.
     eval_every: int | None = Field(None, ge=0)
+    fast: FastSpec = Field(default_factory=FastSpec)  # auto | off | per switch (FastSpec)
 
 
 class ResourceSpec(_Section):

@@ -59,6 +59,19 @@ def _precision(spec: RunSpec, on_gpu: bool, gpu: GpuType | None = None) -> Preci
     return resolve_precision(spec.model.dtype, spec.method.kind, device)
 
 
+def _fast_paths_line(spec: RunSpec, on_gpu: bool, gpu: GpuType, precision: Precision) -> str:
+    """What the trainer will turn on (workbench.train.fastpath, the same resolver), and why."""
+    from workbench.train.fastpath import planned_device, resolve_fast_paths
+
+    p = spec.parallel
+    fast = resolve_fast_paths(
+        spec.train.fast, planned_device(on_gpu, gpu.bf16, spec.target == "local"), None,
+        precision.load_dtype, stage=spec.method.stage,
+        zero_stage=int(p.strategy[-1]) if p.strategy.startswith("zero") else 0,
+        offload_optimizer=p.offload_optimizer)
+    return f"{fast.line()} ({'; '.join(fast.notes)})"
+
+
 def _setup(spec: RunSpec, shape: ModelShape, on_gpu: bool, seq_len: int,
            gpu: GpuType | None = None) -> _Setup:
     precision = _precision(spec, on_gpu, gpu)  # the trainer resolves the same way
@@ -106,6 +119,7 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
     margin = safety_margin_gib(capacity)
     precision = _precision(spec, on_gpu, gpu)  # the same resolution _setup made
     assumptions.append("precision: " + precision.reason)
+    assumptions.append(_fast_paths_line(spec, on_gpu, gpu, precision))
     global_batch = spec.train.batch_size * spec.train.grad_accum * res.world_size
     tokens_per_step = int(round(global_batch * data.tokens_per_example))
     if spec.train.max_steps is not None:

@@ -19,6 +19,7 @@ from workbench.data.tokenize import load_tokenizer
 from workbench.precision import Precision, local_device_kind, resolve_precision
 from workbench.rundir import RunDir
 from workbench.spec import EVALS_PER_RUN, RunSpec
+from workbench.train.fastpath import FastPaths, applied_line, for_run
 
 
 def _redirect_output(rd: RunDir, rank: int) -> None:
@@ -34,16 +35,20 @@ def _redirect_output(rd: RunDir, rank: int) -> None:
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
 
 
-def load_model(spec: RunSpec, source: str, precision: Precision | None = None) -> Any:
+def load_model(spec: RunSpec, source: str, precision: Precision | None = None,
+               fast: FastPaths | None = None) -> Any:
     """The model (peft-wrapped for LoRA/QLoRA) in the dtypes :mod:`workbench.precision` chose
-    for this device (``precision`` overrides the choice, e.g. to check a GPU's choice on CPU)."""
+    for this device, with the attention kernel :mod:`workbench.train.fastpath` chose
+    (``precision`` / ``fast`` override the choices, e.g. to check a GPU's choice on CPU)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     p = precision or resolve_precision(spec.model.dtype, spec.method.kind, local_device_kind())
     print(f"precision: load {p.load_dtype}, amp {p.amp}: {p.reason}", flush=True)
+    fast = fast or for_run(spec, source, p.load_dtype)
     kwargs: dict[str, Any] = {"revision": spec.model.revision,
-                              "trust_remote_code": spec.model.trust_remote_code}
+                              "trust_remote_code": spec.model.trust_remote_code,
+                              **fast.model_kwargs()}
     dtype = getattr(torch, p.load_dtype)
     kwargs["dtype"] = dtype
     if spec.model.quantization != "none":
@@ -147,6 +152,13 @@ def training_arguments(spec: RunSpec, rd: RunDir, has_eval: bool, args_class: ty
         os.environ.setdefault("WANDB_DIR", str(rd.path))
         os.environ.setdefault("WANDB_PROJECT", "workbench")
     precision = resolve_precision(spec.model.dtype, spec.method.kind, local_device_kind())
+    from workbench.models import resolve_model
+
+    fast = for_run(spec, resolve_model(spec.model.id), precision.load_dtype,
+                   zero_stage=int(parallel.strategy[-1]) if ds_config else 0,
+                   offload_optimizer=parallel.offload_optimizer and ds_config is not None)
+    for note in fast.notes:
+        print(f"fast path: {note}", flush=True)
     return (args_class or TrainingArguments)(
         output_dir=str(rd.path / "checkpoints"),  # the Trainer's checkpoint-N, see SnapshotCallback
         per_device_train_batch_size=t.batch_size,
@@ -177,6 +189,7 @@ def training_arguments(spec: RunSpec, rd: RunDir, has_eval: bool, args_class: ty
         dataloader_num_workers=0,
         remove_unused_columns=False,
         deepspeed=ds_config,
+        **fast.training_kwargs(),
         **extra,
     )
 
@@ -321,6 +334,10 @@ def main(run_dir: str) -> int:
         _ = args.device
         deepspeed.init_distributed()
     model = load_model(spec, source)
+    fast_line = applied_line(args, model)  # what the Trainer really got, for logs and status
+    print(fast_line, flush=True)
+    if rank == 0:
+        rd.write_status(fast_paths=fast_line)
     status = rd.status()
     billing = Billing(spec, status)  # the supervisor's baseline: the same bill as its own
     uploader = None
