@@ -85,6 +85,28 @@ def test_yaml_sweep_section_is_split_from_the_spec(tmp_path):
         split_yaml(path)
 
 
+def test_the_median_pruner_never_judges_a_trial_at_its_first_evaluation():
+    """Evaluations fall at training steps 2, 4, ...: a far worse first value is not enough."""
+    import optuna
+
+    from workbench.sweep.study import _pruner
+
+    study = optuna.create_study(direction="minimize", pruner=_pruner("median", startup=1))
+    done = study.ask()
+    for step, value in ((2, 1.0), (4, 0.9), (6, 0.8)):
+        done.report(value, step)
+    study.tell(done, 0.8)
+    worse = study.ask()
+    worse.report(5.0, 2)  # its first evaluation
+    assert not worse.should_prune()
+    worse.report(5.0, 4)  # its second: now it is judged, and it is clearly worse
+    assert worse.should_prune()
+    better = study.ask()
+    for step, value in ((2, 0.5), (4, 0.4)):
+        better.report(value, step)
+        assert not better.should_prune()
+
+
 # -- a controller killed between two steps ---------------------------------------------------------
 # Controller.__init__ reads the record written by workbench.sweep (its detached start is replaced
 # by nothing here: this test plays the killed controller itself, in-process, without training).
