@@ -336,10 +336,13 @@ class Controller:
             return
         if trial.should_prune():
             print(f"controller: pruning trial {n} ({job.id})", flush=True)
-            # The reason first, then the cancel: the supervisor reads it when the stop lands.
-            job.run_dir.write_status(stop_request=PRUNE_REQUEST)
             self.record.update_trial(n, prune_requested=time.time())
-            job.cancel()
+            try:
+                # The backend records the reason where the run's supervisor reads it (on the
+                # target), then stops the run: it ends "pruned", not "cancelled".
+                job.cancel(stop_request=PRUNE_REQUEST)
+            except WorkbenchError as exc:  # unconfirmed (host unreachable): asked again next poll
+                print(f"controller: trial {n}: the prune is not confirmed yet: {exc}", flush=True)
 
     def _finish(self, n: int, job: Job, status: dict[str, Any]) -> None:
         state = status["state"]
