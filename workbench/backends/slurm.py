@@ -257,8 +257,9 @@ class SlurmBackend:
                 f"{self.ref} in targets.yaml (or set train.max_steps lower), and set "
                 "checkpoint.every_steps so a rerun resumes instead of starting over"))
         if state == "CANCELLED":  # "pruned" when the scancel came with a sweep's prune request
+            # (status.json holds "ended": null while the run has not recorded an end)
             return mirror.finish(**extra, state=cancelled_state(status),
-                                 ended=status.get("ended", time.time()))
+                                 ended=status.get("ended") or time.time())
         if state == "COMPLETED" and status.get("state") in TERMINAL:
             return self._finish_recorded(mirror, status, extra)
         if state in SLURM_FAILED or state == "COMPLETED":
@@ -311,7 +312,11 @@ class SlurmBackend:
                                   stop_request, f"Slurm job {job}")
             else:  # the run directory is used in place
                 RunDir(run_dir).write_status(stop_request=stop_request)
-        ended = self._scancel_until_gone(job, "", timeout) or \
+        # With a request, first a signal alone (no kill): the job's supervisor stops its ranks,
+        # records the outcome and closes its bill, and the job ends by itself. A plain scancel
+        # kills it KillWait seconds later, which can cut that short and leave the bill open.
+        ended = (stop_request and self._scancel_until_gone(job, "--signal=TERM ", timeout)) or \
+            self._scancel_until_gone(job, "", timeout) or \
             self._scancel_until_gone(job, "--signal=KILL --full ", 15.0)
         if not ended:
             raise unconfirmed_cancel(run_dir, f"Slurm job {job}", self.transport.where)
