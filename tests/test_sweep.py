@@ -167,6 +167,45 @@ def test_a_grid_sweep_can_tell_the_study_its_last_point(monkeypatch):
     assert study.best_value == 0.4
 
 
+def test_a_trial_that_ended_without_an_end_time_is_finished_once_its_bill_is_waited_for(
+        monkeypatch, tmp_path):
+    """A run stopped before its supervisor wrote the end (status.json keeps "ended": null, no
+    closed bill) is still finished by the controller, at its whole limit, after the wait."""
+    import importlib
+
+    from workbench.jobs import Job
+    from workbench.registry import RunRecord
+    from workbench.rundir import RunDir
+    from workbench.spec import RunSpec
+    from workbench.sweep.runner import Controller
+
+    runner = importlib.import_module("workbench.sweep.runner")
+    monkeypatch.setattr(runner, "RELEASE_WAIT_S", 1.0)
+    s = _recorded_sweep(monkeypatch, space={"train.lr": [1e-3]}, budget=50.0)
+    controller = Controller(s.record)
+    n = controller._next_waiting()["number"]
+    rd = RunDir(tmp_path / "cut-short").create(RunSpec(name="cut-short"))
+    rd.write_status(state="pruned", ended=None, cost=3.0)  # the supervisor never closed the bill
+    now = time.time()
+    record = RunRecord(id="cut-short", name="cut-short", target="local", backend_job_id=None,
+                       run_dir=str(rd.path), state="pruned", created=now, updated=now)
+    controller.registry.add_run(record)
+    s.record.update_trial(n, state="pruned", run_id="cut-short", limit=20.0)
+    controller.active[n] = Job(record, registry=controller.registry)
+
+    def finished():
+        controller._watch()
+        return not controller.active
+
+    try:
+        _wait_for(finished, 30, "the controller to finish the trial")
+    finally:
+        controller.registry.delete_run("cut-short")
+    (trial,) = s.trials
+    assert trial["released"] and not trial["cost_final"]
+    assert trial["cost"] == 20.0  # a bill never closed counts as the whole limit
+
+
 # The main thread of this child ends on its own (the SYS_exit system call, not exit_group), the way
 # a process killed with kill -9 loses its main thread first: from then on it shows as a zombie,
 # while another thread still holds its files (the controller lock) for LINGER_S.
@@ -279,8 +318,7 @@ def test_a_prune_request_ends_the_run_pruned():
 
     job = workbench.launch({**SPEC, "name": "prune-me", "train": {"max_steps": 500}})
     _wait_for(lambda: (job.status().get("step") or 0) >= 1, 300, "the first step")
-    job.run_dir.write_status(stop_request=PRUNE_REQUEST)
-    job.cancel()
+    job.cancel(stop_request=PRUNE_REQUEST)
     assert job.wait(progress=False, timeout=120) == "pruned"
     assert "released" in job.status()  # the supervisor wrote it, with its final bill
     assert job.record.state == "pruned"

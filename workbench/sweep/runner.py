@@ -96,6 +96,7 @@ class Controller:
                                 data.get("prune_after", 2))
         self.registry = Registry()
         self.active: dict[int, Job] = {}
+        self.seen_ended: dict[int, float] = {}  # trial -> when its run was first seen ended
         self.price_per_hour, _ = hourly_price(self.base)
         self.stop_launching: str | None = None  # why no more trials start (budget, a fatal error)
 
@@ -316,7 +317,9 @@ class Controller:
             if state not in TERMINAL:
                 self._report(n, job)
                 continue
-            ended = float(status.get("ended") or time.time())
+            # A run that recorded no end time is timed from when it was first seen ended (now
+            # would restart the wait at every poll, and the bill would be waited for forever).
+            ended = float(status.get("ended") or self.seen_ended.setdefault(n, time.time()))
             if "released" not in status and time.time() - ended < RELEASE_WAIT_S:
                 continue  # the supervisor is writing the final bill
             self._finish(n, job, status)
