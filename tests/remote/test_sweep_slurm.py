@@ -1,11 +1,12 @@
-"""A sweep on a Slurm target, against the test cluster: sbatch over SSH on the login node, run
-directories copied to the cluster's workdir, one Slurm job per trial.
+"""Pruning on remote targets, against the test cluster and sshd.
 
-Two trials one after the other: a learning rate that learns, then one too small to learn, which
-the median pruner stops at its second evaluation. The prune request must reach the job's
-supervisor on the cluster with the scancel, so the run ends ``pruned`` there (not ``cancelled``).
-CPU time is priced at 3,600 per process-core-hour and each trial has one process: one unit per
-second a trial holds its job, so the budget is a number of seconds.
+A run on an SSH host cancelled with a prune request ends ``pruned`` on the host. A sweep on a Slurm
+target (sbatch over SSH on the login node, run directories copied to the cluster's workdir, one
+Slurm job per trial) runs two trials one after the other: a learning rate that learns, then one
+too small to learn, which the median pruner stops at its second evaluation; the prune request must
+reach the job's supervisor on the cluster, so the run ends ``pruned`` there (not ``cancelled``).
+CPU time is priced at 3,600 per process-core-hour and each run has one process: one unit per
+second a run holds its job, so the budget is a number of seconds.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import pytest
 from cluster import squeue_job_names
 
 import workbench
+from tests.waiting import wait_for
 from workbench.registry import Registry
+from workbench.rundir import PRUNE_REQUEST
 
 pytestmark = pytest.mark.slow
 GOOD, BAD = 3e-3, 1e-7
@@ -40,6 +43,19 @@ def slurm_sweep(targets):
     yield sweep, state
     if not sweep.done:  # a failed test leaves no controller behind
         sweep.cancel()
+
+
+def test_a_prune_request_reaches_the_supervisor_on_an_ssh_host(targets, cluster):
+    """The cancel path with a reason, over SSH: the host's own status.json records it."""
+    job = workbench.launch({"name": "prunessh", "target": "ssh:one",
+                            "resources": {"processes_per_node": 1},
+                            "train": {"max_steps": 100000}})
+    wait_for(lambda: (job.status().get("step") or 0) >= 1, 300, "the first step", every=0.5)
+    assert job.cancel(stop_request=PRUNE_REQUEST) == "pruned"
+    assert workbench.get_job(job.id).state == "pruned"
+    on_host = json.loads((cluster.root / "work" / "one" / job.id / "status.json").read_text())
+    assert (on_host["state"], on_host["stop_request"]) == ("pruned", "prune")
+    assert "released" in job.status()  # the supervisor closed the bill
 
 
 def _trials(sweep) -> dict[int, dict]:
