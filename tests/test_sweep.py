@@ -85,6 +85,28 @@ def test_yaml_sweep_section_is_split_from_the_spec(tmp_path):
         split_yaml(path)
 
 
+def test_the_median_pruner_never_judges_a_trial_at_its_first_evaluation():
+    """Evaluations fall at training steps 2, 4, ...: a far worse first value is not enough."""
+    import optuna
+
+    from workbench.sweep.study import _pruner
+
+    study = optuna.create_study(direction="minimize", pruner=_pruner("median", startup=1))
+    done = study.ask()
+    for step, value in ((2, 1.0), (4, 0.9), (6, 0.8)):
+        done.report(value, step)
+    study.tell(done, 0.8)
+    worse = study.ask()
+    worse.report(5.0, 2)  # its first evaluation
+    assert not worse.should_prune()
+    worse.report(5.0, 4)  # its second: now it is judged, and it is clearly worse
+    assert worse.should_prune()
+    better = study.ask()
+    for step, value in ((2, 0.5), (4, 0.4)):
+        better.report(value, step)
+        assert not better.should_prune()
+
+
 # -- a controller killed between two steps ---------------------------------------------------------
 # Controller.__init__ reads the record written by workbench.sweep (its detached start is replaced
 # by nothing here: this test plays the killed controller itself, in-process, without training).
@@ -143,6 +165,45 @@ def test_a_grid_sweep_can_tell_the_study_its_last_point(monkeypatch):
     study = optuna.load_study(study_name="sweep", storage=s.record.study_url)
     assert sorted(t.params["train.lr"] for t in study.trials) == [1e-3, 3e-3]
     assert study.best_value == 0.4
+
+
+def test_a_trial_that_ended_without_an_end_time_is_finished_once_its_bill_is_waited_for(
+        monkeypatch, tmp_path):
+    """A run stopped before its supervisor wrote the end (status.json keeps "ended": null, no
+    closed bill) is still finished by the controller, at its whole limit, after the wait."""
+    import importlib
+
+    from workbench.jobs import Job
+    from workbench.registry import RunRecord
+    from workbench.rundir import RunDir
+    from workbench.spec import RunSpec
+    from workbench.sweep.runner import Controller
+
+    runner = importlib.import_module("workbench.sweep.runner")
+    monkeypatch.setattr(runner, "RELEASE_WAIT_S", 1.0)
+    s = _recorded_sweep(monkeypatch, space={"train.lr": [1e-3]}, budget=50.0)
+    controller = Controller(s.record)
+    n = controller._next_waiting()["number"]
+    rd = RunDir(tmp_path / "cut-short").create(RunSpec(name="cut-short"))
+    rd.write_status(state="pruned", ended=None, cost=3.0)  # the supervisor never closed the bill
+    now = time.time()
+    record = RunRecord(id="cut-short", name="cut-short", target="local", backend_job_id=None,
+                       run_dir=str(rd.path), state="pruned", created=now, updated=now)
+    controller.registry.add_run(record)
+    s.record.update_trial(n, state="pruned", run_id="cut-short", limit=20.0)
+    controller.active[n] = Job(record, registry=controller.registry)
+
+    def finished():
+        controller._watch()
+        return not controller.active
+
+    try:
+        _wait_for(finished, 30, "the controller to finish the trial")
+    finally:
+        controller.registry.delete_run("cut-short")
+    (trial,) = s.trials
+    assert trial["released"] and not trial["cost_final"]
+    assert trial["cost"] == 20.0  # a bill never closed counts as the whole limit
 
 
 # The main thread of this child ends on its own (the SYS_exit system call, not exit_group), the way
@@ -257,8 +318,7 @@ def test_a_prune_request_ends_the_run_pruned():
 
     job = workbench.launch({**SPEC, "name": "prune-me", "train": {"max_steps": 500}})
     _wait_for(lambda: (job.status().get("step") or 0) >= 1, 300, "the first step")
-    job.run_dir.write_status(stop_request=PRUNE_REQUEST)
-    job.cancel()
+    job.cancel(stop_request=PRUNE_REQUEST)
     assert job.wait(progress=False, timeout=120) == "pruned"
     assert "released" in job.status()  # the supervisor wrote it, with its final bill
     assert job.record.state == "pruned"

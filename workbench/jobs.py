@@ -270,9 +270,12 @@ class Job:
         self.record = self.registry.get_run(self.id)
         return self
 
-    def cancel(self, timeout: float = 30.0) -> str:
-        """Stop every process of the run; the run ends 'cancelled' (unless it already ended)."""
-        self.backend.cancel(self.run_dir.path, self.record.backend_job_id, timeout=timeout)
+    def cancel(self, timeout: float = 30.0, stop_request: str | None = None) -> str:
+        """Stop every process of the run; the run ends 'cancelled' (unless it already ended).
+
+        ``stop_request="prune"`` (a sweep stopping a clearly worse trial) ends it 'pruned'."""
+        self.backend.cancel(self.run_dir.path, self.record.backend_job_id, timeout=timeout,
+                            stop_request=stop_request)
         return self.state
 
     def deploy(self, *more: Any, **kwargs: Any) -> Any:

@@ -241,3 +241,53 @@ def test_compare_notebook_for_selected_runs(lab_server: LabServer, tmp_path) -> 
     finally:
         for run_id in ids:
             Registry().delete_run(run_id)
+
+
+def test_a_sweeps_trials_are_grouped_under_it(lab_server: LabServer, tmp_path, monkeypatch) -> None:
+    """The runs list names each trial's sweep, read from the sweep's own record (a remote trial's
+    status.json is a mirror that has no tag), and one row per sweep carries what the panel's
+    group header shows: trials done / total, spend against the budget, the best objective."""
+    import importlib
+    import shutil
+    import time as _time
+
+    from workbench.registry import Registry, RunRecord
+    from workbench.rundir import RunDir
+    from workbench.spec import RunSpec
+
+    # The record is written as the controller writes it; no controller runs (nothing trains).
+    runner = importlib.import_module("workbench.sweep.runner")
+    monkeypatch.setattr(runner, "start_controller", lambda record: None)
+    sweep = workbench.sweep({"name": "lab-sweep", "budget": {"price_per_cpu_core_hour": 3600.0}},
+                            space={"train.lr": [1e-3, 3e-3, 1e-2]}, budget=100.0)
+    ended = {"lab-sw-t0": ("succeeded", 2.0, 0.42), "lab-sw-t1": ("pruned", 0.5, None),
+             "lab-plain": ("succeeded", 1.0, None)}
+    registry = Registry()
+    for run_id, (state, cost, _) in ended.items():
+        rd = RunDir(tmp_path / run_id).create(RunSpec(name=run_id))
+        rd.write_status(state=state, cost=cost, released=_time.time())
+        now = _time.time()
+        registry.add_run(RunRecord(id=run_id, name=run_id, target="local", backend_job_id=None,
+                                   run_dir=str(rd.path), state=state, created=now, updated=now))
+    for n, run_id in enumerate(["lab-sw-t0", "lab-sw-t1"]):
+        state, cost, value = ended[run_id]
+        sweep.record.update_trial(n, params={"train.lr": [1e-3, 3e-3][n]}, run_id=run_id,
+                                  state=state, cost=cost, value=value, released=True)
+    sweep.record.update_trial(2, params={"train.lr": 1e-2}, state="waiting")
+    try:
+        body = requests.get(lab_server.api("runs"), headers=lab_server.auth, timeout=60).json()
+        rows = {r["id"]: r for r in body["runs"]}
+        assert rows["lab-sw-t0"]["sweep"] == {"sweep": sweep.id, "trial": 0}
+        assert rows["lab-sw-t1"]["sweep"] == {"sweep": sweep.id, "trial": 1}
+        assert rows["lab-sw-t1"]["state"] == "pruned"
+        assert rows["lab-plain"]["sweep"] is None
+        (group,) = [s for s in body["sweeps"] if s["id"] == sweep.id]
+        assert group["runs"] == ["lab-sw-t0", "lab-sw-t1"]
+        assert (group["trials_done"], group["trials_total"]) == (2, 3)
+        assert group["spent"] == pytest.approx(2.0 + 0.5) and group["budget"] == 100.0
+        assert group["best"]["trial"] == 0 and group["best"]["value"] == 0.42
+        assert group["objective"] == "eval_loss" and group["state"] == "running"
+    finally:
+        for run_id in ended:
+            registry.delete_run(run_id)
+        shutil.rmtree(sweep.record.path, ignore_errors=True)

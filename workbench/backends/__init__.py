@@ -5,7 +5,11 @@ A backend is anything with this shape (a Protocol, not a base class to inherit f
     submit(run_dir, spec) -> str        start the run; return the backend job id, e.g. "local:4242"
     status(run_dir, job_id) -> dict     status.json, corrected by what the backend knows about the
                                         process/job (a run whose processes vanished is "failed")
-    cancel(run_dir, job_id) -> None     stop every process of the run; the run ends "cancelled"
+    cancel(run_dir, job_id, stop_request=None) -> None
+                                        stop every process of the run; the run ends "cancelled",
+                                        or "pruned" with stop_request="prune" (a sweep's request,
+                                        recorded where the run's supervisor reads it before the
+                                        stop is sent)
     read(run_dir, path, offset) -> bytes   bytes of a run-directory file from ``offset`` (remote
                                         backends read incrementally over SSH; local reads the file)
     logs(run_dir) -> dict[str, str]     log file name -> text
@@ -32,7 +36,8 @@ class Backend(Protocol):
 
     def status(self, run_dir: Path, job_id: str | None) -> dict[str, Any]: ...
 
-    def cancel(self, run_dir: Path, job_id: str | None, timeout: float = 30.0) -> None: ...
+    def cancel(self, run_dir: Path, job_id: str | None, timeout: float = 30.0,
+               stop_request: str | None = None) -> None: ...
 
     def read(self, run_dir: Path, path: str, offset: int = 0) -> bytes: ...
 

@@ -137,11 +137,14 @@ class LocalBackend:
                 return status  # a resume is starting the next attempt right now
             return rd.update_status(_supervisor_died)
 
-    def cancel(self, run_dir: Path, job_id: str | None, timeout: float = 30.0) -> None:
+    def cancel(self, run_dir: Path, job_id: str | None, timeout: float = 30.0,
+               stop_request: str | None = None) -> None:
         rd = RunDir(run_dir)
         status = rd.status()
         if status.get("state") in TERMINAL:
             return
+        if stop_request:  # the supervisor reads why once its ranks have stopped
+            status = rd.write_status(stop_request=stop_request)
         idents = procs.of_attempt(status)
         supervisor = [p for p in procs.alive_here(idents) if p.role == "supervisor"]
         if supervisor and supervisor[0].signal(signal.SIGTERM):

@@ -190,23 +190,27 @@ def _untar(data: bytes, local_parent: Path) -> None:
 shell_path = remote_quote
 
 
-# Merges fields into the remote status.json (atomically, as RunDir does) without workbench.
+# Merges fields into the remote status.json without workbench: atomically and under the status
+# lock, as RunDir.update_status does, so a supervisor writing at the same moment loses nothing.
 STATUS_SCRIPT = r"""
-import json, os, sys
-p = os.path.join(os.path.expanduser(sys.argv[1]), "status.json")
+import fcntl, json, os, sys, time
+d = os.path.expanduser(sys.argv[1])
+p = os.path.join(d, "status.json")
 req = json.loads(sys.stdin.read())
-try:
-    with open(p) as fh:
-        data = {**req["base"], **json.load(fh)}
-except (OSError, ValueError):
-    data = req["base"]
-data.update(req["set"])
-tmp = p + ".submit.tmp"
-with open(tmp, "w") as fh:
-    json.dump(data, fh, indent=1)
-    fh.flush()
-    os.fsync(fh.fileno())
-os.replace(tmp, p)
+with open(os.path.join(d, ".status.lock"), "a") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        with open(p) as fh:
+            data = {**req["base"], **json.load(fh)}
+    except (OSError, ValueError):
+        data = req["base"]
+    data.update(req["set"], updated=time.time())
+    tmp = p + ".submit.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(data, fh, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, p)
 """
 
 
@@ -217,6 +221,18 @@ def write_remote_status(transport: Transport, remote_dir: str, python: str, loca
     request = {"base": RunDir(local).status(), "set": fields}
     transport.run(f"{shlex.quote(python)} -c {shlex.quote(STATUS_SCRIPT)} "
                   f"{shell_path(remote_dir)}", input=json.dumps(request).encode(), timeout=60)
+
+
+def send_stop_request(transport: Transport, remote_dir: str, python: str, local: Path,
+                      stop_request: str, what: str) -> None:
+    """Record why a cancel is asked for (e.g. a sweep's "prune") in the remote status.json, where
+    the run's supervisor reads it once its ranks have stopped, before the stop is sent. An
+    unreachable host raises as an unconfirmed cancel: nothing was stopped."""
+    try:
+        write_remote_status(transport, remote_dir, python, local, stop_request=stop_request)
+    except TargetError:
+        raise unconfirmed_cancel(local, what, transport.where) from None
+    RunDir(local).write_status(stop_request=stop_request)
 
 
 def unconfirmed_cancel(local_dir: Path, what: str, where: str) -> TargetError:

@@ -32,6 +32,7 @@ from workbench.backends.remote import (
     put_dir,
     read_remote,
     save_placement,
+    send_stop_request,
     shell_path,
     sync_run_dir,
     unconfirmed_cancel,
@@ -50,11 +51,13 @@ from workbench.rundir import (
     BUDGET_STOPPED,
     CANCELLED,
     FAILED,
+    PRUNED,
     QUEUED,
     RUNNING,
     SUCCEEDED,
     TERMINAL,
     RunDir,
+    cancelled_state,
 )
 from workbench.secrets import env_file_path, remote_quote, scrub, secret_values, write_secret_env
 from workbench.spec import RunSpec
@@ -260,9 +263,10 @@ class SlurmBackend:
                     status.get("ended", 0) < _slurm_time(info.get("StartTime")):
                 # status.json is the previous attempt's ending (a requeue): this one is starting.
                 return {**status, **extra, "state": RUNNING}
-            if status.get("state") not in TERMINAL or status.get("state") == CANCELLED:
+            if status.get("state") not in TERMINAL or status.get("state") in (CANCELLED, PRUNED):
                 # A supervisor stopped by Slurm (requeue, time limit, scancel) writes
-                # "cancelled"; what that means is Slurm's to say once the job leaves RUNNING.
+                # "cancelled" (or "pruned", asked for with the scancel); what that means is
+                # Slurm's to say once the job leaves RUNNING.
                 status = {**status, "state": RUNNING}
             return {**status, **extra}
         if status.get("state") in (SUCCEEDED, BUDGET_STOPPED) and state not in ACTIVE:
@@ -275,8 +279,10 @@ class SlurmBackend:
                 f"Slurm stopped job {job} at its time limit ({limit}); raise 'time:' of "
                 f"{self.ref} in targets.yaml (or set train.max_steps lower), and set "
                 "checkpoint.every_steps so a rerun resumes instead of starting over"))
-        if state == "CANCELLED":
-            return mirror.finish(**extra, state=CANCELLED, ended=status.get("ended", time.time()))
+        if state == "CANCELLED":  # "pruned" when the scancel came with a sweep's prune request
+            # (status.json holds "ended": null while the run has not recorded an end)
+            return mirror.finish(**extra, state=cancelled_state(status),
+                                 ended=status.get("ended") or time.time())
         if state == "COMPLETED" and status.get("state") in TERMINAL:
             return self._finish_recorded(mirror, status, extra)
         if state in SLURM_FAILED or state == "COMPLETED":
@@ -313,7 +319,8 @@ class SlurmBackend:
         return self._scrub("\n".join(text.strip().splitlines()[-lines:])) or "(no output)"
 
     # -- cancel ----------------------------------------------------------------------------------
-    def cancel(self, run_dir: Path, job_id: str | None, timeout: float = 30.0) -> None:
+    def cancel(self, run_dir: Path, job_id: str | None, timeout: float = 30.0,
+               stop_request: str | None = None) -> None:
         """scancel the job and wait until Slurm confirms it left the queue; the outcome is then
         what :meth:`status` says (a success or budget stop recorded before the cancel stands).
         An unconfirmed cancel raises and records nothing: the run may still be training."""
@@ -321,7 +328,18 @@ class SlurmBackend:
         job = mirror.placement.get("job")
         if mirror.final or not job:
             return
-        ended = self._scancel_until_gone(job, "", timeout) or \
+        if stop_request:  # where the job's supervisor reads it, before scancel stops it
+            cluster_dir = mirror.placement.get("dir")
+            if cluster_dir:
+                send_stop_request(self.transport, cluster_dir, self.target.python, mirror.path,
+                                  stop_request, f"Slurm job {job}")
+            else:  # the run directory is used in place
+                RunDir(run_dir).write_status(stop_request=stop_request)
+        # With a request, first a signal alone (no kill): the job's supervisor stops its ranks,
+        # records the outcome and closes its bill, and the job ends by itself. A plain scancel
+        # kills it KillWait seconds later, which can cut that short and leave the bill open.
+        ended = (stop_request and self._scancel_until_gone(job, "--signal=TERM ", timeout)) or \
+            self._scancel_until_gone(job, "", timeout) or \
             self._scancel_until_gone(job, "--signal=KILL --full ", 15.0)
         if not ended:
             raise unconfirmed_cancel(run_dir, f"Slurm job {job}", self.transport.where)

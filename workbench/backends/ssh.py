@@ -28,12 +28,13 @@ from workbench.backends.remote import (
     put_dir,
     read_remote,
     save_placement,
+    send_stop_request,
     shell_path,
     sync_run_dir,
     unconfirmed_cancel,
     write_remote_status,
 )
-from workbench.rundir import CANCELLED, FAILED, QUEUED, SUCCEEDED, TERMINAL, RunDir
+from workbench.rundir import FAILED, QUEUED, SUCCEEDED, TERMINAL, RunDir, cancelled_state
 from workbench.spec import RunSpec
 from workbench.target_check import TargetReport, probe_environment, register_check
 from workbench.targets import SSHTarget, TargetError, get_target
@@ -267,13 +268,18 @@ class SSHBackend:
                                 if k != "updated"})
 
     # -- cancel ----------------------------------------------------------------------------------
-    def cancel(self, run_dir: Path, job_id: str | None, timeout: float = 30.0) -> None:
+    def cancel(self, run_dir: Path, job_id: str | None, timeout: float = 30.0,
+               stop_request: str | None = None) -> None:
         """SIGTERM every node's supervisor (SIGKILL after ``timeout``) and record the end once
         every supervisor is seen gone. An unconfirmed cancel raises and records nothing."""
         rd, mirror = RunDir(run_dir), MirroredRunDir(run_dir)
         if mirror.final or rd.status().get("state") in TERMINAL:
             return
         nodes = mirror.placement.get("nodes", [])
+        if stop_request and nodes:  # node 0's supervisor writes the run's outcome
+            send_stop_request(self._transport(self.target.hosts[nodes[0]["rank"]]),
+                              nodes[0]["dir"], self.target.python, rd.path, stop_request,
+                              f"the supervisors of {rd.path.name}")
         self._kill_nodes(nodes, hard=False)
         if not self._wait_gone(run_dir, len(nodes), timeout):
             self._kill_nodes(nodes, hard=True)
@@ -283,8 +289,8 @@ class SSHBackend:
         status = rd.status()
         if status.get("state") in TERMINAL:
             self._finish(mirror, status, {})
-        else:
-            mirror.finish(state=CANCELLED, ended=time.time())
+        else:  # every supervisor is gone, stopped on this request: cancelled (or pruned)
+            mirror.finish(state=cancelled_state(status), ended=time.time())
 
     def _wait_gone(self, run_dir: Path, nnodes: int, timeout: float) -> bool:
         """True once a complete sync saw every node's supervisor gone (never on a failed sync)."""

@@ -96,6 +96,7 @@ class Controller:
                                 data.get("prune_after", 2))
         self.registry = Registry()
         self.active: dict[int, Job] = {}
+        self.seen_ended: dict[int, float] = {}  # trial -> when its run was first seen ended
         self.price_per_hour, _ = hourly_price(self.base)
         self.stop_launching: str | None = None  # why no more trials start (budget, a fatal error)
 
@@ -316,7 +317,9 @@ class Controller:
             if state not in TERMINAL:
                 self._report(n, job)
                 continue
-            ended = float(status.get("ended") or time.time())
+            # A run that recorded no end time is timed from when it was first seen ended (now
+            # would restart the wait at every poll, and the bill would be waited for forever).
+            ended = float(status.get("ended") or self.seen_ended.setdefault(n, time.time()))
             if "released" not in status and time.time() - ended < RELEASE_WAIT_S:
                 continue  # the supervisor is writing the final bill
             self._finish(n, job, status)
@@ -336,10 +339,13 @@ class Controller:
             return
         if trial.should_prune():
             print(f"controller: pruning trial {n} ({job.id})", flush=True)
-            # The reason first, then the cancel: the supervisor reads it when the stop lands.
-            job.run_dir.write_status(stop_request=PRUNE_REQUEST)
             self.record.update_trial(n, prune_requested=time.time())
-            job.cancel()
+            try:
+                # The backend records the reason where the run's supervisor reads it (on the
+                # target), then stops the run: it ends "pruned", not "cancelled".
+                job.cancel(stop_request=PRUNE_REQUEST)
+            except WorkbenchError as exc:  # unconfirmed (host unreachable): asked again next poll
+                print(f"controller: trial {n}: the prune is not confirmed yet: {exc}", flush=True)
 
     def _finish(self, n: int, job: Job, status: dict[str, Any]) -> None:
         state = status["state"]

@@ -44,13 +44,24 @@ def _sampler(strategy: str, params: list[Param], seed: int | None) -> Any:
     raise SweepError(f"strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
 
 
+WARMUP_REPORTS = 1  # a trial's first evaluation is never judged
+
+
 def _pruner(pruner: str, startup: int) -> Any:
     import optuna
 
     if pruner == "median":
+        class AfterFirstReports(optuna.pruners.MedianPruner):
+            # Optuna's n_warmup_steps counts steps, but evaluations fall at training steps (2, 4,
+            # ... or 0 for one before training): the warm-up is counted in evaluation reports.
+            def prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
+                if len(trial.intermediate_values) <= WARMUP_REPORTS:
+                    return False
+                return bool(super().prune(study, trial))
+
         # A trial is compared only once `startup` trials have completed, and never at its first
-        # evaluation (n_warmup_steps=1): one noisy early value is not "clearly worse".
-        return optuna.pruners.MedianPruner(n_startup_trials=startup, n_warmup_steps=1)
+        # evaluation: one noisy early value is not "clearly worse".
+        return AfterFirstReports(n_startup_trials=startup)
     if pruner == "none":
         return optuna.pruners.NopPruner()
     raise SweepError(f"pruner {pruner!r} is not one of {', '.join(PRUNERS)}")

@@ -22,7 +22,8 @@ from workbench.rundir import TERMINAL
 from workbench.widgets.charts import SeriesChart
 
 _STATE_COLOURS = {"succeeded": "#2ca02c", "failed": "#d62728", "cancelled": "#7f7f7f",
-                  "budget_stopped": "#ff7f0e", "running": "#1f77b4"}
+                  "budget_stopped": "#ff7f0e", "running": "#1f77b4",
+                  "pruned": "#9467bd"}  # a sweep stopped it: clearly worse, not failed
 
 
 def _duration(seconds: float | None) -> str:

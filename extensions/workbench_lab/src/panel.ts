@@ -2,7 +2,8 @@
  * RunsPanel: the left side panel. It polls the server every `refreshInterval` seconds while
  * visible and updates each run's card in place (so focus and scroll survive a refresh):
  * name, state, target, step / total, latest loss, cost, ETA, a mini loss curve and the actions
- * the server says the library supports.
+ * the server says the library supports. A sweep's trials are grouped under one collapsible row
+ * (sweep id, trials done / total, spend against the budget, best objective).
  */
 import { Dialog, showDialog, showErrorMessage } from '@jupyterlab/apputils';
 import { Widget } from '@lumino/widgets';
@@ -15,6 +16,7 @@ import {
   IEndpoint,
   IRun,
   IRunsReply,
+  ISweep,
   RunAction,
   TERMINAL_STATES,
   WorkbenchService
@@ -147,6 +149,90 @@ class RunCard {
   }
 }
 
+/** Put ``nodes`` as the children of ``parent`` in this order, moving only what is out of place
+ * (so focus and scroll survive a refresh), and drop any other child. */
+function placeChildren(parent: HTMLElement, nodes: HTMLElement[]): void {
+  nodes.forEach((node, index) => {
+    if (parent.children[index] !== node) {
+      parent.insertBefore(node, parent.children[index] ?? null);
+    }
+  });
+  while (parent.children.length > nodes.length) {
+    parent.lastElementChild!.remove();
+  }
+}
+
+/** One sweep: a header row (collapsible) with its trials' cards under it. */
+class SweepGroup {
+  readonly node = document.createElement('li');
+  readonly trials = document.createElement('ul');
+  private readonly toggle = document.createElement('button');
+  private readonly nameNode = document.createElement('span');
+  private readonly stateNode = document.createElement('span');
+  private readonly metaNode = document.createElement('div');
+  private readonly errorNode = document.createElement('div');
+  /** Set once the user opened or closed it; until then a running sweep is open. */
+  private expanded: boolean | null = null;
+  sweep: ISweep;
+
+  constructor(sweep: ISweep) {
+    this.sweep = sweep;
+    this.node.className = 'jp-WorkbenchRuns-sweep';
+    this.node.dataset.sweepId = sweep.id;
+    const head = document.createElement('div');
+    head.className = 'jp-WorkbenchRuns-head';
+    this.toggle.type = 'button';
+    this.toggle.className = 'jp-WorkbenchRuns-toggle';
+    this.toggle.addEventListener('click', () => {
+      this.expanded = !this.isOpen();
+      this.update(this.sweep);
+    });
+    this.nameNode.className = 'jp-WorkbenchRuns-name';
+    this.stateNode.className = 'jp-WorkbenchRuns-state';
+    head.append(this.toggle, this.nameNode, this.stateNode);
+    this.metaNode.className = 'jp-WorkbenchRuns-meta';
+    this.errorNode.className = 'jp-WorkbenchRuns-error';
+    this.trials.className = 'jp-WorkbenchRuns-list jp-WorkbenchRuns-trials';
+    this.trials.setAttribute('aria-label', `trials of ${sweep.id}`);
+    this.node.append(head, this.metaNode, this.errorNode, this.trials);
+    this.update(sweep);
+  }
+
+  private isOpen(): boolean {
+    return this.expanded ?? this.sweep.state === 'running';
+  }
+
+  update(sweep: ISweep): void {
+    this.sweep = sweep;
+    const state = sweep.state || 'running';
+    const open = this.isOpen();
+    this.toggle.textContent = open ? '▾' : '▸';
+    this.toggle.setAttribute('aria-expanded', String(open));
+    this.toggle.setAttribute('aria-label', `${open ? 'collapse' : 'expand'} sweep ${sweep.id}`);
+    this.trials.hidden = !open;
+    this.nameNode.textContent = `sweep ${sweep.id}`;
+    this.nameNode.title = sweep.id;
+    this.stateNode.textContent = state;
+    this.stateNode.className = `jp-WorkbenchRuns-state jp-mod-${state}`;
+    this.node.dataset.state = state;
+    const parts = [`trials ${sweep.trials_done} / ${sweep.trials_total ?? '?'}`];
+    const spent = money(sweep.spent, sweep.currency);
+    if (spent) {
+      parts.push(
+        sweep.budget !== null ? `spent ${spent} of ${sweep.budget}` : `spent ${spent}`
+      );
+    }
+    if (sweep.best) {
+      parts.push(
+        `best ${sweep.objective ?? 'objective'} ${number(sweep.best.value)} (trial ${sweep.best.trial})`
+      );
+    }
+    this.metaNode.textContent = parts.join(' · ');
+    this.errorNode.textContent = sweep.error ? String(sweep.error).split('\n')[0] : '';
+    this.errorNode.hidden = !sweep.error;
+  }
+}
+
 /** The Deploy dialog's body: where to serve, preselected on the target the run trained on. */
 class TargetChooser extends Widget implements Dialog.IBodyWidget<string> {
   private readonly select = document.createElement('select');
@@ -212,6 +298,7 @@ export class RunsPanel extends Widget {
     tensorboard: false
   };
   private readonly cards = new Map<string, RunCard>();
+  private readonly groups = new Map<string, SweepGroup>();
   private readonly list = document.createElement('ul');
   private readonly endpointsList = document.createElement('ul');
   private readonly endpointsSection = document.createElement('section');
@@ -391,8 +478,11 @@ export class RunsPanel extends Widget {
 
   private render(reply: IRunsReply): void {
     this.capabilities = reply.capabilities;
+    const sweeps = new Map((reply.sweeps ?? []).map(sw => [sw.id, sw]));
+    const top: HTMLElement[] = [];
+    const trialsOf = new Map<string, RunCard[]>();
     const seen = new Set<string>();
-    reply.runs.forEach((run, index) => {
+    for (const run of reply.runs) {
       seen.add(run.id);
       let card = this.cards.get(run.id);
       if (card) {
@@ -401,14 +491,34 @@ export class RunsPanel extends Widget {
         card = new RunCard(run, this);
         this.cards.set(run.id, card);
       }
-      // Newest first, as the registry lists them; move a node only when it is out of place.
-      if (this.list.children[index] !== card.node) {
-        this.list.insertBefore(card.node, this.list.children[index] ?? null);
+      const sweepId = run.sweep?.sweep;
+      if (sweepId && sweeps.has(sweepId)) {
+        // A sweep sits where its newest trial would (runs come newest first).
+        if (!trialsOf.has(sweepId)) {
+          trialsOf.set(sweepId, []);
+          top.push(this.group(sweeps.get(sweepId)!).node);
+        }
+        trialsOf.get(sweepId)!.push(card);
+      } else {
+        top.push(card.node);
       }
-    });
-    for (const [id, card] of this.cards) {
+    }
+    // A sweep that has not started a trial yet is the newest thing there is.
+    const waiting = [...sweeps.values()].filter(sw => !trialsOf.has(sw.id));
+    top.unshift(...waiting.map(sw => this.group(sw).node));
+    for (const [id, group] of this.groups) {
+      if (!sweeps.has(id)) {
+        this.groups.delete(id);
+        continue;
+      }
+      const cards = (trialsOf.get(id) ?? []).sort(
+        (a, b) => (a.run.sweep?.trial ?? 0) - (b.run.sweep?.trial ?? 0)
+      );
+      placeChildren(group.trials, cards.map(c => c.node));
+    }
+    placeChildren(this.list, top);
+    for (const id of [...this.cards.keys()]) {
       if (!seen.has(id)) {
-        card.node.remove();
         this.cards.delete(id);
       }
     }
@@ -416,6 +526,17 @@ export class RunsPanel extends Widget {
       this.statusNode.textContent = 'No runs yet: launch one from a notebook or with “New run”.';
     }
     this.renderEndpoints(reply.capabilities.endpoints ? reply.endpoints : null);
+  }
+
+  private group(sweep: ISweep): SweepGroup {
+    let group = this.groups.get(sweep.id);
+    if (group) {
+      group.update(sweep);
+    } else {
+      group = new SweepGroup(sweep);
+      this.groups.set(sweep.id, group);
+    }
+    return group;
   }
 
   private renderEndpoints(endpoints: IEndpoint[] | null): void {

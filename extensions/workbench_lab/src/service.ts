@@ -42,6 +42,28 @@ export interface IRun {
   /** The run folder relative to the file browser's root; null when outside it. */
   browse_path: string | null;
   has_tensorboard: boolean;
+  /** The sweep this run is a trial of (absent from older servers, null for a plain run). */
+  sweep?: { sweep: string; trial: number | null } | null;
+}
+
+/** A sweep (workbench.sweep): its trials are grouped under one row. */
+export interface ISweep {
+  id: string;
+  name: string | null;
+  state: string | null;
+  objective: string | null;
+  direction: string | null;
+  trials_total: number | null;
+  /** Trials that ran and ended. */
+  trials_done: number;
+  /** The sweep's ledger: final bills of ended trials plus the limits of running ones. */
+  spent: number;
+  budget: number | null;
+  currency: string | null;
+  best: { trial: number; value: number | null; params: Record<string, unknown> } | null;
+  /** Its trials' run ids, in trial order. */
+  runs: string[];
+  error: string | null;
 }
 
 export interface IMetricPoint {
@@ -81,6 +103,8 @@ export interface IRunsReply {
   endpoints: IEndpoint[];
   /** Where runs can go and be served: "local" first, then targets.yaml (older servers: absent). */
   targets?: string[];
+  /** Sweeps, newest first (older servers: absent). */
+  sweeps?: ISweep[];
 }
 
 /** One student's account in currency units, as an instructor sees it. */
@@ -110,7 +134,8 @@ export const TERMINAL_STATES = new Set([
   'succeeded',
   'failed',
   'cancelled',
-  'budget_stopped'
+  'budget_stopped',
+  'pruned'
 ]);
 
 /** A request the server refused, with the message the workbench library gave. */

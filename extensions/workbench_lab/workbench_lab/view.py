@@ -131,8 +131,48 @@ class RunsView:
             for fresh in workbench.jobs():
                 job = self._jobs.setdefault(fresh.id, fresh)
                 rows.append(self.row(job))
+        groups, trial_of = self.sweeps()
+        for row in rows:
+            tag = trial_of.get(row["id"]) or _sweep_tag(self._jobs[row["id"]])
+            row["sweep"] = tag
         return {"capabilities": capabilities(), "runs": rows, "endpoints": self.endpoints(),
-                "targets": self.targets()}
+                "targets": self.targets(), "sweeps": groups}
+
+    def sweeps(self) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+        """One row per sweep (newest first), for the panel to group its trials under, and which
+        sweep and trial each run is ({run id: {"sweep", "trial"}}), read from the sweeps' own
+        records: the ``{sweep, trial}`` tag in a run's status.json is written on this machine,
+        and a remote run's status.json is a mirror of the target's copy."""
+        module = importlib.import_module("workbench")
+        listing = getattr(module, "sweeps", None)
+        if not callable(listing):
+            return [], {}
+        groups, trial_of = [], {}
+        for sweep in listing():
+            try:
+                data = sweep.data()
+            except (OSError, ValueError):  # a sweep being created: it shows on the next refresh
+                continue
+            trials = [t for t in data.get("trials", []) if not t.get("abandoned")]
+            for t in trials:
+                if t.get("run_id"):
+                    trial_of[t["run_id"]] = {"sweep": sweep.id, "trial": t["number"]}
+            try:
+                best: dict[str, Any] | None = {k: v for k, v in sweep.best.items() if k != "job"}
+            except WorkbenchError:
+                best = None  # no trial has a value yet
+            groups.append({
+                "id": sweep.id, "name": data.get("name"), "state": data.get("state"),
+                "objective": data.get("objective"), "direction": data.get("direction"),
+                "trials_total": data.get("trials_total"),
+                "trials_done": sum(1 for t in trials if t.get("released") and t.get("run_id")),
+                "spent": sweep.spent, "budget": data.get("budget"),
+                "currency": data.get("currency"), "best": best,
+                "runs": [t["run_id"] for t in sorted(trials, key=lambda t: t["number"])
+                         if t.get("run_id")],
+                "error": data.get("error") or data.get("note"),
+            })
+        return groups, trial_of
 
     def targets(self) -> list[str]:
         """Where runs can go (and be served): ``local`` first, then the configured targets."""
@@ -244,6 +284,14 @@ class RunsView:
             raise UnsupportedError("this workbench version cannot stop endpoints")
         _check_run_id(name)
         return {"name": name, "state": serve.undeploy(name)}  # type: ignore[union-attr]
+
+
+def _sweep_tag(job: Job) -> dict[str, Any] | None:
+    """The ``{"sweep", "trial"}`` tag a sweep's controller wrote into the run's status.json."""
+    tag = job.run_dir.status().get("sweep")
+    if isinstance(tag, dict) and "id" in tag:
+        return {"sweep": tag["id"], "trial": tag.get("trial")}
+    return None
 
 
 def _endpoint_row(endpoint: Any) -> dict[str, Any]:
