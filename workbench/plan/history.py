@@ -100,6 +100,7 @@ class Correction:
     startup: float  # and the modelled start-up by this
     finish: float  # seconds from the last step to the end (save, exit)
     runs: int  # how many earlier runs it is taken from
+    names: tuple[str, ...] = ()  # their run folders, oldest first
 
 
 def correction(target: str, device: str, shape: str, method: str,
@@ -138,7 +139,8 @@ def correction(target: str, device: str, shape: str, method: str,
            if r.get("model_startup_s") and r.get("measured_startup_s") is not None]
     ends = [r["finish_s"] for r in near if r.get("finish_s") is not None]
     return Correction(step, statistics.median(ups) if ups else 1.0,
-                      statistics.median(ends) if ends else FINISH_S, len(near))
+                      statistics.median(ends) if ends else FINISH_S, len(near),
+                      tuple(str(r.get("run")) for r in near if r.get("run")))
 
 
 def _fmt(v: float | None, unit: str = "s") -> str:

@@ -128,9 +128,10 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
     time_scale, startup_scale, finish = (corr.step, corr.startup, corr.finish) if corr else (
         1.0, 1.0, FINISH_S)
     if corr:
-        assumptions.append(f"corrected from {corr.runs} earlier run(s) on {spec.target}: step "
-                           f"time x{corr.step:.2f}, start-up x{corr.startup:.2f} (measured / "
-                           "modelled)")
+        newest = f", newest {corr.names[-1]}" if corr.names else ""
+        assumptions.append(f"corrected from {corr.runs} earlier run(s) on {spec.target}{newest}: "
+                           f"step time x{corr.step:.2f}, start-up x{corr.startup:.2f} (measured "
+                           "/ modelled)")
     run = _Run(tokens_per_step, steps, time_gpu, n_devices, on_gpu, optimizer_rate)
     # What the bill counts: cards, or processes on CPU (workbench.budget bills process-core-hours),
     # held from the supervisor's start to its exit, so start-up and release are paid too.
