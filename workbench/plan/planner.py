@@ -353,6 +353,9 @@ def _suggest(spec: RunSpec, p: Plan, gpu: GpuType, on_gpu: bool, shape: ModelSha
                 "GPUs/nodes"))
     if p.budget_verdict == "over budget" and p.cost and p.steps and p.budget_limit:
         fixed = p.startup_cost or 0.0  # start-up and release are paid whatever max_steps is
+        eval_h = (p.clock or {}).get("eval_s", 0.0) / 3600
+        if p.hours:  # ~EVALS_PER_RUN validation passes whatever max_steps is: taken as fixed
+            fixed += (p.cost - fixed) * eval_h / p.hours
         per_step = (p.cost - fixed) / p.steps
         steps = int((p.budget_limit - fixed) / per_step) if per_step > 0 else 0
         if steps >= 1:
