@@ -42,6 +42,7 @@ def test_calibration_is_written_with_device_and_date_and_drives_the_plan(home):
     assert stored["date"] == time.strftime("%Y-%m-%d")
     assert stored["device"]["cores"] >= 1 and stored["device"]["name"]
     assert all(v > 0 for v in stored["layers"].values()) and stored["matmul_gflops"] > 0
+    assert stored["optimizer_params_per_s"] > 0
     p = plan(SPEC)
     assert any(a.startswith(f"calibrated on this machine {cal.date}") for a in p.assumptions)
     assert p.clock["step_s"] != table.clock["step_s"]
@@ -92,12 +93,17 @@ def test_a_real_run_teaches_the_next_plan_and_projects_its_cost_live(home):
     first = plan(spec)
     job = workbench.launch(spec)
     seen: dict = {}
+    from workbench.widgets.job_view import JobView
+
+    view, shown = JobView(job, autostart=False), ""  # the job view, while the run projects
     rss_seen = 0.0  # the largest resident memory a rank was seen with, sampled by this test
     deadline = time.time() + 240
     while time.time() < deadline and job.state not in ("succeeded", "failed", "cancelled"):
         st = job.status()
         if st.get("projected_total_s") is not None:
             seen = st
+            if not shown and view.refresh().get("state") == "running":
+                shown = view.stats.value
         for p in st.get("processes") or []:
             if p.get("role") == "rank":
                 with contextlib.suppress(psutil.Error):
@@ -115,11 +121,18 @@ def test_a_real_run_teaches_the_next_plan_and_projects_its_cost_live(home):
     assert seen["projected_cost"] == pytest.approx(2 * seen["projected_total_s"] / 3600)
     assert seen.get("budget_warning") is None
     assert job.summary()["budget_warning"] is None
+    # The panel's details and the job view show the projection beside the plan's figures.
+    planned_clock = json.loads(job.run_dir.plan_file.read_text())["clock"]
+    summary = job.summary()
+    assert summary["planned_total_s"] == pytest.approx(planned_clock["total_s"])
+    assert summary["projected_total_s"] == status["projected_total_s"]
+    assert not shown or ("projected" in shown and "(plan " in shown)
     measured = status["measured"]
     actual = status["ended"] - status["attempt_started"]
     assert measured["total_s"] == pytest.approx(actual)
     second = plan(spec)
-    assert any("from 1 earlier run(s) on local" in a for a in second.assumptions)
+    assert any("from 1 earlier run(s) on local" in a and job.run_dir.path.name in a
+               for a in second.assumptions)
     # The data cache (the run tokenised it) keeps the estimate: not max_length per example.
     assert second.tokens_per_step == pytest.approx(first.tokens_per_step, rel=0.05)
     assert abs(second.clock["total_s"] - actual) < abs(first.clock["total_s"] - actual)

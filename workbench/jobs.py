@@ -328,6 +328,10 @@ class Job:
             "tokens_per_s": sum(speeds) / len(speeds) if speeds else None,
             "elapsed_s": status.get("elapsed_s"), "eta_s": status.get("eta_s"),
             "budget_warning": status.get("budget_warning"),  # projected cost past the limit
+            # The live projection at the measured pace (callbacks.project) against the plan.
+            **{k: status.get(k) for k in ("projected_total_s", "projected_total_range_s",
+                                          "projected_cost", "projected_cost_range")},
+            **self.planned(),
             "cost": status.get("cost"), "currency": status.get("currency"),
             "snapshot": (status.get("snapshot") or {}).get("path"),
             "upload": (status.get("upload") or {}).get("state"),
@@ -337,6 +341,17 @@ class Job:
             "note": status.get("note"),  # why a run stopped short, and how to go on (budget)
             "phase": _phase(status),  # e.g. "preparing train 40000/200000" during launch
         }
+
+    def planned(self) -> dict[str, Any]:
+        """plan.json's total seconds and cost (None without a plan or before plans had a clock)."""
+        import json
+
+        try:
+            plan = json.loads(self.run_dir.plan_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            plan = {}
+        return {"planned_total_s": (plan.get("clock") or {}).get("total_s"),
+                "planned_cost": plan.get("cost")}
 
     def _repr_html_(self) -> str:
         import html

@@ -92,6 +92,9 @@ class Calibration:
     matmul_gflops: float
     layers: dict[str, float] = field(default_factory=dict)  # hidden size -> fwd+bwd GFLOP/s
     version: int = VERSION
+    # Parameters per second through gradient clipping + AdamW's step + zero_grad (fp32 state):
+    # the optimizer step of full fine-tuning, memory-bound, not FLOPs. None: not measured.
+    optimizer_params_per_s: float | None = None
 
     def train_gflops(self, hidden: int) -> tuple[float, int]:
         """(GFLOP/s of a forward+backward at the measured hidden size nearest ``hidden``, that
@@ -156,6 +159,30 @@ def measure(on_gpu: bool, dtype: str = "float32", hiddens: tuple[int, ...] = (),
     return matmul, layers
 
 
+def measure_optimizer(on_gpu: bool) -> float:
+    """Parameters per second through what the Trainer does after backward on every step:
+    clip the gradient norm, AdamW's step (fp32 weights, gradients and two moments) and
+    zero_grad, on one flat parameter large enough to leave the caches."""
+    import torch
+
+    dev = torch.device("cuda" if on_gpu else "cpu")
+    n = 64 * 2**20 if on_gpu else 8 * 2**20
+    w = torch.nn.Parameter(torch.randn(n, device=dev))
+    opt = torch.optim.AdamW([w], lr=1e-4)
+
+    def step() -> None:
+        w.grad = torch.ones_like(w)  # the backward's gradient: written every step
+        torch.nn.utils.clip_grad_norm_([w], 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def sync() -> None:
+        if on_gpu:
+            torch.cuda.synchronize()
+
+    return n / _time(step, sync)
+
+
 def calibrate(target: str = "local", *, spec: Any = None, dtype: str | None = None) -> Calibration:
     """Measure this machine for ``target`` and store it (WORKBENCH_HOME/calibration/TARGET.json).
 
@@ -188,11 +215,12 @@ def calibrate(target: str = "local", *, spec: Any = None, dtype: str | None = No
         hiddens = (hidden,) if old is not None and old.dtype == dtype else (
             *(_GPU_HIDDENS if on_gpu else _CPU_HIDDENS), hidden)
     matmul, layers = measure(on_gpu, dtype, hiddens)
+    optimizer = measure_optimizer(on_gpu)
     ident = device_identity(on_gpu)
     if old is not None and old.device == ident and old.dtype == dtype:
         layers = {**old.layers, **layers}
     cal = Calibration(target=target, date=_dt.date.today().isoformat(), device=ident, dtype=dtype,
-                      matmul_gflops=matmul, layers=layers)
+                      matmul_gflops=matmul, layers=layers, optimizer_params_per_s=optimizer)
     path = calibration_file(target)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(cal.to_dict(), indent=2))
@@ -219,7 +247,10 @@ def load_calibration(target: str, device: dict[str, Any] | None = None, dtype: s
             raise TypeError("device and layers must be mappings")
         cal.matmul_gflops = float(cal.matmul_gflops)
         cal.layers = {str(int(k)): float(v) for k, v in cal.layers.items()}
-        if cal.matmul_gflops <= 0 or any(v <= 0 for v in cal.layers.values()):
+        if cal.optimizer_params_per_s is not None:
+            cal.optimizer_params_per_s = float(cal.optimizer_params_per_s)
+        if cal.matmul_gflops <= 0 or any(v <= 0 for v in cal.layers.values()) or (
+                cal.optimizer_params_per_s is not None and cal.optimizer_params_per_s <= 0):
             raise ValueError("throughputs must be positive")
     except (OSError, ValueError, TypeError) as exc:
         skip(f"it cannot be read ({exc}); run `workbench targets check {target}` to measure "
@@ -238,10 +269,11 @@ def load_calibration(target: str, device: dict[str, Any] | None = None, dtype: s
 
 
 def time_basis(target: str, gpu: Any, on_gpu: bool, dtype: str, hidden: int
-               ) -> tuple[Any, str, str]:
+               ) -> tuple[Any, str, str, float | None]:
     """(the GpuType whose peak x utilisation step_seconds should use, the plan's assumption line,
-    the device key runs are grouped by): the target's calibration when it was measured on this
-    device at this dtype, else the GPU table's peak at its stated utilisation."""
+    the device key runs are grouped by, the measured optimizer parameters/s or None): the
+    target's calibration when it was measured on this device at this dtype, else the GPU table's
+    peak at its stated utilisation."""
     import dataclasses
 
     if on_gpu:
@@ -256,14 +288,16 @@ def time_basis(target: str, gpu: Any, on_gpu: bool, dtype: str, hidden: int
     if cal is None:
         if on_gpu:
             return gpu, (f"{gpu.name}: {gpu.bf16_tflops:g} TFLOP/s bf16 peak at "
-                         f"{gpu.utilisation:.0%} utilisation (the GPU table; not calibrated)"), key
+                         f"{gpu.utilisation:.0%} utilisation (the GPU table; not calibrated)"
+                         ), key, None
         return gpu, ("CPU run: memory is host RAM shared by the processes; time at "
                      f"{gpu.utilisation:.0%} of {gpu.bf16_tflops} TFLOP/s per core (the GPU "
-                     "table; not calibrated)"), key
+                     "table; not calibrated)"), key, None
     gflops, h = cal.train_gflops(hidden)
     units = 1 if on_gpu else max(1, int(cal.device.get("cores") or 1))
     eff = dataclasses.replace(gpu, bf16_tflops=gflops / 1e3 / units, utilisation=1.0)
     where = "on this machine" if target == "local" else f"on {target}"
     return eff, (f"calibrated {where} {cal.date}: {gflops:,.1f} GFLOP/s for a forward+backward "
                  f"of a hidden-{h} layer at {cal.dtype} ({cal.device.get('name')}, "
-                 f"{cal.device.get('cores')} {'GPUs' if on_gpu else 'cores'})"), key
+                 f"{cal.device.get('cores')} {'GPUs' if on_gpu else 'cores'})"), key, \
+        cal.optimizer_params_per_s

@@ -68,6 +68,7 @@ def record_run(rd: Any, final: dict[str, Any]) -> dict[str, Any] | None:
         return None
     row = {k: clock.get(k) for k in ("target", "device", "shape", "method", "world_size")}
     row.update(run=rd.path.name, model_step_s=clock.get("model_step_s"),
+               model_eval_s=clock.get("model_eval_s"), planned_steps=clock.get("steps"),
                model_startup_s=clock.get("model_startup_s"), measured_step_s=m["step_s"],
                measured_startup_s=m["startup_s"], finish_s=m["finish_s"], planned_step_s=clock.get("step_s"),
                planned_startup_s=clock.get("startup_s"), steps=m["steps"])
@@ -99,6 +100,7 @@ class Correction:
     startup: float  # and the modelled start-up by this
     finish: float  # seconds from the last step to the end (save, exit)
     runs: int  # how many earlier runs it is taken from
+    names: tuple[str, ...] = ()  # their run folders, oldest first
 
 
 def correction(target: str, device: str, shape: str, method: str,
@@ -124,12 +126,21 @@ def correction(target: str, device: str, shape: str, method: str,
     if not rows:
         return None
     near = rows[-_NEAREST:]
-    step = statistics.median(r["measured_step_s"] / r["model_step_s"] for r in near)
+
+    def modelled(r: dict[str, Any]) -> float:
+        # status.json's step_s is training time per step, validation passes included: compare
+        # it with the modelled step plus its share of the modelled validation.
+        per_step = (r.get("model_eval_s") or 0.0) / r["planned_steps"] if r.get(
+            "planned_steps") else 0.0
+        return float(r["model_step_s"]) + per_step
+
+    step = statistics.median(r["measured_step_s"] / modelled(r) for r in near)
     ups = [r["measured_startup_s"] / r["model_startup_s"] for r in near
            if r.get("model_startup_s") and r.get("measured_startup_s") is not None]
     ends = [r["finish_s"] for r in near if r.get("finish_s") is not None]
     return Correction(step, statistics.median(ups) if ups else 1.0,
-                      statistics.median(ends) if ends else FINISH_S, len(near))
+                      statistics.median(ends) if ends else FINISH_S, len(near),
+                      tuple(str(r.get("run")) for r in near if r.get("run")))
 
 
 def _fmt(v: float | None, unit: str = "s") -> str:

@@ -30,7 +30,7 @@ from workbench.plan.memory import (
 from workbench.plan.result import Candidate, Plan, Suggestion
 from workbench.plan.shape import ModelShape, model_shape
 from workbench.plan.stage import stage_cost, stage_memory, stage_time_factor
-from workbench.plan.timing import DataEstimate, _Run, estimate_data, step_seconds
+from workbench.plan.timing import DataEstimate, _Run, estimate_data, eval_seconds, step_seconds
 from workbench.precision import DeviceKind, Precision, resolve_precision
 from workbench.spec import ParallelSpec, RunSpec
 from workbench.startup import startup_estimate
@@ -134,18 +134,19 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
     from workbench.plan.calibrate import time_basis
     from workbench.plan.history import FINISH_S, correction
 
-    time_gpu, basis, device_key = time_basis(spec.target, gpu, on_gpu, precision.compute_dtype,
-                                             shape.hidden)
+    time_gpu, basis, device_key, optimizer_rate = time_basis(
+        spec.target, gpu, on_gpu, precision.compute_dtype, shape.hidden)
     assumptions.append(basis)
     shape_key = f"{shape.model_id}:{shape.params}"
     corr = correction(spec.target, device_key, shape_key, spec.method.kind, res.world_size)
     time_scale, startup_scale, finish = (corr.step, corr.startup, corr.finish) if corr else (
         1.0, 1.0, FINISH_S)
     if corr:
-        assumptions.append(f"corrected from {corr.runs} earlier run(s) on {spec.target}: step "
-                           f"time x{corr.step:.2f}, start-up x{corr.startup:.2f} (measured / "
-                           "modelled)")
-    run = _Run(tokens_per_step, steps, time_gpu, n_devices, on_gpu)
+        newest = f", newest {corr.names[-1]}" if corr.names else ""
+        assumptions.append(f"corrected from {corr.runs} earlier run(s) on {spec.target}{newest}: "
+                           f"step time x{corr.step:.2f}, start-up x{corr.startup:.2f} (measured "
+                           "/ modelled)")
+    run = _Run(tokens_per_step, steps, time_gpu, n_devices, on_gpu, optimizer_rate)
     # What the bill counts: cards, or processes on CPU (workbench.budget bills process-core-hours),
     # held from the supervisor's start to its exit, so start-up and release are paid too.
     units = billed_units(spec)
@@ -172,11 +173,13 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
         secs, flops = step_seconds(s_time, st, run)
         return secs * stage_x, flops * stage_x
 
+    # Validation passes are held and billed like steps (forward only, corrected like them).
+    eval_s = eval_seconds(spec, s_time, run, data.rows, data.tokens_per_example, steps) * stage_x
     candidates = []
     for st in all_strategies(res.world_size):
         mem = memory_of(st)
         secs = seconds_of(st)[0] * time_scale
-        hours = secs * steps / 3600 if steps else None
+        hours = (secs * steps + eval_s * time_scale) / 3600 if steps else None
         fits = mem.total <= capacity - margin and unsupported(st) is None
         candidates.append(Candidate(st, mem, fits, hours, priced(hours)))
 
@@ -199,7 +202,7 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
             # e.g. ZeRO-1/2/3 without offload on one process, or ddp + offload: still evaluate.
             mem = memory_of(target)
             secs = seconds_of(target)[0] * time_scale
-            hours = secs * steps / 3600 if steps else None
+            hours = (secs * steps + eval_s * time_scale) / 3600 if steps else None
             chosen = Candidate(target, mem, mem.total <= capacity - margin, hours, priced(hours))
             if target.parallel == "ddp" and (target.offload_optimizer or target.offload_params):
                 chosen.fits = False
@@ -256,10 +259,11 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
              "method": spec.method.kind, "world_size": res.world_size,
              "model_step_s": model_step, "model_startup_s": sum(v for v in model_startup.values()
                                                                 if v),
-             "step_s": model_step * time_scale, "startup_s": startup_total,
-             "finish_s": finish,
-             "total_s": startup_total + model_step * time_scale * steps + finish if steps
-             else None,
+             "model_eval_s": eval_s, "steps": steps,
+             "step_s": model_step * time_scale, "eval_s": eval_s * time_scale,
+             "startup_s": startup_total, "finish_s": finish,
+             "total_s": startup_total + (model_step * steps + eval_s) * time_scale + finish
+             if steps else None,
              "basis": "; ".join(assumptions[-2 if corr else -1:]),
              "earlier_runs": corr.runs if corr else 0}
     return Plan(
@@ -363,6 +367,9 @@ def _suggest(spec: RunSpec, p: Plan, gpu: GpuType, on_gpu: bool, shape: ModelSha
                 "GPUs/nodes"))
     if p.budget_verdict == "over budget" and p.cost and p.steps and p.budget_limit:
         fixed = p.startup_cost or 0.0  # start-up and release are paid whatever max_steps is
+        eval_h = (p.clock or {}).get("eval_s", 0.0) / 3600
+        if p.hours:  # ~EVALS_PER_RUN validation passes whatever max_steps is: taken as fixed
+            fixed += (p.cost - fixed) * eval_h / p.hours
         per_step = (p.cost - fixed) / p.steps
         steps = int((p.budget_limit - fixed) / per_step) if per_step > 0 else 0
         if steps >= 1:

@@ -159,9 +159,17 @@ def estimate_data(spec: RunSpec) -> DataEstimate:
         lengths = [min(L, _text_chars(r) / _CHARS_PER_TOKEN + _TEMPLATE_TOKENS) for r in sample]
         how = f"estimated from {len(lengths)} sampled rows at {_CHARS_PER_TOKEN} characters per token"
     per_example: float
-    if spec.data.packing:
-        per_example = L  # packed blocks are full by construction
-        note = "packed: every sequence is max_length tokens"
+    packed_rows = _packed_rows(lengths, L) if spec.data.packing and lengths else []
+    if packed_rows:
+        # Rows hold whole examples only (workbench.data.tokenize.pack), laid end to end without
+        # padding: a row costs the tokens it holds, short of max_length by the example that did
+        # not fit.
+        per_example = sum(packed_rows) / len(packed_rows)
+        note = (f"packed: whole examples into rows of at most {L} tokens, ~{per_example:.0f} "
+                f"tokens per row, {how}")
+    elif spec.data.packing:
+        per_example = L
+        note = "packed and the data could not be sampled: assumed max_length tokens per row"
     elif lengths:
         # Each batch is padded to its longest example: average the per-batch maximum.
         bs = spec.train.batch_size
@@ -173,11 +181,9 @@ def estimate_data(spec: RunSpec) -> DataEstimate:
         note = "not packed and the data could not be sampled: assumed max_length per example"
     if unknown:
         note += f"; row count unknown for {', '.join(unknown)} (set train.max_steps)"
-    if spec.data.packing and total is not None and lengths:
-        # Packing turns rows into max_length blocks: estimate blocks from sampled text length.
-        avg = sum(lengths) / len(lengths)
-        total = max(1, int(total * avg / L))
-        note += f"; ~{total:,} packed blocks"
+    if packed_rows and total is not None:
+        total = max(1, round(total * len(packed_rows) / len(lengths)))
+        note += f"; ~{total:,} packed rows"
     tokens = {**sample_stats.to_dict(), "sampled": True} if measured else None
     longest, longest_of = None, ""
     if measured and train is not None and not spec.data.packing:
@@ -197,6 +203,21 @@ def estimate_data(spec: RunSpec) -> DataEstimate:
     return DataEstimate(total, per_example, note, tokens, longest, longest_of)
 
 
+def _packed_rows(lengths: list[float], block: int) -> list[float]:
+    """Tokens per row when ``lengths`` are packed in order, as workbench.data.tokenize.pack does:
+    an example that does not fit in the current row starts the next one."""
+    rows: list[float] = []
+    row = 0.0
+    for n in lengths:
+        if row and row + n > block:
+            rows.append(row)
+            row = 0.0
+        row += n
+    if row:
+        rows.append(row)
+    return rows
+
+
 def _forward_flops_per_token(sh: ModelShape, seq_len: int) -> float:
     # 2 FLOPs per multiply-add of every linear layer (lm_head included), plus attention scores and
     # their weighting, 2·n_layer·n_ctx·d (Kaplan et al. 2020, table 1; causal masking halves the
@@ -210,6 +231,13 @@ _QLORA_SLOWDOWN = 1.66
 _INTER_NODE_GBPS = 12.5  # 100 Gb/s InfiniBand/RoCE, the common cluster fabric
 _PCIE_GBPS = 16.0  # effective host<->device copy bandwidth (PCIe 4.0 x16 pinned)
 _CPU_ADAM_PARAMS_PER_S = 1e9  # DeepSpeed CPUAdam on a many-core host (ZeRO-Offload paper)
+# The optimizer step without offload (gradient clipping, AdamW, zero_grad) streams ~7 fp32 values
+# per trainable parameter through memory: a memory-bound cost FLOPs miss, which dominates full
+# fine-tuning of small batches. Uncalibrated: ~1 TB/s effective on a datacenter card; on a CPU
+# host 1.5e7 parameters/s per core (measured 1.9-4.1e7 for this 2-core host, 1 or 2 threads,
+# torch AdamW). A calibration measures it (workbench.plan.calibrate.measure_optimizer).
+_GPU_OPTIMIZER_PARAMS_PER_S = 3e10
+_CPU_OPTIMIZER_PARAMS_PER_S_PER_CORE = 1.5e7
 
 
 @dataclass(frozen=True)
@@ -219,6 +247,9 @@ class _Run:
     gpu: GpuType
     n_devices: int  # GPUs in total, or CPU cores in total for CPU runs
     on_gpu: bool
+    # Trainable parameters per second through the optimizer step, per GPU or per host (all its
+    # cores): the target's calibration, None for the uncalibrated default.
+    optimizer_params_per_s: float | None = None
 
 
 def step_seconds(s: _Setup, st: Strategy, r: _Run) -> tuple[float, float]:
@@ -244,8 +275,39 @@ def step_seconds(s: _Setup, st: Strategy, r: _Run) -> tuple[float, float]:
         if st.parallel == "zero3":
             comm *= 1.5  # + parameter all-gathers in forward and backward (ZeRO paper, sec. 7)
         seconds += 0.5 * comm
-    if st.offload_optimizer:
+    if st.offload_optimizer and r.on_gpu:
         seconds += t / s.world / _CPU_ADAM_PARAMS_PER_S + 2 * 4 * t / s.world / (_PCIE_GBPS * 1e9)
+    elif r.on_gpu:
+        # Counted whole on every card: ZeRO-1/2's sharded update is not taken as cheaper
+        # (unmeasured: its bucketing and gathers cost too), so the choice among them is unchanged.
+        seconds += t / (r.optimizer_params_per_s or _GPU_OPTIMIZER_PARAMS_PER_S)
+    else:
+        # A CPU host's ranks share its memory bandwidth: each updates every trainable parameter
+        # (offloading to the same host changes nothing).
+        per_node = r.n_devices / max(1, s.nodes)
+        rate = r.optimizer_params_per_s or _CPU_OPTIMIZER_PARAMS_PER_S_PER_CORE * per_node
+        seconds += t * (s.world / max(1, s.nodes)) / rate
     if st.offload_params:
         seconds += 2 * s.compute_bytes * sh.params / s.world / (_PCIE_GBPS * 1e9)
     return seconds, flops
+
+
+def eval_seconds(spec: RunSpec, s: _Setup, r: _Run, rows: int | None, tokens_per_row: float,
+                 steps: int | None) -> float:
+    """Seconds of the run's validation passes: forward only, split across the ranks, over
+    ``data.eval_samples`` validation rows (of the ~``validation_fraction`` share of the data),
+    every ``train.eval_every`` steps (unset: ~EVALS_PER_RUN times) and once at the end."""
+    from workbench.spec import EVALS_PER_RUN
+
+    vf = spec.data.validation_fraction
+    if not steps or rows is None or vf <= 0:
+        return 0.0
+    val = max(1, round(rows * vf / (1 - vf)))
+    if spec.data.eval_samples:
+        val = min(val, spec.data.eval_samples)
+    every = spec.train.eval_every
+    if every is None:  # a ratio of the total steps, rounded up by the Trainer
+        every = max(1, math.ceil(steps / EVALS_PER_RUN))
+    evals = (steps // every if every else 0) + (0 if every and steps % every == 0 else 1)
+    flops = evals * val * tokens_per_row * _forward_flops_per_token(s.shape, s.seq_len)
+    return flops / (r.gpu.bf16_tflops * 1e12 * r.n_devices * r.gpu.utilisation)

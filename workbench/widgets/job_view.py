@@ -72,6 +72,7 @@ class JobView(W.VBox):
         self.cancel_button.on_click(lambda _b: self._cancel())
         self.error = W.HTML()
         self._seen = 0  # metrics lines already handed to the chart
+        self._plan: dict[str, Any] = {}  # plan.json's total time and cost, read once it exists
         self._last_row: dict[str, Any] | None = None
         self._eval_size = -1
         self._stop = threading.Event()
@@ -101,6 +102,10 @@ class JobView(W.VBox):
         src = self.chart.sources[0]
         loss, eval_loss, speed = src.last("loss"), src.last("eval_loss"), src.last("tokens_per_s")
         prep = status.get("prepare") or {}
+        if not self._plan:  # plan.json is written once, at launch
+            self._plan = {k: v for k, v in getattr(self.job, "planned", dict)().items()
+                          if v is not None}
+        planned = self._plan
         parts = [
             (f"preparing data: {prep.get('split', '')} {prep.get('done', 0):,}/"
              f"{prep.get('total', '?')}" if status.get("phase") == "preparing" else ""),
@@ -111,8 +116,11 @@ class JobView(W.VBox):
             f"elapsed {_duration(status.get('elapsed_s'))}",
             (f"cost {status['cost']:.2f} {status.get('currency', '')}"
              if status.get("cost") is not None else ""),
-            (f"projected {status['projected_cost']:.2f} {status.get('currency', '')}"
-             if status.get("projected_cost") is not None and state not in TERMINAL else ""),
+            (f"projected {_duration(status['projected_total_s'])}"
+             + (f", {status['projected_cost']:.2f} {status.get('currency', '')}"
+                if status.get("projected_cost") is not None else "")
+             + _vs_plan(planned) if status.get("projected_total_s") is not None
+             and state not in TERMINAL else ""),
             (f"snapshot {status['snapshot']['path']}" if status.get("snapshot") else ""),
             (f"upload {status['upload']['state']}" if status.get("upload") else ""),
             (f"restarts {status['restarts']}" if status.get("restarts") else ""),
@@ -167,3 +175,11 @@ class JobView(W.VBox):
 
     def stop(self) -> None:
         self._stop.set()
+
+
+def _vs_plan(planned: dict[str, Any]) -> str:
+    """' (plan 4m00s, 0.05 CNY)': the plan's figures beside the live projection."""
+    parts = [_duration(planned["planned_total_s"])] if planned.get("planned_total_s") else []
+    if planned.get("planned_cost") is not None:
+        parts.append(f"{planned['planned_cost']:.2f}")
+    return f" (plan {', '.join(parts)})" if parts else ""

@@ -122,6 +122,7 @@ export class RunDetails extends Widget {
     if (cost) {
       rows.push(['Cost', cost]);
     }
+    rows.push(...projection(d));
     if (d.error) {
       rows.push(['Error', d.error]);
     }
@@ -183,4 +184,26 @@ export class RunDetails extends Widget {
     }
     this.snapshotsSection.replaceChildren(h, list);
   }
+}
+
+/** The live projection (status.json, from the measured pace) beside the plan: total time held
+ * and cost at the end, with their ranges; shown while the run trains. */
+export function projection(d: IRunDetails): [string, string][] {
+  if (TERMINAL_STATES.has(d.state || '') || d.projected_total_s == null) {
+    return [];
+  }
+  const out: [string, string][] = [];
+  const range = (r?: [number, number] | null, f: (v: number) => string = duration): string =>
+    r ? ` (${f(r[0])}–${f(r[1])})` : '';
+  const planned = d.planned_total_s != null ? `; plan ${duration(d.planned_total_s)}` : '';
+  out.push(['Projected time', duration(d.projected_total_s) + range(d.projected_total_range_s) + planned]);
+  if (d.projected_cost != null) {
+    const m = (v: number): string => money(v, d.currency) || v.toFixed(2);
+    const plannedCost = d.planned_cost != null ? `; plan ${m(d.planned_cost)}` : '';
+    out.push(['Projected cost', m(d.projected_cost) + range(d.projected_cost_range, m) + plannedCost]);
+  }
+  if (d.budget_warning) {
+    out.push(['Budget', d.budget_warning]);
+  }
+  return out;
 }

@@ -36,6 +36,14 @@ export interface IRun {
   note?: string | null;
   created: number;
   cost: number | null;
+  /** The live projection at the measured pace, and the plan's figures (older servers: absent). */
+  projected_total_s?: number | null;
+  projected_total_range_s?: [number, number] | null;
+  projected_cost?: number | null;
+  projected_cost_range?: [number, number] | null;
+  planned_total_s?: number | null;
+  planned_cost?: number | null;
+  budget_warning?: string | null;
   currency: string | null;
   /** [step, loss] pairs, downsampled on the server. */
   curve: [number, number][];

@@ -1,0 +1,91 @@
+"""The plan's step time counts what a step really processes and does: packed rows hold whole
+examples only, full fine-tuning pays its optimizer step, and validation passes are held too."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+
+import workbench
+from workbench.plan import plan
+from workbench.plan.calibrate import CalibrationWarning, calibration_file
+
+
+def _rows(path, n):
+    # Answers of 30-69 words: a few of them fill a 256-token row, with room left over.
+    rows = [{"messages": [{"role": "user", "content": f"Count for me, please ({i})."},
+                          {"role": "assistant",
+                           "content": " ".join(f"w{j}" for j in range(30 + (7 * i) % 40))}]}
+            for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def test_packed_rows_are_planned_at_the_tokens_they_hold_not_max_length(tmp_path):
+    from workbench.assets import builtin_model_path
+    from workbench.data.tokenize import load_tokenizer
+    from workbench.data.tokenized import tokenize_split
+
+    path = _rows(tmp_path / "rows.jsonl", 400)
+    spec = workbench.RunSpec(
+        data={"sources": [{"path": str(path)}], "validation_fraction": 0, "max_length": 256,
+              "packing": True},
+        train={"batch_size": 4}, resources={"processes_per_node": 1})
+    p = plan(spec)
+    # What the trainer will really get: the data tokenised and packed by the run's own code.
+    table, _ = tokenize_split(path, spec, load_tokenizer(spec, str(builtin_model_path())))
+    lengths = [len(ids) for ids in table.column("input_ids").to_pylist()]
+    real_per_row = sum(lengths) / len(lengths)
+    assert real_per_row < 0.9 * 256  # the data is shaped so that rows are visibly short
+    assert p.tokens_per_step / 4 == pytest.approx(real_per_row, rel=0.05)
+    assert p.steps == pytest.approx(len(lengths) / 4, rel=0.05)
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_HOME", str(tmp_path))
+    return tmp_path
+
+
+def _store_calibration(optimizer_params_per_s: float) -> None:
+    """A calibration of this machine as `workbench targets check local` would store it, with the
+    FLOPs figures fixed and the optimizer's rate chosen by the test."""
+    from workbench.plan.calibrate import device_identity
+
+    calibration_file("local").write_text(json.dumps({
+        "target": "local", "date": "2026-12-01", "device": device_identity(False),
+        "dtype": "float32", "matmul_gflops": 20.0, "layers": {"256": 8.0, "1024": 20.0},
+        "optimizer_params_per_s": optimizer_params_per_s}))
+
+
+def test_a_calibrated_optimizer_rate_prices_full_fine_tuning_more_than_lora(home):
+    # Qwen2.5-0.5B (planned from its config, nothing loaded): full trains ~500M parameters,
+    # LoRA a few million adapter weights.
+    full = {"model": {"id": "Qwen/Qwen2.5-0.5B"}, "method": {"kind": "full"},
+            "train": {"max_steps": 10}, "resources": {"processes_per_node": 1}}
+    lora = {**full, "method": {"kind": "lora"}}
+    _store_calibration(1e8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CalibrationWarning)  # read, not refused
+        before = plan(full).clock["step_s"], plan(lora).clock["step_s"]
+        _store_calibration(1e7)  # a host whose optimizer step is 10x slower
+        after = plan(full).clock["step_s"], plan(lora).clock["step_s"]
+    assert after[0] > before[0] and after[1] >= before[1]
+    assert after[0] - before[0] > 10 * (after[1] - before[1])
+    # Full fine-tuning of 500M parameters at 1e7 per second cannot take under 50 s a step.
+    assert after[0] > 50
+
+
+def test_validation_passes_are_held_and_planned(home):
+    base = workbench.RunSpec(train={"max_steps": 20}, resources={"processes_per_node": 1},
+                             budget={"price_per_cpu_core_hour": 1.0})
+    none = plan(base.updated(**{"data.validation_fraction": 0.0}))
+    end = plan(base.updated(**{"train.eval_every": 0}))
+    every = plan(base.updated(**{"train.eval_every": 1}))
+    assert none.clock["eval_s"] == 0
+    assert 0 < end.clock["eval_s"] < every.clock["eval_s"]
+    assert every.clock["total_s"] - end.clock["total_s"] == pytest.approx(
+        every.clock["eval_s"] - end.clock["eval_s"])
+    assert every.cost > end.cost > none.cost
