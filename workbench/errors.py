@@ -169,3 +169,7 @@ class EvalTaskError(EvalError, ValueError):
 
 class JudgeError(EvalError):
     """The judge endpoint is unreachable or refused the request (key, model name, URL)."""
+
+
+class RemoteEvalError(EvalError):
+    """A run on this remote target cannot be scored from here; the message says what to run."""
