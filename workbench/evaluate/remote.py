@@ -1,4 +1,4 @@
-"""``job.evaluate`` on a run whose directory of record is on a remote target: scored there.
+"""``job.evaluate``: an ended run scored where its weights are, here or on its remote target.
 
 The weights of an SSH run live on its first host (the local run directory is a mirror), so the
 evaluation runs there, as the after-training one did: ``python -m workbench.evaluate.remote
@@ -26,6 +26,30 @@ from workbench.evaluate.runner import EvalReport
 # How long an evaluation on the target may take (a long lm-eval suite included).
 TIMEOUT_S = 6 * 3600.0
 _ANSWER = "WORKBENCH-EVAL "
+
+
+def evaluate_job(job: Any, tasks: Any = None, *, endpoint: str | None = None,
+                 **knobs: Any) -> EvalReport:
+    """``job.evaluate``: the run's final weights (its adapter/ or model/) or ``endpoint``, scored
+    on ``tasks`` (default: the spec's ``eval.tasks``) with its validation split as the default
+    file; lines go to the run's eval.jsonl (phase ``manual``, at the run's last step). A run
+    whose directory of record is on a remote target is scored there."""
+    from workbench.evaluate.runner import as_tasks, evaluate_run_dir
+    from workbench.rundir import TERMINAL
+
+    state = job.state
+    if endpoint is None and state not in TERMINAL:
+        raise EvalError(f"run {job.id} is {state}; wait for it to end (job.wait()) or give "
+                        "eval.every_steps in the spec to score it while it trains")
+    rd = job.run_dir
+    if not rd.path.is_dir():
+        raise EvalError(f"run {job.id}'s directory {rd.path} is not on this machine; evaluate "
+                        "it where it ran (`workbench eval --run-dir DIR` on the target)")
+    parsed = as_tasks(tasks if tasks is not None else job.spec.eval.tasks, **knobs)
+    if placed_elsewhere(rd.path):
+        return evaluate_there(job, parsed, endpoint)
+    return evaluate_run_dir(rd.path, parsed, endpoint=endpoint,
+                            step=int(job.status().get("step") or 0))
 
 
 def placed_elsewhere(local_dir: Path) -> bool:

@@ -193,30 +193,6 @@ def evaluate(model: Any = None, tasks: Any = ("heldout",), *, endpoint: str | No
     return score(source, parsed, phase=phase, step=step, run_dir=run_dir)
 
 
-def evaluate_job(job: Any, tasks: Any = None, *, endpoint: str | None = None,
-                 **knobs: Any) -> EvalReport:
-    """``job.evaluate``: the run's final weights (its adapter/ or model/) or ``endpoint``, scored
-    on ``tasks`` (default: the spec's ``eval.tasks``) with its validation split as the default
-    file; lines go to the run's eval.jsonl (phase ``manual``, at the run's last step). A run
-    whose directory of record is on a remote target is scored there (:mod:`.remote`)."""
-    from workbench.evaluate import remote
-    from workbench.rundir import TERMINAL
-
-    state = job.state
-    if endpoint is None and state not in TERMINAL:
-        raise EvalError(f"run {job.id} is {state}; wait for it to end (job.wait()) or give "
-                        "eval.every_steps in the spec to score it while it trains")
-    rd = job.run_dir
-    if not rd.path.is_dir():
-        raise EvalError(f"run {job.id}'s directory {rd.path} is not on this machine; evaluate "
-                        "it where it ran (`workbench eval --run-dir DIR` on the target)")
-    parsed = as_tasks(tasks if tasks is not None else job.spec.eval.tasks, **knobs)
-    if remote.placed_elsewhere(rd.path):
-        return remote.evaluate_there(job, parsed, endpoint)
-    return evaluate_run_dir(rd.path, parsed, endpoint=endpoint,
-                            step=int(job.status().get("step") or 0))
-
-
 def evaluate_run_dir(path: str | Path, tasks: Any = None, *, endpoint: str | None = None,
                      step: int | None = None, **knobs: Any) -> EvalReport:
     """Score the run directory ``path`` in place: its adapter/ or model/ (or ``endpoint``) on
