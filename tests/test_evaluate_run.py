@@ -13,7 +13,7 @@ import pytest
 
 import workbench
 from tests.evaluate_support import JudgeServer, write_sounds_task
-from workbench.errors import JudgeError
+from workbench.errors import EvalError, JudgeError
 from workbench.evaluate import results
 
 pytestmark = pytest.mark.slow
@@ -101,3 +101,12 @@ def test_cli_eval_scores_an_ended_run(runs):
     table = run(["eval", scored.id, "--tasks", "perplexity", "--max-samples", "4"])
     assert table.splitlines()[0].split()[:4] == ["TASK", "MODEL", "STEP", "N"]
     assert table.splitlines()[1].split()[:4] == ["perplexity", "run", str(STEPS), "4"]
+    # In place, without the registry (what runs on a remote run's target): the same scorer,
+    # a line in the run's own eval.jsonl; a folder that is no run is a clear error.
+    before = len(results.read(scored.run_dir.path))
+    table = run(["eval", "--run-dir", str(scored.run_dir.path), "--tasks", "perplexity",
+                 "--max-samples", "4"])
+    assert table.splitlines()[1].split()[:4] == ["perplexity", "run", str(STEPS), "4"]
+    assert len(results.read(scored.run_dir.path)) == before + 1
+    with pytest.raises(EvalError, match="not a run directory"):
+        run(["eval", "--run-dir", str(scored.run_dir.path / "logs")])

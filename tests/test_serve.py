@@ -196,6 +196,37 @@ def test_chat_widget_streams_a_conversation(servers):
     assert widget.messages == [] and widget.conversation.value == ""
 
 
+def test_evaluate_through_vllm_scores_as_transformers_and_judges(servers, trained, tmp_path):
+    """workbench.evaluate on an endpoint: its greedy heldout answers are transformers + peft's,
+    so the scores are the same; the other server as a judge answers every comparison, in both
+    orders, and each verdict is counted once (a tiny model's verdicts may well be nonsense)."""
+    adapter, merged = servers
+    qa = tmp_path / "qa.jsonl"
+    rows = list(teaching_rows("heldout"))[:12]
+    qa.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    served = workbench.evaluate(endpoint=adapter.name, tasks=["heldout"], file=qa,
+                                max_new_tokens=24)
+    local = workbench.evaluate(trained.run_dir.adapter_dir, tasks=["heldout"], file=qa,
+                               max_new_tokens=24)
+    answers = [r["prediction"] for r in served.examples["heldout"]]
+    assert answers == [r["prediction"] for r in local.examples["heldout"]]
+    assert served.metrics == local.metrics
+    # Not two empty lists agreeing: the tuned adapter gets the teaching answers right.
+    right = sum(a.strip().lower() == r["output"].lower() for a, r in zip(answers, rows))
+    assert right >= 6 and served.metrics["heldout.exact_match"] == right / len(rows)
+    assert served.lines[0]["model"] == f"endpoint:{adapter.name}"
+
+    judged = workbench.evaluate(endpoint=adapter.name, file=qa, max_samples=4,
+                                tasks=[{"kind": "judge", "judge": merged.name}])
+    (line,) = judged.lines
+    m, verdicts = line["metrics"], judged.examples["judge"]
+    assert line["n"] == len(verdicts) == 4 and line["baseline"] == "reference"
+    asked = [(v["verdict_evaluated_first"], v["verdict_evaluated_second"]) for v in verdicts]
+    assert all(isinstance(a, str) and isinstance(b, str) for a, b in asked)
+    assert m["wins"] + m["losses"] + m["ties"] + m["unparseable"] == 2 * 4
+    assert ("win_rate" in m) == (m["unparseable"] < 8)
+
+
 def test_second_adapter_on_the_same_base_and_rank_above_max(servers, trained, tmp_path):
     adapter, _ = servers
     name = adapter.add_adapter(trained.run_dir.adapter_dir, name="serve-test-copy")

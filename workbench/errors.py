@@ -173,3 +173,7 @@ class JudgeError(EvalError):
 
 class FastPathError(WorkbenchError, ValueError):
     """A training fast path set ``on`` in ``train.fast`` cannot work where the run trains."""
+
+
+class RemoteEvalError(EvalError):
+    """A run on this remote target cannot be scored from here; the message says what to run."""

@@ -291,8 +291,8 @@ class Job:
     def evaluate(self, tasks: Any = None, *, endpoint: str | None = None, **knobs: Any) -> Any:
         """Score this ended run's weights (or, with ``endpoint=``, a served model) on ``tasks``
         (default: the spec's eval tasks); the scores join the run's eval.jsonl as ``manual``.
-        See :func:`workbench.evaluate.runner.evaluate_job`."""
-        from workbench.evaluate.runner import evaluate_job
+        See :func:`workbench.evaluate.remote.evaluate_job`."""
+        from workbench.evaluate.remote import evaluate_job
 
         return evaluate_job(self, tasks, endpoint=endpoint, **knobs)
 

@@ -19,6 +19,7 @@ from cluster import processes_with, squeue_job_names
 import workbench
 from workbench.backends.slurm import sbatch_script
 from workbench.backends.ssh import SSHBackend
+from workbench.errors import RemoteEvalError
 from workbench.spec import RunSpec
 from workbench.target_check import check_target
 from workbench.targets import TargetError, get_target, target_names
@@ -252,6 +253,32 @@ def test_two_node_ssh_run_without_shared_folder_resumes_every_node_from_storage(
     assert again.state == "succeeded" and again.metrics() == job.metrics()
     assert job.backend.read(job.run_dir.path, "metrics.jsonl", 0).count(b"\n") == len(raw)
     _nothing_left(job.id)
+    _evaluate_on_node0(job, remote[0])
+
+
+def _evaluate_on_node0(job: workbench.Job, node0: Path) -> None:
+    """job.evaluate on an SSH run scores on the host that holds the weights: the line lands in
+    node 0's eval.jsonl and the mirror receives the same bytes; a bad task file is the typed
+    error raised there, and leaves both files as they were."""
+    from workbench.errors import EvalTaskError
+
+    local = job.run_dir.path / "eval.jsonl"
+    before = local.read_bytes()
+    assert before == (node0 / "eval.jsonl").read_bytes()  # the run's own "after" line(s)
+    report = job.evaluate(["heldout"], max_samples=4)
+    (line,) = report.lines
+    assert (line["phase"], line["task"], line["n"], line["step"]) == (
+        "manual", "heldout", 4, job.status()["step"])
+    remote = (node0 / "eval.jsonl").read_bytes()
+    assert remote.startswith(before) and json.loads(remote[len(before):]) == line
+    assert local.read_bytes() == remote
+    assert (job.run_dir.path / line["examples"]).read_bytes() == (
+        node0 / line["examples"]).read_bytes()
+    assert len(report.examples["heldout"]) == 4
+    assert job.status()["eval"]["heldout.rouge_l"] == line["metrics"]["rouge_l"]
+    with pytest.raises(EvalTaskError, match="wb-node0.*does not exist"):
+        job.evaluate([{"kind": "heldout", "file": str(node0 / "no-such.jsonl")}])
+    assert local.read_bytes() == remote == (node0 / "eval.jsonl").read_bytes()
 
 
 # -- cancel -------------------------------------------------------------------------------------
@@ -287,6 +314,16 @@ def test_cancel_stops_every_process(targets, target):
         assert job.wait(timeout=300, progress=False) == "succeeded", job.logs(tail=30)
         assert (job.artefact() / "adapter_config.json").is_file()
         _nothing_left(job.id)
+        # Scoring it needs an allocation of its own: refused with the command that does it,
+        # which works as given (srun on this cluster, scores into the cluster's run directory).
+        with pytest.raises(RemoteEvalError, match="srun") as refused:
+            job.evaluate(["heldout"])
+        command = str(refused.value).split("\n")[1].strip()
+        done = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0 and "heldout" in done.stdout, done.stderr[-2000:]
+        cluster_dir = Path(_placement(job)["dir"])
+        assert [ln["task"] for ln in map(json.loads, (cluster_dir / "eval.jsonl").open())
+                if ln["phase"] == "manual"] == ["heldout"]
 
 
 # -- errors -------------------------------------------------------------------------------------

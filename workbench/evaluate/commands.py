@@ -1,4 +1,4 @@
-"""``workbench eval RUN | --endpoint NAME [--tasks ...]``: the CLI over :mod:`workbench.evaluate`."""
+"""``workbench eval RUN | --run-dir DIR | --endpoint NAME``: the CLI over :mod:`workbench.evaluate`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,11 @@ def _eval(args: argparse.Namespace) -> Any:
     knobs = {"file": args.file, "max_samples": args.max_samples,
              "max_new_tokens": args.max_new_tokens, "judge": args.judge}
     tasks = args.tasks.split(",") if args.tasks else None
-    if args.run:
+    if args.run_dir:
+        from workbench.evaluate.runner import evaluate_run_dir
+
+        report = evaluate_run_dir(args.run_dir, tasks, endpoint=args.endpoint, **knobs)
+    elif args.run:
         from workbench.jobs import get_job
 
         report = get_job(args.run).evaluate(tasks, endpoint=args.endpoint, **knobs)
@@ -21,7 +25,7 @@ def _eval(args: argparse.Namespace) -> Any:
 
         report = evaluate(tasks=tasks or ["heldout"], endpoint=args.endpoint, **knobs)
     else:
-        raise EvalError("give a run (workbench eval RUN) or --endpoint NAME_OR_URL")
+        raise EvalError("give a run (workbench eval RUN), --run-dir DIR or --endpoint NAME_OR_URL")
     return report_table(report.lines)
 
 
@@ -40,6 +44,8 @@ def register(sub: Any) -> None:
                                     "lm_eval:TASK, judge)")
     c.add_argument("run", nargs="?", help="run id or name (its weights; its data's validation "
                                           "split is the default file)")
+    c.add_argument("--run-dir", help="score this run directory in place, without the registry "
+                                     "(on a remote run's target)")
     c.add_argument("--endpoint", help="a Workbench endpoint name or an OpenAI-compatible URL")
     c.add_argument("--tasks", help="comma-separated: heldout,perplexity,judge,lm_eval:NAME "
                                    "(default: the run's eval.tasks, else heldout)")

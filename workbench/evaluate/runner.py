@@ -193,23 +193,20 @@ def evaluate(model: Any = None, tasks: Any = ("heldout",), *, endpoint: str | No
     return score(source, parsed, phase=phase, step=step, run_dir=run_dir)
 
 
-def evaluate_job(job: Any, tasks: Any = None, *, endpoint: str | None = None,
-                 **knobs: Any) -> EvalReport:
-    """``job.evaluate``: the run's final weights (its adapter/ or model/) or ``endpoint``, scored
-    on ``tasks`` (default: the spec's ``eval.tasks``) with its validation split as the default
-    file; lines go to the run's eval.jsonl (phase ``manual``, at the run's last step)."""
+def evaluate_run_dir(path: str | Path, tasks: Any = None, *, endpoint: str | None = None,
+                     step: int | None = None, **knobs: Any) -> EvalReport:
+    """Score the run directory ``path`` in place: its adapter/ or model/ (or ``endpoint``) on
+    ``tasks`` (default: the spec's), its validation split the default file; lines go to its
+    eval.jsonl as phase ``manual`` at ``step`` (default: status.json's). What ``job.evaluate``
+    does here, and what ``workbench eval --run-dir`` runs on a remote run's target."""
     from workbench.evaluate.sources import open_endpoint, open_weights
-    from workbench.rundir import TERMINAL
+    from workbench.rundir import RunDir
 
-    state = job.state
-    if endpoint is None and state not in TERMINAL:
-        raise EvalError(f"run {job.id} is {state}; wait for it to end (job.wait()) or give "
-                        "eval.every_steps in the spec to score it while it trains")
-    rd = job.run_dir
-    if not rd.path.is_dir():
-        raise EvalError(f"run {job.id}'s directory {rd.path} is not on this machine; evaluate "
-                        "it where it ran (`workbench eval` on the target)")
-    spec = job.spec
+    rd = RunDir(path)
+    if not rd.spec_file.is_file():
+        raise EvalError(f"{rd.path} is not a run directory (no {rd.spec_file.name}); give the "
+                        "folder a run was launched into")
+    spec = rd.spec()
     parsed = as_tasks(tasks if tasks is not None else spec.eval.tasks, **knobs)
     validation = rd.data_dir / "validation.jsonl"
     _reach_judges(parsed)
@@ -218,10 +215,12 @@ def evaluate_job(job: Any, tasks: Any = None, *, endpoint: str | None = None,
     else:
         art = rd.artefact_dir()
         if art is None:
-            raise EvalError(f"run {job.id} has no adapter/ or model/ (state {state}); only a run "
-                            "that saved its weights can be scored")
+            raise EvalError(f"run {rd.path.name} has no adapter/ or model/ (state "
+                            f"{rd.status().get('state')}); only a run that saved its weights "
+                            "can be scored")
         source = open_weights(art, label="run")
-    step = int(job.status().get("step") or 0)
+    if step is None:
+        step = int(rd.status().get("step") or 0)
     return score(source, parsed, phase="manual", step=step, run_dir=rd.path,
                  default_file=validation if validation.is_file() else None,
                  base_id=spec.model.id)

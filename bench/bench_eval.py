@@ -1,0 +1,171 @@
+"""Benchmark evaluation (issue 13 targets), measured side by side in one run:
+
+  eval throughput     heldout scoring through a served vLLM endpoint / the same scoring with
+                      transformers generate in this process: same prompts, same max_new_tokens,
+                      the same scorer (workbench.evaluate.runner.score), each side's tokens
+                      counted from its own answers (re-tokenised with the model's tokenizer)
+                                                                                   target >= 2
+  every_steps cost    (train_runtime of a run with eval.every_steps - the same run without)
+                      / the evaluation seconds recorded inside it (eval.jsonl "seconds")
+                      1.0: training loses exactly the evaluation's own time (it pauses)
+
+Two throughput workloads: the run's adapter on the teaching prompts (short answers that stop
+early) and the base model writing up to 64 tokens per prompt (it never stops early). The side
+that goes first alternates between repeats so a warm cache favours neither; the figures are
+medians. The 1-minute load average is recorded with each repeat (other work on the machine
+slows both sides).
+
+    python bench/bench_eval.py [--repeats 2] [--copies 2] [--steps 24] [--every 6]
+                                                          (writes bench/results/eval.json)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+
+
+def _qa_file(folder: Path, copies: int) -> Path:
+    from workbench.assets.teaching import teaching_rows
+
+    path = folder / "heldout.jsonl"
+    rows = list(teaching_rows("heldout")) * copies
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _tokens(tokenizer: Any, answers: list[str]) -> int:
+    return sum(len(tokenizer(a, add_special_tokens=False)["input_ids"]) for a in answers)
+
+
+def _timed_score(source: Any, qa: Path, new: int, tokenizer: Any) -> dict[str, float]:
+    from workbench.evaluate.runner import as_tasks, score
+
+    tasks = as_tasks(["heldout"], file=str(qa), max_new_tokens=new)
+    t0 = time.time()
+    report = score(source, tasks, phase="manual", step=0)
+    seconds = time.time() - t0
+    answers = [r["prediction"] for r in report.examples["heldout"]]
+    tokens = _tokens(tokenizer, answers)
+    return {"seconds": seconds, "tokens": tokens, "examples": len(answers),
+            "tokens_per_s": tokens / seconds, "examples_per_s": len(answers) / seconds,
+            "exact_match": report.metrics["heldout.exact_match"], "answers": answers}
+
+
+def throughput(ep: Any, job: Any, qa: Path, repeats: int) -> dict[str, Any]:
+    from workbench.evaluate.sources import EndpointSource, open_weights
+
+    out: dict[str, Any] = {}
+    for label, weights, model, new in (("adapter_teaching", job.run_dir.adapter_dir, job.name, 16),
+                                       ("base_64_tokens", "builtin:tiny-llama", "tiny-llama", 64)):
+        local = open_weights(weights)
+        remote = EndpointSource(ep.api_base, model=model, api_key=ep.api_key,
+                                parallel=local.batch_size)  # as many in flight as one batch
+        sides: dict[str, list[dict[str, float]]] = {"transformers": [], "endpoint": []}
+        load = []
+        for i in range(repeats):
+            order = ("transformers", "endpoint") if i % 2 == 0 else ("endpoint", "transformers")
+            for side in order:
+                src = local if side == "transformers" else remote
+                sides[side].append(_timed_score(src, qa, new, local.tokenizer))
+            load.append(os.getloadavg()[0])
+        same = sum(a == b for a, b in zip(sides["transformers"][0]["answers"],
+                                          sides["endpoint"][0]["answers"]))
+        med = {s: statistics.median(r["tokens_per_s"] for r in runs) for s, runs in sides.items()}
+        out[label] = {
+            "examples": sides["endpoint"][0]["examples"], "max_new_tokens": new,
+            "transformers_batch": local.batch_size, "endpoint_requests_in_flight": remote.parallel,
+            "same_answers": same,
+            **{f"{s}_{k}": [r[k] for r in runs] for s, runs in sides.items()
+               for k in ("seconds", "tokens", "tokens_per_s", "exact_match")},
+            "order": ["transformers first" if i % 2 == 0 else "endpoint first"
+                      for i in range(repeats)],
+            "load_average": load,
+            "speed_ratio_median": med["endpoint"] / med["transformers"],
+            "target": ">= 2"}
+        print(label, json.dumps({k: v for k, v in out[label].items()}), flush=True)
+    return out
+
+
+def every_steps_cost(steps: int, every: int, repeats: int) -> dict[str, Any]:
+    import workbench
+
+    def one(with_eval: bool, i: int) -> dict[str, float]:
+        ev: dict[str, Any] = {"after": False, "before": False}
+        if with_eval:
+            ev.update(every_steps=every, tasks=[{"kind": "heldout", "max_samples": 32}])
+        job = workbench.launch({"name": f"bench-eval-{'on' if with_eval else 'off'}-{i}",
+                                "train": {"max_steps": steps, "eval_every": 0},
+                                "eval": ev})
+        assert job.wait(progress=False) == "succeeded", job.logs()
+        from workbench.evaluate import results
+
+        lines = [ln for ln in results.read(job.run_dir.path) if ln["phase"] == "during"]
+        return {"runtime": job.status()["summary"]["train_runtime"],
+                "eval_s": sum(ln["seconds"] for ln in lines), "evals": len(lines)}
+
+    runs: dict[str, list[dict[str, float]]] = {"with": [], "without": []}
+    load = []
+    for i in range(repeats):
+        for side in ("without", "with") if i % 2 == 0 else ("with", "without"):
+            runs[side].append(one(side == "with", i))
+        load.append(os.getloadavg()[0])
+        print(f"repeat {i}: {runs['with'][-1]} / {runs['without'][-1]}, load {load[-1]:.1f}",
+              flush=True)
+    pairs = [(w["runtime"] - wo["runtime"]) / w["eval_s"]
+             for w, wo in zip(runs["with"], runs["without"])]
+    return {"steps": steps, "every_steps": every,
+            "evaluations_per_run": [r["evals"] for r in runs["with"]],
+            "runtime_with_s": [r["runtime"] for r in runs["with"]],
+            "runtime_without_s": [r["runtime"] for r in runs["without"]],
+            "eval_s_inside": [r["eval_s"] for r in runs["with"]],
+            "pair_ratios": pairs, "ratio_median": statistics.median(pairs),
+            "load_average": load,
+            "meaning": "training seconds lost per second of evaluation (1.0: it pauses)"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--copies", type=int, default=2, help="times the 48 held-out prompts repeat")
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--every", type=int, default=6)
+    ap.add_argument("--skip", default="", help="throughput or every_steps: leave that part out")
+    ap.add_argument("--out", default=str(HERE / "results" / "eval.json"))
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-eval-"))
+    os.environ.setdefault("WORKBENCH_HOME", str(tmp / "home"))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import workbench
+
+    result: dict[str, Any] = {"machine": {"cpus": os.cpu_count(),
+                                          "python": platform.python_version()},
+                              "date": time.strftime("%Y-%m-%d"),
+                              "load_average_at_start": os.getloadavg()[0]}
+    if "throughput" not in args.skip:
+        job = workbench.launch({"name": "bench-eval", "train": {"epochs": 20, "lr": 3e-3},
+                                "eval": {"after": False}})
+        assert job.wait(progress=False) == "succeeded", job.logs()
+        ep = workbench.deploy(job, name="bench-eval", progress=False)
+        try:
+            result["throughput"] = throughput(ep, job, _qa_file(tmp, args.copies), args.repeats)
+        finally:
+            ep.stop()
+    if "every_steps" not in args.skip:
+        result["every_steps"] = every_steps_cost(args.steps, args.every, args.repeats)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
