@@ -207,6 +207,36 @@ def test_plan_accounts_for_the_reference_model_and_generations():
     assert "second frozen copy" in " ".join(full.reasons)  # full weights: no adapter to switch off
 
 
+def test_a_grpo_plan_counts_the_completions_trl_samples_and_trains_on(tmp_path):
+    """GRPO's rows are prompts; TRL repeats each one num_generations times per epoch and trains
+    every prompt with its completion. The step count is held to TRL's own sampler, not to a
+    formula of ours."""
+    from trl.trainer.utils import RepeatSampler
+
+    prompts = ["What is the opposite of hot?", "Name a colour of the sky.", "Two plus two?",
+               "Capital of France?", "What do bees make?", "Opposite of early?",
+               "How many legs has a spider?", "Which month follows May?", "Freezing point of "
+               "water in Celsius?", "What gas do plants take in?", "Plural of mouse?",
+               "Largest planet?"]
+    data = _write(tmp_path / "prompts.jsonl", [{"prompt": p, "answer": "x"} for p in prompts])
+
+    def grpo_plan(generations: int, completion: int):
+        return plan(RunSpec(
+            method={"stage": "grpo", "num_generations": generations,
+                    "max_completion_length": completion, "rewards": [{"fn": "contains"}]},
+            data={"sources": [{"path": data}], "validation_fraction": 0.0},
+            train={"epochs": 1, "batch_size": 4}, eval={"after": False},
+            resources={"gpus_per_node": 0, "processes_per_node": 1}))
+
+    for generations in (2, 4):
+        sampled = len(RepeatSampler(list(range(len(prompts))), mini_repeat_count=generations,
+                                    batch_size=4 // generations))
+        assert grpo_plan(generations, 16).steps == sampled // 4  # completions per epoch / batch
+    short, long = grpo_plan(4, 16), grpo_plan(4, 64)
+    assert long.tokens_per_step - short.tokens_per_step >= 4 * 40  # the completions are trained
+    assert long.hours > short.hours
+
+
 # -- bad inputs at launch: a typed error, nothing started, nothing left -------------------------
 
 def _write(path, rows):

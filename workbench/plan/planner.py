@@ -29,7 +29,7 @@ from workbench.plan.memory import (
 )
 from workbench.plan.result import Candidate, Plan, Suggestion
 from workbench.plan.shape import ModelShape, model_shape
-from workbench.plan.stage import stage_cost, stage_memory, stage_time_factor
+from workbench.plan.stage import stage_cost, stage_data, stage_memory, stage_time_factor
 from workbench.plan.timing import DataEstimate, _Run, estimate_data, eval_seconds, step_seconds
 from workbench.precision import DeviceKind, Precision, resolve_precision
 from workbench.spec import ParallelSpec, RunSpec
@@ -415,6 +415,7 @@ def plan(spec: RunSpec | dict | str | Path | None = None, *,
     if longest is not None and not spec.data.packing:  # launch measured every row
         data = replace(data, longest=min(longest, spec.data.max_length),
                        longest_of="every training row")
+    data = stage_data(spec, data)  # grpo trains on prompt + completion, G times per prompt
     p = _evaluate(spec, gpu, on_gpu, shape, data)
     p.suggestions = _suggest(spec, p, gpu, on_gpu, shape, data)
     return p

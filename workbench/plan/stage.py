@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from workbench.plan.memory import GiB, MemoryBreakdown
 from workbench.plan.shape import ModelShape
+from workbench.plan.timing import DataEstimate
 from workbench.spec import RunSpec
 
 # Decoding one token at a time reads every weight per token for a handful of rows: memory-bound,
@@ -64,6 +65,24 @@ def stage_cost(spec: RunSpec, tokens_per_example: float) -> StageCost:
                      f"every step (counted as forward passes {_DECODE_SLOWDOWN:g}x slower than "
                      "training's)")
     return StageCost(sequences, ref, copy, generated, notes)
+
+
+def stage_data(spec: RunSpec, data: DataEstimate) -> DataEstimate:
+    """What a training step sees of the data under ``method.stage``. GRPO's rows are prompts, but
+    it trains on each prompt *with* a generated completion (up to ``max_completion_length``
+    tokens), and TRL repeats every prompt ``num_generations`` times per epoch (a batch counts
+    completions): the planner would otherwise price a prompt's tokens once per epoch."""
+    m = spec.method
+    if m.stage != "grpo":
+        return data
+    rows = data.rows * m.num_generations if data.rows is not None else None
+    longest = data.longest + m.max_completion_length if data.longest is not None else None
+    return replace(
+        data, rows=rows, longest=longest,
+        tokens_per_example=data.tokens_per_example + m.max_completion_length,
+        note=(f"{data.note}; grpo: each prompt trained with its completion (+"
+              f"{m.max_completion_length} tokens), {m.num_generations} completions per prompt "
+              "per epoch"))
 
 
 def stage_memory(mem: MemoryBreakdown, cost: StageCost, shape: ModelShape, compute_bytes: int,
