@@ -186,8 +186,6 @@ def prepare_tokenized(spec: RunSpec, run_dir: Any, tokenizer: Any,
     ``run_dir`` is a RunDir; while this works its status.json says ``phase: preparing`` with
     how far it got, so the job view and ``workbench status`` show it.
     """
-    import datasets
-
     data_dir: Path = run_dir.data_dir
     started = time.time()
     fp = fingerprint(spec, data_dir, tokenizer)
@@ -209,6 +207,8 @@ def prepare_tokenized(spec: RunSpec, run_dir: Any, tokenizer: Any,
         _link_tree(cached, out)
         stats = TokenStats.from_dict(json.loads((cached / "stats.json").read_text()))
     else:
+        import datasets  # ~1 s to import: only when writing (a cache hit only links files)
+
         splits = {}
         for split in SPLITS:
             table, split_stats = tokenize_split(data_dir / f"{split}.jsonl", spec, tokenizer,
