@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -146,6 +147,38 @@ def test_prepare_writes_split_files_and_summary(tmp_path):
     assert not set(train) & set(val)
     assert 0 < len(val) < 0.2 * len(lines)  # validation_fraction 0.1, by content hash
     assert json.loads((tmp_path / "summary.json").read_text())["counts"] == summary.counts
+
+
+def test_prepared_data_is_reused_by_content_and_redone_when_the_bytes_change(tmp_path):
+    src = tmp_path / "rows.jsonl"
+    rows = [{"instruction": f"Say {w}.", "output": w} for w in
+            ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel")]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = RunSpec(data={"sources": [{"path": str(src)}], "validation_fraction": 0.25})
+    first = prepare_data(spec, tmp_path / "a", cache=True)
+    again = prepare_data(spec, tmp_path / "b", cache=True)
+    for name in ("train.jsonl", "validation.jsonl", "summary.json"):
+        # The same files, linked rather than written again, and the same summary.
+        assert (tmp_path / "a" / name).stat().st_ino == (tmp_path / "b" / name).stat().st_ino
+    assert (again.counts, again.per_source, again.preview) == \
+        (first.counts, first.per_source, first.preview)
+    # One answer changed in place, same size and same modification time: still seen.
+    stat = src.stat()
+    src.write_text(src.read_text().replace('"golf"}', '"gulf"}'))
+    os.utime(src, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert src.stat().st_size == stat.st_size
+    prepare_data(spec, tmp_path / "c", cache=True)
+    text = "".join((tmp_path / "c" / f"{s}.jsonl").read_text() for s in ("train", "validation"))
+    assert '"content": "gulf"' in text and '"content": "golf"' not in text
+    # The earlier run's files are untouched by the new preparation.
+    earlier = "".join((tmp_path / "a" / f"{s}.jsonl").read_text() for s in ("train", "validation"))
+    assert '"content": "golf"' in earlier and "gulf" not in earlier
+    # Other settings on the same bytes are another preparation, not the cached one.
+    half = prepare_data(spec.updated(**{"data.validation_fraction": 0.5}), tmp_path / "d",
+                        cache=True)
+    assert (tmp_path / "d" / "train.jsonl").stat().st_ino != \
+        (tmp_path / "c" / "train.jsonl").stat().st_ino
+    assert half.counts["validation"] + half.counts["train"] == len(rows)
 
 
 def test_split_is_stable_when_data_is_appended():

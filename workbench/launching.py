@@ -72,7 +72,7 @@ def _prepare_data(spec: RunSpec, rd: RunDir, force: bool = False) -> None:
 
         rd.write_status(data=prepare_preference_data(spec, rd.data_dir).counts)
         return
-    summary = prepare_data(spec, rd.data_dir)
+    summary = prepare_data(spec, rd.data_dir, cache=True)
     rd.write_status(data=summary.counts)
     from workbench.data.tokenize import load_tokenizer
     from workbench.models import resolve_model

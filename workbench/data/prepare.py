@@ -4,6 +4,11 @@ Runs in the notebook (or CLI) process, so a bad row fails the launch cell with a
 instead of failing a remote job minutes later; the training processes then only tokenise the
 prepared files, identically on every target.
 
+The prepared files are cached under ``WORKBENCH_HOME/cache/prepared/KEY``, KEY being the bytes
+of every local source file plus the settings that shape the result (format, split, max_rows,
+cleaning, validation_fraction, seed): a later launch on the same data links them instead of
+reading, cleaning and splitting every row again. A hub source has no cheap key: never cached.
+
     >>> summary = prepare_data(RunSpec(), out_dir)  # doctest: +SKIP
     >>> summary.counts
     {'train': 211, 'validation': 24}
@@ -11,7 +16,10 @@ prepared files, identically on every target.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,9 +108,93 @@ def _clean(examples: Iterator[dict[str, Any]], spec: RunSpec):
     return rebuilt(), report
 
 
-def prepare_data(spec: RunSpec, out_dir: str | Path) -> DataSummary:
+_KEY_VERSION = "1"  # bump when reading, cleaning or splitting changes what is written
+_FILES = ("train.jsonl", "validation.jsonl", "summary.json", "preview.json")
+
+
+def _hash_file(h: Any, path: Path) -> None:
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""):
+            h.update(chunk)
+
+
+def sources_key(spec: RunSpec) -> str | None:
+    """A key for what prepare_data writes from ``spec``'s sources, from their bytes (hashing is
+    ~50x cheaper than parsing); None when a source is not a local file or folder (a hub id)."""
+    from workbench import __version__
+
+    h = hashlib.sha256(f"prepared v{_KEY_VERSION} {__version__}".encode())
+    for source in spec.data.sources:
+        if source.path.startswith("builtin:"):
+            from workbench.assets import builtin_dataset_path
+
+            path = Path(builtin_dataset_path(source.path, source.split))
+        else:
+            path = Path(os.path.expanduser(source.path))
+        if path.is_file():
+            files = [path]
+        elif path.is_dir():
+            files = sorted(p for p in path.rglob("*") if p.is_file())
+        else:
+            return None
+        h.update(json.dumps(source.model_dump(mode="json"), sort_keys=True).encode())
+        for f in files:
+            h.update(f"\0{f.relative_to(path)}\0".encode())
+            _hash_file(h, f)
+    h.update(json.dumps([spec.data.clean.model_dump(mode="json"), spec.data.validation_fraction,
+                         spec.train.seed], sort_keys=True).encode())
+    return h.hexdigest()[:24]
+
+
+def _cache_dir() -> Path:
+    from workbench.home import home
+
+    return home() / "cache" / "prepared"
+
+
+def prepare_data(spec: RunSpec, out_dir: str | Path, cache: bool = False) -> DataSummary:
+    """Write ``out_dir``/{train,validation}.jsonl and summary.json. With ``cache``, reuse (hard
+    links) what an earlier call wrote from the same sources and settings, and store a new one."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    key = sources_key(spec) if cache else None
+    entry = _cache_dir() / key if key else None
+    if entry is not None and (entry / "preview.json").is_file():
+        for name in _FILES[:3]:
+            _link(entry / name, out / name)
+        saved = json.loads((entry / "summary.json").read_text(encoding="utf-8"))
+        return DataSummary(counts=saved["counts"], per_source=saved["per_source"],
+                           cleaning=saved["cleaning"],
+                           preview=json.loads((entry / "preview.json").read_text("utf-8")))
+    summary = _prepare(spec, out)
+    if entry is not None:
+        (out / "preview.json").write_text(json.dumps(summary.preview), encoding="utf-8")
+        _store(out, entry)
+        (out / "preview.json").unlink()
+    return summary
+
+
+def _link(src: Path, dst: Path) -> None:
+    dst.unlink(missing_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:  # another filesystem
+        shutil.copy2(src, dst)
+
+
+def _store(out: Path, entry: Path) -> None:
+    tmp = entry.with_name(f"{entry.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        for name in _FILES:
+            _link(out / name, tmp / name)
+        tmp.rename(entry)  # atomic: a reader sees a complete entry or none
+    except OSError:  # another launch stored the same key first: theirs is identical
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _prepare(spec: RunSpec, out: Path) -> DataSummary:
     per_source: list[dict[str, Any]] = []
     examples = _examples(spec, per_source)
     report = None
@@ -110,6 +202,8 @@ def prepare_data(spec: RunSpec, out_dir: str | Path) -> DataSummary:
         examples, report = _clean(examples, spec)
     counts = {"train": 0, "validation": 0}
     preview: list[dict[str, Any]] = []
+    for name in _FILES:  # never write through a hard link into the cache
+        (out / name).unlink(missing_ok=True)
     files = {s: (out / f"{s}.jsonl").open("w", encoding="utf-8") for s in counts}
     try:
         for ex in examples:

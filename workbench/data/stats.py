@@ -44,7 +44,8 @@ class SplitStats:
     def kept(self) -> int:
         return self.examples - self.dropped
 
-    def add(self, enc: Encoded) -> None:
+    def add(self, enc: Encoded) -> int:
+        """Count one example; returns its trained tokens (0: dropped)."""
         trainable = enc.trainable
         self.examples += 1
         self.truncated += enc.truncated and trainable > 0
@@ -54,6 +55,7 @@ class SplitStats:
         self._prompt.append(enc.prompt_tokens)
         self._response.append(enc.response_tokens)
         self.tokens = self.prompt_tokens = self.response_tokens = {}  # summarised on demand
+        return trainable
 
     def summarised(self) -> SplitStats:
         if not self.tokens:

@@ -101,8 +101,11 @@ def _tokenize_split(path: Path, spec: RunSpec, tokenizer: Any, progress: Progres
     total = _count_lines(path) if path.is_file() else 0
     if limit is not None:
         total = min(total, limit)
-    batches: list[Any] = []
-    kept: list[dict[str, list[int]]] = []
+    kept: list[dict[str, list[int]]] = []  # packing only: rows are regrouped at the end
+    # Not packing: every column is one flat list plus row offsets, turned into Arrow once.
+    ids: list[int] = []
+    labels: list[int] = []
+    offsets = [0]
     bar = tqdm(total=total, desc=f"tokenising {split}", unit="ex", disable=total < 2 * _BATCH)
     done = 0
     with (path.open(encoding="utf-8") if path.is_file() else open(os.devnull)) as fh:
@@ -115,15 +118,15 @@ def _tokenize_split(path: Path, spec: RunSpec, tokenizer: Any, progress: Progres
                         break
             if not chunk:
                 break
-            rows = []
             for enc in encode_batch(chunk, tokenizer, d.max_length, d.truncation, renderer):
-                stats.add(enc)
-                if enc.trainable:
-                    rows.append({"input_ids": enc.input_ids, "labels": enc.labels})
-            if d.packing:
-                kept += rows
-            elif rows:
-                batches.append(_table(rows))
+                if not stats.add(enc):
+                    continue
+                if d.packing:
+                    kept.append({"input_ids": enc.input_ids, "labels": enc.labels})
+                else:
+                    ids += enc.input_ids
+                    labels += enc.labels
+                    offsets.append(len(ids))
             done += len(chunk)
             bar.update(len(chunk))
             if progress is not None:
@@ -131,10 +134,12 @@ def _tokenize_split(path: Path, spec: RunSpec, tokenizer: Any, progress: Progres
     bar.close()
     stats.summarised()
     if d.packing:
-        batches = [_table(pack(kept, d.max_length))] if kept else []
-    schema = pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32()))])
-    table = pa.concat_tables(batches) if batches else schema.empty_table()
-    return table, stats
+        return (_table(pack(kept, d.max_length)) if kept else _empty()), stats
+    if len(offsets) == 1:
+        return _empty(), stats
+    off = pa.array(offsets, pa.int32())
+    return pa.table({"input_ids": pa.ListArray.from_arrays(off, pa.array(ids, pa.int32())),
+                     "labels": pa.ListArray.from_arrays(off, pa.array(labels, pa.int32()))}), stats
 
 
 def _table(rows: list[dict[str, list[int]]]) -> Any:
@@ -151,6 +156,13 @@ def _table(rows: list[dict[str, list[int]]]) -> Any:
         return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))
 
     return pa.table({key: column(key) for key in rows[0]})
+
+
+def _empty() -> Any:
+    import pyarrow as pa
+
+    schema = pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32()))])
+    return schema.empty_table()
 
 
 def _link_tree(src: Path, dst: Path) -> None:
@@ -174,8 +186,6 @@ def prepare_tokenized(spec: RunSpec, run_dir: Any, tokenizer: Any,
     ``run_dir`` is a RunDir; while this works its status.json says ``phase: preparing`` with
     how far it got, so the job view and ``workbench status`` show it.
     """
-    import datasets
-
     data_dir: Path = run_dir.data_dir
     started = time.time()
     fp = fingerprint(spec, data_dir, tokenizer)
@@ -197,6 +207,8 @@ def prepare_tokenized(spec: RunSpec, run_dir: Any, tokenizer: Any,
         _link_tree(cached, out)
         stats = TokenStats.from_dict(json.loads((cached / "stats.json").read_text()))
     else:
+        import datasets  # ~1 s to import: only when writing (a cache hit only links files)
+
         splits = {}
         for split in SPLITS:
             table, split_stats = tokenize_split(data_dir / f"{split}.jsonl", spec, tokenizer,
@@ -295,7 +307,7 @@ def token_stats(spec: RunSpec, tokenizer: Any = None, max_rows: int | None = Non
             source.max_rows = min(source.max_rows or max_rows, max_rows)
     with tempfile.TemporaryDirectory(prefix="workbench-stats-") as tmp:
         data_dir = Path(tmp)
-        prepare_data(spec, data_dir)
+        prepare_data(spec, data_dir, cache=max_rows is None)
         cached = cache_root() / fingerprint(spec, data_dir, tokenizer) / "stats.json"
         if cached.is_file():
             return TokenStats.from_dict(json.loads(cached.read_text()))

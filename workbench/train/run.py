@@ -35,6 +35,16 @@ def _redirect_output(rd: RunDir, rank: int) -> None:
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
 
 
+def _startup(stage: str) -> None:
+    """Log how long after this process started a start-up stage ended (where launch -> first
+    step goes: see docs/benchmarks-data.md)."""
+    import time
+
+    import psutil
+
+    print(f"startup: {stage} at {time.time() - psutil.Process().create_time():.2f} s", flush=True)
+
+
 def load_model(spec: RunSpec, source: str, precision: Precision | None = None,
                fast: FastPaths | None = None) -> Any:
     """The model (peft-wrapped for LoRA/QLoRA) in the dtypes :mod:`workbench.precision` chose
@@ -306,12 +316,14 @@ def main(run_dir: str) -> int:
     from workbench.snapshots import Uploader, agreed_resume_point, newest_verified, storage_prefix
     from workbench.train.callbacks import BudgetSpentAtStart, RunDirCallback, SnapshotCallback
 
+    _startup("imports")
     spec = rd.spec()
     if rank == 0:
         for stale in (rd.path / "checkpoints").glob("checkpoint-*"):
             shutil.rmtree(stale, ignore_errors=True)  # a snapshot a crash left half-written
     source = resolve_model(spec.model.id)
     tokenizer = load_tokenizer(spec, source)
+    _startup("tokenizer")
     from transformers import set_seed
 
     set_seed(spec.train.seed)  # before the LoRA init, so the same spec trains the same way
@@ -321,6 +333,7 @@ def main(run_dir: str) -> int:
     train_rows = stage.load_rows(rd, "train") if stage else load_split(rd, "train", tokenizer, spec)
     eval_rows = (stage.load_rows(rd, "validation") if stage
                  else load_split(rd, "validation", tokenizer, spec))
+    _startup("data")
     # The arguments (and with them the DeepSpeed config) before the model: under ZeRO-3,
     # from_pretrained then builds each layer already partitioned (deepspeed.zero.Init), so no rank
     # ever holds the whole model. `args` stays alive to the end, and so does the config.
@@ -334,6 +347,7 @@ def main(run_dir: str) -> int:
         _ = args.device
         deepspeed.init_distributed()
     model = load_model(spec, source)
+    _startup("model")
     fast_line = applied_line(args, model)  # what the Trainer really got, for logs and status
     print(fast_line, flush=True)
     if rank == 0:
@@ -359,6 +373,7 @@ def main(run_dir: str) -> int:
                    *([] if stage else [EvalCallback(rd, spec, tokenizer, billing, snapshots)])],
         run_dir=rd, keep=spec.checkpoint.keep, uploader=uploader, billing=billing,
     )
+    _startup("trainer")
     resume_from = agreed_resume_point(rd)  # verified by rank 0 alone, the same on every rank
     if resume_from is not None:
         print(f"resuming from {resume_from.name}", flush=True)
