@@ -121,7 +121,7 @@ def _hash_file(h: Any, path: Path) -> None:
 def sources_key(spec: RunSpec) -> str | None:
     """A key for what prepare_data writes from ``spec``'s sources, from their bytes (hashing is
     ~50x cheaper than parsing); None when a source is not a local file or folder (a hub id)."""
-    from workbench import __version__
+    from workbench._version import __version__
 
     h = hashlib.sha256(f"prepared v{_KEY_VERSION} {__version__}".encode())
     for source in spec.data.sources:
