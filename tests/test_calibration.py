@@ -46,8 +46,11 @@ def test_calibration_is_written_with_device_and_date_and_drives_the_plan(home):
     p = plan(SPEC)
     assert any(a.startswith(f"calibrated on this machine {cal.date}") for a in p.assumptions)
     assert p.clock["step_s"] != table.clock["step_s"]
-    # Twice the measured throughput must plan (about) half the compute time.
+    # Twice every measured throughput (the layers' and the optimizer's) must plan (about) half
+    # the compute time.
     stored["layers"] = {k: 2 * v for k, v in stored["layers"].items()}
+    stored["optimizer_params_per_s"] *= 2
+    stored["matmul_gflops"] *= 2
     calibration_file("local").write_text(json.dumps(stored))
     assert _step_s() == pytest.approx(p.clock["step_s"] / 2, rel=0.05)
 

@@ -27,14 +27,17 @@ GOOD, BAD = 3e-3, 1e-7
 # Room for both trials even on a busy machine (a trial priced x1.5 must fit in what is left).
 BUDGET = 3000.0
 PER_SECOND = 1.0  # at 3,600 per process-core-hour, one process
+MAX_STEPS = 100
 
 
 @pytest.fixture(scope="module")
 def slurm_sweep(targets):
     spec = {"name": "swslurm", "target": "slurm:login", "resources": {"processes_per_node": 1},
-            # Evaluations at steps 2, 4, ...: enough steps after the second one for the prune
-            # to land while the job still trains.
-            "train": {"max_steps": 20, "eval_every": 2, "lr": GOOD},
+            # Evaluations at steps 2, 4, ...: the pruner judges at step 4, and the request then
+            # travels (controller poll, SSH, the supervisor's next read) while the job trains on.
+            # On an idle machine 20 steps were over before it landed: 100 leave room either way,
+            # since a loaded machine slows the steps and the round trip alike.
+            "train": {"max_steps": MAX_STEPS, "eval_every": 2, "lr": GOOD},
             "data": {"eval_samples": 8}, "checkpoint": {"keep": 1},
             "budget": {"price_per_cpu_core_hour": 3600.0}}
     sweep = workbench.sweep(spec, space={"train.lr": [BAD, GOOD]}, concurrent=1, budget=BUDGET,
@@ -77,7 +80,7 @@ def test_the_worse_trial_is_pruned_on_the_cluster(slurm_sweep, cluster):
     on_cluster = cluster.root / "work" / "cluster" / pruned.id / "status.json"
     remote = json.loads(on_cluster.read_text())
     assert (remote["state"], remote["stop_request"]) == ("pruned", "prune")
-    assert remote["step"] < 20  # stopped short
+    assert remote["step"] < MAX_STEPS  # stopped short
     assert not [n for n in squeue_job_names() if pruned.id[:50] in n]  # the job left the queue
     import optuna
 
