@@ -27,7 +27,7 @@ GOOD, BAD = 3e-3, 1e-7
 # Room for both trials even on a busy machine (a trial priced x1.5 must fit in what is left).
 BUDGET = 3000.0
 PER_SECOND = 1.0  # at 3,600 per process-core-hour, one process
-MAX_STEPS = 100
+MAX_STEPS = 400
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +35,9 @@ def slurm_sweep(targets):
     spec = {"name": "swslurm", "target": "slurm:login", "resources": {"processes_per_node": 1},
             # Evaluations at steps 2, 4, ...: the pruner judges at step 4, and the request then
             # travels (controller poll, SSH, the supervisor's next read) while the job trains on.
-            # On an idle machine 20 steps were over before it landed: 100 leave room either way,
-            # since a loaded machine slows the steps and the round trip alike.
+            # On an idle machine a step takes ~30 ms and the round trip seconds: 20 and then 100
+            # steps were over before it landed. 400 leave room either way, since a loaded
+            # machine slows the steps and the round trip alike.
             "train": {"max_steps": MAX_STEPS, "eval_every": 2, "lr": GOOD},
             "data": {"eval_samples": 8}, "checkpoint": {"keep": 1},
             "budget": {"price_per_cpu_core_hour": 3600.0}}
