@@ -50,10 +50,12 @@ def main(model_dir: str, data: str, steps: int, out: str) -> None:
                 first["time"] = time.time()
 
     cpu = not __import__("torch").cuda.is_available()
+    # One plain process (no torchrun) has no process group: no DDP backend to name.
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     args = TrainingArguments(
         output_dir=tempfile.mkdtemp(prefix="plain-train-"), per_device_train_batch_size=8,
         max_steps=steps, learning_rate=3e-3, logging_steps=1, logging_first_step=True,
-        save_strategy="no", report_to=[], use_cpu=cpu, ddp_backend="gloo" if cpu else None,
+        save_strategy="no", report_to=[], use_cpu=cpu, ddp_backend="gloo" if cpu and distributed else None,
         disable_tqdm=True, ddp_find_unused_parameters=False)
     trainer = Trainer(model=model, args=args, train_dataset=train, callbacks=[FirstStep()],
                       data_collator=DataCollatorForLanguageModeling(tok, mlm=False))
