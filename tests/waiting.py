@@ -15,4 +15,4 @@ def wait_for(cond: Callable[[], Any], timeout: float, what: str, every: float = 
         if value:
             return value
         time.sleep(every)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")

@@ -29,6 +29,7 @@ import psutil
 import pytest
 import yaml
 
+from tests.waiting import wait_for
 from workbench.course.client import CourseClient
 from workbench.course.ledger import Ledger
 from workbench.errors import CourseError, InsufficientCreditError
@@ -67,14 +68,12 @@ def _http(method: str, url: str, token: str, body: Any = None) -> tuple[int, Any
 
 
 def _wait_for(what: str, check: Any, timeout: float, log: Path | None = None) -> Any:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.5)
-    tail = log.read_text(errors="replace")[-4000:] if log and log.exists() else ""
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{tail}")
+    """The suite's poll loop (tests/waiting.py), with the hub's or service's log tail on failure."""
+    try:
+        return wait_for(check, timeout, what, every=0.5)
+    except AssertionError as exc:
+        tail = log.read_text(errors="replace")[-4000:] if log and log.exists() else ""
+        raise AssertionError(f"{exc}\n{tail}") from None
 
 
 def _students_python(root: Path) -> Path:

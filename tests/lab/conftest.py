@@ -19,10 +19,13 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import pytest
 import requests
+
+from tests import waiting
 
 ARTIFACTS = Path(__file__).parent / "artifacts"
 
@@ -113,12 +116,6 @@ def running_lab(root: Path, state: Path, log_name: str = "jupyter-server.log",
             proc.wait()
 
 
-def wait_for(predicate, timeout: float, what: str, poll: float = 0.5):
-    """Poll ``predicate`` until it returns something truthy; fail with ``what`` on timeout."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll)
-    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+# The suite's one poll loop (tests/waiting.py), at the half-second these browser and server
+# checks have always polled at (each poll may be a page query or an HTTP round trip).
+wait_for = partial(waiting.wait_for, every=0.5)
