@@ -19,7 +19,6 @@ from cluster import processes_with, squeue_job_names
 import workbench
 from workbench.backends.slurm import sbatch_script
 from workbench.backends.ssh import SSHBackend
-from workbench.errors import RemoteEvalError
 from workbench.spec import RunSpec
 from workbench.target_check import check_target
 from workbench.targets import TargetError, get_target, target_names
@@ -308,22 +307,48 @@ def test_cancel_stops_every_process(targets, target):
     assert workbench.get_job(job.id).state == "cancelled"
     _nothing_left(job.id)
     if target == "slurm:login":
-        # Resume submits the same run directory again (sbatch over SSH); the adapter of the
-        # finished run comes back from the cluster's workdir.
-        job.resume(**{"train.max_steps": 5})
-        assert job.wait(timeout=300, progress=False) == "succeeded", job.logs(tail=30)
-        assert (job.artefact() / "adapter_config.json").is_file()
-        _nothing_left(job.id)
-        # Scoring it needs an allocation of its own: refused with the command that does it,
-        # which works as given (srun on this cluster, scores into the cluster's run directory).
-        with pytest.raises(RemoteEvalError, match="srun") as refused:
-            job.evaluate(["heldout"])
-        command = str(refused.value).split("\n")[1].strip()
-        done = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0 and "heldout" in done.stdout, done.stderr[-2000:]
-        cluster_dir = Path(_placement(job)["dir"])
-        assert [ln["task"] for ln in map(json.loads, (cluster_dir / "eval.jsonl").open())
-                if ln["phase"] == "manual"] == ["heldout"]
+        _evaluate_on_the_cluster(job)
+
+
+def _evaluate_on_the_cluster(job: workbench.Job) -> None:
+    """job.evaluate on a Slurm run whose directory is on the cluster's workdir: scored in a
+    Slurm job of its own (srun from the login node over SSH); the line lands in the cluster's
+    eval.jsonl and the mirror receives the same bytes. Bad inputs are typed errors that leave
+    both files as they were."""
+    from workbench.errors import EvalError, SpecError
+
+    cluster_dir = Path(_placement(job)["dir"])
+    # Cancelled before any weights were saved: refused where the run directory is.
+    with pytest.raises(EvalError, match=r"wb-node0.*has no adapter/ or model/"):
+        job.evaluate(["heldout"])
+    assert not (cluster_dir / "eval.jsonl").exists()
+    # Resume submits the same run directory again (sbatch over SSH); the adapter of the
+    # finished run comes back from the cluster's workdir.
+    job.resume(**{"train.max_steps": 5})
+    assert job.wait(timeout=300, progress=False) == "succeeded", job.logs(tail=30)
+    assert (job.artefact() / "adapter_config.json").is_file()
+    _nothing_left(job.id)
+    local = job.run_dir.path / "eval.jsonl"
+    before = local.read_bytes()
+    assert before == (cluster_dir / "eval.jsonl").read_bytes()  # the run's own "after" line
+    report = job.evaluate(["heldout"], max_samples=4)
+    (line,) = report.lines
+    assert (line["phase"], line["task"], line["n"], line["step"]) == ("manual", "heldout", 4, 5)
+    remote = (cluster_dir / "eval.jsonl").read_bytes()
+    assert remote.startswith(before) and json.loads(remote[len(before):]) == line
+    assert local.read_bytes() == remote
+    assert (job.run_dir.path / line["examples"]).read_bytes() == (
+        cluster_dir / line["examples"]).read_bytes()
+    assert job.status()["eval"]["heldout.rouge_l"] == line["metrics"]["rouge_l"]
+    # Both evaluations ran as jobs of the cluster's (slurmctld keeps ended jobs for MinJobAge,
+    # 600 s here), not on the login node: the refused one failed, the scored one completed.
+    out = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%j %T"], capture_output=True,
+                         text=True).stdout.split("\n")
+    states = [ln.split()[1] for ln in out if ln.startswith(f"wb-eval-{job.run_dir.path.name}"[:64])]
+    assert sorted(states) == ["COMPLETED", "FAILED"], out
+    with pytest.raises(SpecError, match="eval.tasks"):
+        job.evaluate(["no-such-task"])
+    assert local.read_bytes() == remote == (cluster_dir / "eval.jsonl").read_bytes()
 
 
 # -- errors -------------------------------------------------------------------------------------

@@ -5,10 +5,13 @@ evaluation runs there, as the after-training one did: ``python -m workbench.eval
 RUN_DIR`` through the backend's transport, with the target's environment and secrets, reading
 the request (tasks, endpoint, step) as JSON on stdin. It appends to the remote eval.jsonl (and
 eval/, status.json); the new bytes are then copied into the local mirror from its own size on,
-as the mirror's sync does, so a later sync stays in step. A Slurm run would need an allocation
-of its own on the cluster (``srun``): it is refused with the command to run there instead.
+as the mirror's sync does, so a later sync stays in step. A Slurm run is scored the same way in
+a job of its own on the cluster (``srun`` from the login node, on the run's partition with its
+GPUs per node: :func:`workbench.backends.slurm_script.eval_srun_command`), in the cluster's run
+directory; a run kept in place on this login node is scored there too, on a compute node, and
+its eval.jsonl needs no copying back.
 
-    >>> job.evaluate(["heldout"])          # an ssh:NAME run: scored on its host  # doctest: +SKIP
+    >>> job.evaluate(["heldout"])          # an ssh:NAME or slurm:NAME run  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from workbench.errors import EvalError, RemoteEvalError, WorkbenchError
+from workbench.errors import EvalError, WorkbenchError
 from workbench.evaluate import results
 from workbench.evaluate.runner import EvalReport
 
@@ -46,6 +49,10 @@ def evaluate_job(job: Any, tasks: Any = None, *, endpoint: str | None = None,
         raise EvalError(f"run {job.id}'s directory {rd.path} is not on this machine; evaluate "
                         "it where it ran (`workbench eval --run-dir DIR` on the target)")
     parsed = as_tasks(tasks if tasks is not None else job.spec.eval.tasks, **knobs)
+    from workbench.backends.slurm import SlurmBackend
+
+    if isinstance(job.backend, SlurmBackend):  # on a compute node, in place or on the cluster
+        return evaluate_on_slurm(job, parsed, endpoint)
     if placed_elsewhere(rd.path):
         return evaluate_there(job, parsed, endpoint)
     return evaluate_run_dir(rd.path, parsed, endpoint=endpoint,
@@ -54,7 +61,8 @@ def evaluate_job(job: Any, tasks: Any = None, *, endpoint: str | None = None,
 
 def placed_elsewhere(local_dir: Path) -> bool:
     """True when the run's directory of record is on another machine (SSH hosts, a Slurm
-    cluster's workdir); a Slurm run kept in place on this login node is here."""
+    cluster's workdir); a Slurm run kept in place on this login node is here (but is scored
+    on a compute node all the same: :func:`evaluate_on_slurm`)."""
     from workbench.backends.remote import load_placement
 
     placement = load_placement(local_dir)
@@ -62,46 +70,67 @@ def placed_elsewhere(local_dir: Path) -> bool:
 
 
 def evaluate_there(job: Any, tasks: list[Any], endpoint: str | None) -> EvalReport:
-    from workbench.backends.remote import SSHTransport, load_placement
-    from workbench.backends.ssh import SSHBackend
+    """An SSH run: on its first host, where rank 0 wrote the weights."""
+    from workbench.backends.remote import SSHTransport, load_placement, shell_path
 
     placement = load_placement(job.run_dir.path)
-    step = int(job.status().get("step") or 0)
-    request = {"tasks": [t.model_dump() for t in tasks], "endpoint": endpoint, "step": step}
-    if isinstance(job.backend, SSHBackend) and placement.get("nodes"):
-        target = job.backend.target
-        node0 = placement["nodes"][0]
-        transport = SSHTransport(target.hosts[node0["rank"]], target)
-        prefix = target.remote_shell_prefix(transport, node0["dir"])
-        return _run(transport, prefix, target.python, node0["dir"], job.run_dir.path, request)
-    where = str(placement.get("dir") or job.run_dir.path)
-    names = [f"lm_eval:{n}" for t in tasks if t.kind == "lm_eval" for n in t.tasks]
-    names += [t.kind for t in tasks if t.kind != "lm_eval"]
-    gpus = job.spec.resources.gpus_per_node
-    python = getattr(job.backend.target, "python", "python")
-    command = (f"srun --nodes=1 --ntasks=1{f' --gres=gpu:{gpus}' if gpus else ''} "
-               f"{shlex.quote(python)} -m workbench.cli eval --run-dir {shlex.quote(where)} "
-               f"--tasks {shlex.quote(','.join(names))}")
-    raise RemoteEvalError(
-        f"run {job.id} lives on the cluster of {job.target} ({where}); job.evaluate cannot ask "
-        f"Slurm for an allocation to score it yet. On the cluster's login node run:\n"
-        f"  {command}\n"
-        "(the scores print there and go to that run directory's eval.jsonl), or deploy the run "
-        "and score the endpoint: workbench.evaluate(endpoint=NAME)")
+    if not placement.get("nodes"):
+        raise EvalError(f"run {job.id} has no record of the host it ran on (remote.json); "
+                        "score its weights where they are: `workbench eval --run-dir DIR` there")
+    target = job.backend.target
+    node0 = placement["nodes"][0]
+    transport = SSHTransport(target.hosts[node0["rank"]], target)
+    prefix = target.remote_shell_prefix(transport, node0["dir"])
+    q = shell_path(node0["dir"])
+    command = (f"{prefix}cd {q} && {shlex.quote(target.python)} -m workbench.evaluate.remote "
+               f"{q}")
+    return _run(transport, command, _request(job, tasks, endpoint), job.run_dir.path,
+                fetch_from=(target.python, node0["dir"]))
 
 
-def _run(transport: Any, prefix: str, python: str, remote_dir: str, local_dir: Path,
-         request: dict[str, Any]) -> EvalReport:
-    from workbench.backends.remote import shell_path
+def evaluate_on_slurm(job: Any, tasks: list[Any], endpoint: str | None) -> EvalReport:
+    """A Slurm run: ``srun`` from the login node, one task in a job of its own on the run's
+    partition; the lines go to the run directory of record (the cluster's workdir copy, then
+    fetched into the mirror, or this one used in place)."""
+    from workbench.backends.remote import load_placement
+    from workbench.backends.slurm_script import eval_srun_command
+    from workbench.secrets import env_file_path, remote_quote, split_env
 
-    q = shell_path(remote_dir)
-    res = transport.run(f"{prefix}cd {q} && {shlex.quote(python)} -m workbench.evaluate.remote "
-                        f"{q}", input=json.dumps(request).encode(), check=False,
+    backend = job.backend
+    target, transport = backend.target, backend.transport
+    cluster_dir = load_placement(job.run_dir.path).get("dir")
+    where = cluster_dir or str(job.run_dir.path.resolve())
+    # The secrets of the target's env reach the job step through the login shell's environment
+    # (srun passes it on), from the owner-only file beside the run directory.
+    prefix = target.remote_shell_prefix(transport, where)
+    command = prefix + eval_srun_command(target, job.spec.resources.gpus_per_node, where,
+                                         f"wb-eval-{job.run_dir.path.name}")
+    try:
+        return _run(transport, command, _request(job, tasks, endpoint), job.run_dir.path,
+                    fetch_from=(target.python, cluster_dir) if cluster_dir else None)
+    finally:
+        if split_env(target.env)[1]:
+            # The run's own copy went when it ended (SlurmBackend._remove_secret_env): so does
+            # this one, once the evaluation has read it.
+            transport.run(f"rm -f {remote_quote(env_file_path(where))}", check=False, timeout=60)
+
+
+def _request(job: Any, tasks: list[Any], endpoint: str | None) -> dict[str, Any]:
+    return {"tasks": [t.model_dump() for t in tasks], "endpoint": endpoint,
+            "step": int(job.status().get("step") or 0)}
+
+
+def _run(transport: Any, command: str, request: dict[str, Any], local_dir: Path,
+         fetch_from: tuple[str, str] | None) -> EvalReport:
+    """Run ``command`` (``workbench.evaluate.remote``) with ``request`` on stdin and read its
+    answer; ``fetch_from`` (python, remote dir): copy the new eval.jsonl bytes from there."""
+    res = transport.run(command, input=json.dumps(request).encode(), check=False,
                         timeout=TIMEOUT_S)
     answer = next((json.loads(ln[len(_ANSWER):]) for ln in res.stdout.decode(errors="replace")
                    .splitlines() if ln.startswith(_ANSWER)), None)
     # Whatever was scored before a failure is in the remote eval.jsonl: bring it back first.
-    _fetch(transport, python, remote_dir, local_dir)
+    if fetch_from is not None:
+        _fetch(transport, fetch_from[0], fetch_from[1], local_dir)
     if answer is None:
         raise EvalError(f"the evaluation on {transport.where} ended without an answer (exit "
                         f"{res.returncode}):\n{res.text[-1500:]}\n-> check the target's "
