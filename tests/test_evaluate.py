@@ -192,3 +192,33 @@ def test_in_run_evaluation_stays_inside_the_budget(tmp_path):
     unlimited = RunSpec()
     assert EvalCallback(RunDir(tmp_path), unlimited, None, Billing(unlimited), None)._affordable(
         "after")
+
+
+def test_every_steps_scores_beside_only_where_the_node_has_room(tmp_path, monkeypatch):
+    """No GPU here: device ids are strings in the lease files, as tests/test_leases.py does."""
+    import os
+    import subprocess
+
+    from workbench import leases
+    from workbench.evaluate.beside import GPU_POOL_ENV, decide
+    from workbench.procs import ProcessIdentity
+
+    monkeypatch.setenv("WORKBENCH_HOME", str(tmp_path))
+    cores = len(os.sched_getaffinity(0))
+    assert decide("r", 0, cores).mode == "pause"  # one rank per core: no room
+    if cores > 1:
+        room = decide("r", 0, cores - 1)
+        assert room.mode == "beside" and room.env["OMP_NUM_THREADS"] == "1"
+    assert decide("r", 1, 1).mode == "pause"  # no pool (as under Slurm): nothing to lease
+    holder = subprocess.Popen(["sleep", "600"])  # the run's supervisor, holding GPU 0
+    try:
+        leases.acquire("r", 1, ProcessIdentity.of(holder.pid, "supervisor"), devices=["0", "1"])
+        monkeypatch.setenv(GPU_POOL_ENV, "0,1")
+        room = decide("r", 1, 1)
+        assert (room.mode, room.env["CUDA_VISIBLE_DEVICES"]) == ("beside", "1")
+        # GPU 1 is now leased to r's evaluation: a second run with GPU 0 has none spare.
+        other = decide("q", 1, 1)
+        assert other.mode == "pause" and "held" in other.reason
+    finally:
+        holder.kill()
+        holder.wait()

@@ -32,9 +32,23 @@ def runs(wb_home, tmp_path_factory):
                   {"kind": "lm_eval", "tasks": [str(task)]}]}})
     plain = workbench.launch({"name": "eval-plain", "train": train,
                               "eval": {"before": False, "after": False}})
-    for job in (scored, plain):
+    # One process on this 2-core machine: a core is spare, so every_steps scores beside it.
+    # Started with the others so that its start-up and waits overlap theirs.
+    beside = workbench.launch({"name": "eval-beside", "resources": {"processes_per_node": 1},
+                               "train": {"max_steps": BESIDE_STEPS, "lr": 3e-3},
+                               "eval": {"every_steps": 6, "after": False,
+                                        "tasks": [{"kind": "perplexity", "max_samples": 8}]}})
+    for job in (scored, plain, beside):
         assert job.wait(timeout=900, progress=False) == "succeeded", job.logs(tail=40)
-    return scored, plain
+    return scored, plain, beside
+
+
+@pytest.fixture(scope="module")
+def beside(runs):
+    return runs[2]
+
+
+BESIDE_STEPS = 18
 
 
 def _losses(job):
@@ -42,7 +56,7 @@ def _losses(job):
 
 
 def test_eval_during_training_leaves_the_loss_curve_alone(runs):
-    scored, plain = runs
+    scored, plain, _ = runs
     a, b = _losses(scored), _losses(plain)
     assert [s for s, _ in a] == list(range(1, STEPS + 1))
     assert [s for s, _ in a] == [s for s, _ in b]
@@ -50,8 +64,29 @@ def test_eval_during_training_leaves_the_loss_curve_alone(runs):
     assert not (plain.run_dir.path / results.FILE).exists()  # eval off: nothing scored
 
 
+def test_every_steps_beside_a_one_process_run_does_not_stop_training(runs, beside):
+    scored, *_ = runs
+    # The 2-process run uses both cores: it paused, and says why.
+    assert scored.status()["eval_every_steps"]["mode"] == "pause"
+    placed = beside.status()["eval_every_steps"]
+    assert placed["mode"] == "beside" and "spare" in placed["reason"], placed
+    lines = results.read(beside.run_dir.path)
+    assert [(ln["phase"], ln["step"], ln["task"]) for ln in lines] == [
+        ("during", s, "perplexity") for s in (6, 12, 18)]
+    assert all(ln["n"] == 8 for ln in lines)
+    steps = [m for m in beside.metrics() if "loss" in m]
+    assert [m["step"] for m in steps] == list(range(1, BESIDE_STEPS + 1))
+    # Training went past each scored step before that step's scores were written: the
+    # evaluation ran while the run trained (a pause would log no later step before them).
+    for ln in lines[:-1]:
+        later = [m["step"] for m in steps if m["step"] > ln["step"] and m["time"] < ln["time"]]
+        assert later, (ln, steps)
+    assert not list((beside.run_dir.path / "eval").glob(".weights-*"))  # cleaned up
+    assert "eval_error" not in beside.status()
+
+
 def test_scores_are_recorded_at_each_point_and_move_with_training(runs):
-    scored, _ = runs
+    scored, *_ = runs
     lines = results.read(scored.run_dir.path)
     points = sorted({(ln["phase"], ln["step"], ln["model"]) for ln in lines})
     assert points == [("after", STEPS, "run"), ("before", 0, "base"), ("during", 10, "run"),
@@ -71,7 +106,7 @@ def test_scores_are_recorded_at_each_point_and_move_with_training(runs):
 
 
 def test_job_evaluate_with_a_judge_and_bad_judges_leave_the_run_intact(runs):
-    scored, _ = runs
+    scored, *_ = runs
     server = JudgeServer()
     try:
         before = results.read(scored.run_dir.path)
@@ -97,7 +132,7 @@ def test_job_evaluate_with_a_judge_and_bad_judges_leave_the_run_intact(runs):
 def test_cli_eval_scores_an_ended_run(runs):
     from workbench.cli import run
 
-    scored, _ = runs
+    scored, *_ = runs
     table = run(["eval", scored.id, "--tasks", "perplexity", "--max-samples", "4"])
     assert table.splitlines()[0].split()[:4] == ["TASK", "MODEL", "STEP", "N"]
     assert table.splitlines()[1].split()[:4] == ["perplexity", "run", str(STEPS), "4"]

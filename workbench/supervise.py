@@ -213,6 +213,11 @@ def supervise(run_dir: str, role: NodeRole = NodeRole()) -> int:
               released=time.time())
         return 1
     if gpus is not None:
+        from workbench.evaluate.beside import GPU_POOL_ENV
+        from workbench.leases import visible_devices
+
+        # What eval.every_steps may lease a spare device from (workbench.evaluate.beside).
+        os.environ[GPU_POOL_ENV] = ",".join(visible_devices())
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)  # torchrun and the ranks inherit it
         write(gpus=gpus)
     _fetch_from_storage(rd, spec.checkpoint.storage, role)

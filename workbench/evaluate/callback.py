@@ -6,6 +6,10 @@ and bills. The random state of every generator training draws from (Python, NumP
 CUDA) is put back afterwards, and nothing touches the optimizer or the data order: the loss
 curve is the one the run would have had without evaluation.
 
+``every_steps`` scores beside training instead, in a process of its own on a snapshot of the
+weights, where the node has a spare GPU or spare cores (:mod:`workbench.evaluate.beside`); the
+choice and its reason are in status.json's ``eval_every_steps``.
+
 A failing evaluation (an unreachable judge, an unknown lm-eval task) is written to status.json's
 ``eval_error`` and the rank-0 log; training goes on. Under ZeRO-3 the weights are partitioned
 over the ranks, so in-run evaluation is skipped with a note: score the run afterwards with
@@ -57,6 +61,8 @@ class EvalCallback(TrainerCallback):
         validation = run_dir.data_dir / "validation.jsonl"
         self.default_file = validation if validation.is_file() else None
         self.tasks = _fitting(self.cfg.tasks, self.default_file)
+        self.beside: Any = None  # a workbench.evaluate.beside.Beside on rank 0 when there is room
+        self.beside_all = False  # every rank: every_steps scores beside (no barrier)
 
     def _active(self) -> bool:
         from transformers.integrations import is_deepspeed_zero3_enabled
@@ -115,6 +121,8 @@ class EvalCallback(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
                        **kw: Any) -> None:
+        if self.cfg.every_steps and self.tasks:
+            self._place_every_steps(state)
         if not self.cfg.before or not self._active():
             return
         # A resumed run scored its base already (the eval.jsonl line is there).
@@ -122,17 +130,44 @@ class EvalCallback(TrainerCallback):
         if state.global_step == 0 and not _agree_flag(done):
             self._evaluate(state, model, "before")
 
+    def _place_every_steps(self, state: Any) -> None:
+        """Beside or pause: rank 0 decides (its node's room), every rank follows."""
+        import os
+
+        from transformers.integrations import is_deepspeed_zero3_enabled
+
+        room = None
+        if state.is_world_process_zero and not is_deepspeed_zero3_enabled():
+            from workbench.evaluate.beside import decide
+
+            room = decide(self.rd.path.name, self.spec.resources.gpus_per_node,
+                          int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+            self.rd.write_status(eval_every_steps={"mode": room.mode, "reason": room.reason})
+            print(f"eval: every {self.cfg.every_steps} steps: {room.mode} ({room.reason})",
+                  flush=True)
+        self.beside_all = _agree_flag(room is not None and room.mode == "beside")
+        if room is not None and self.beside_all:
+            from workbench.evaluate.beside import Beside
+
+            self.beside = Beside(self.rd, room, self.tasks, self.tokenizer, self.spec.model.id)
+
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None,
                     **kw: Any) -> None:
         every = self.cfg.every_steps
         step = state.global_step
         if not every or step % every or (self.cfg.after and step >= state.max_steps):
             return  # the last step is scored by ``after``
-        if self._active():
+        if not self._active():
+            return
+        if not self.beside_all:
             self._evaluate(state, model, "during")
+        elif self._affordable("during") and self.beside is not None:  # every rank asks
+            self.beside.start(model, step)  # rank 0 only; the others go on training
 
     def on_train_end(self, args: Any, state: Any, control: Any, model: Any = None,
                      **kw: Any) -> None:
+        if self.beside is not None:
+            self.beside.close()  # its lines are in eval.jsonl before ``after`` writes there
         if self.cfg.after and self._active():
             self._evaluate(state, model, "after")
 
