@@ -11,10 +11,14 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
+import psutil
 import pytest
 
 import workbench
+from tests.waiting import wait_for
 from workbench.errors import (
     DatasetFormatError,
     EmptyDatasetError,
@@ -52,6 +56,12 @@ def test_two_process_run_completes_with_falling_loss(finished_job):
     assert Registry().get_run(job.id).state == "succeeded"
     df = job.metrics_df()
     assert {"step", "loss", "lr", "grad_norm"} <= set(df.columns)
+    # A standby start: the supervisor started before launch created the run directory, and the
+    # bill runs from its start, so it covers every process of the attempt from theirs.
+    sup = next(p["create_time"] for p in status["processes"] if p["role"] == "supervisor")
+    assert sup < status["created"]
+    assert status["attempt_started"] <= min(p["create_time"] for p in status["processes"])
+    assert status["billed_s"] >= status["ended"] - sup - 0.5
 
 
 # Cancelling a run mid-training: tests/test_budget.py (a cancelled run's bill and resume).
@@ -77,9 +87,19 @@ def test_cli_launch_then_reattach_after_the_launcher_is_gone(tmp_path):
 # A failing run's error text: tests/test_trust_procs.py (its root cause, over two attempts).
 
 
-def _nothing_written(before_runs: set, before_registry: int) -> None:
+def _standbys() -> set[Path]:
+    return set(Path(tempfile.gettempdir()).glob("workbench-standby-*"))
+
+
+def _nothing_written(before_runs: set, before_registry: int, before_children: set | None = None,
+                     before_standbys: set | None = None) -> None:
     assert set(runs_dir().iterdir()) == before_runs
     assert len(Registry().list_runs()) == before_registry
+    if before_children is not None:  # a refused launch leaves no process behind: no standby
+        left = set(psutil.Process().children(recursive=True)) - before_children
+        assert not left, [p.cmdline() for p in left]
+    if before_standbys is not None:
+        assert _standbys() <= before_standbys
 
 
 def test_launch_refuses_a_plan_that_cannot_fit_unless_forced():
@@ -106,6 +126,7 @@ def test_bad_inputs_fail_before_anything_starts(kind, tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setitem(sys.modules, "wandb", None)  # find_spec("wandb") -> None: not installed
     before_runs, before_reg = set(runs_dir().iterdir()), len(Registry().list_runs())
+    before_children, before_standbys = set(psutil.Process().children(recursive=True)), _standbys()
     bad_field = tmp_path / "train.jsonl"
     bad_field.write_text('{"instruction": "q", "output": "a"}\n{"instruction": "q2"}\n')
     empty = tmp_path / "empty.jsonl"
@@ -127,4 +148,29 @@ def test_bad_inputs_fail_before_anything_starts(kind, tmp_path, monkeypatch):
     with pytest.raises(exc) as info:
         workbench.launch(spec)
     assert fragment in str(info.value)
-    _nothing_written(before_runs, before_reg)
+    _nothing_written(before_runs, before_reg, before_children, before_standbys)
+
+
+def test_a_standby_ends_with_the_process_that_launched_it():
+    # The launching process (a kernel, the CLI) dies while its standby's ranks still wait for
+    # the go: the standby must not outlive it.
+    code = ("import time, workbench; from workbench.standby import Standby; "
+            "s = Standby.start(workbench.RunSpec()); print(s.proc.pid, s.folder, flush=True); "
+            "time.sleep(600)")
+    launcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert launcher.stdout is not None
+    pid, folder = launcher.stdout.readline().split()
+    supervisor = psutil.Process(int(pid))
+
+    def waiting_ranks() -> list[psutil.Process]:
+        return [p for p in supervisor.children(recursive=True)
+                if "workbench.train" in p.cmdline() and "--standby" in p.cmdline()
+                and p.ppid() != supervisor.pid]
+
+    wait_for(lambda: len(waiting_ranks()) == 2, 120, "the standby's two ranks")
+    tree = [supervisor, *supervisor.children(recursive=True)]
+    launcher.kill()
+    launcher.wait()
+    _, alive = psutil.wait_procs(tree, timeout=120)
+    assert not alive, [p.cmdline() for p in alive]
+    assert not Path(folder).exists()

@@ -141,6 +141,26 @@ def _launch(spec: RunSpec | dict | str | Path | None, force: bool,
 
         check_local_resources(spec)
     _validate_tracking(spec)
+    standby = None
+    if spec.target == "local":  # the ranks import their libraries while we plan and prepare
+        from workbench.standby import Standby
+
+        standby = Standby.start(spec)
+    try:
+        rd = _accept(spec, force, registry)
+    except BaseException:  # refused: no process of the run may outlive the refusal
+        if standby is not None:
+            standby.discard()
+        raise
+    job_id = (backend.submit(rd.path, spec) if standby is None
+              else backend.submit(rd.path, spec, standby=standby))  # type: ignore[call-arg]
+    registry.update_run(rd.path.name, backend_job_id=job_id, state=QUEUED)
+    return Job(registry.get_run(rd.path.name), registry=registry, backend=backend)
+
+
+def _accept(spec: RunSpec, force: bool, registry: Registry) -> RunDir:
+    """Plan, check the model, create the run directory and prepare its data: the accepted run's
+    directory, registered; nothing is left behind when any of it is refused."""
     plan = _plan(spec, force)
     _validate_model(spec)
     for _ in range(20):
@@ -166,6 +186,4 @@ def _launch(spec: RunSpec | dict | str | Path | None, force: bool,
         registry.delete_run(run_id)
         shutil.rmtree(rd.path, ignore_errors=True)
         raise
-    job_id = backend.submit(rd.path, spec)
-    registry.update_run(run_id, backend_job_id=job_id, state=QUEUED)
-    return Job(registry.get_run(run_id), registry=registry, backend=backend)
+    return rd

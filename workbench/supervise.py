@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 
@@ -37,6 +38,9 @@ from workbench.rundir import (
     cancelled_state,
 )
 from workbench.spec import RunSpec
+
+if TYPE_CHECKING:
+    from workbench.standby import Ranks
 
 OWN_FOLDER_ENV = "WORKBENCH_OWN_FOLDER"  # set for ranks whose run directory no other node shares
 CANCEL_GRACE_S = 20.0  # SIGTERM first, SIGKILL after this long
@@ -195,7 +199,9 @@ def publish_snapshot(run_dir: str) -> int:
     return 0
 
 
-def supervise(run_dir: str, role: NodeRole = NodeRole()) -> int:
+def supervise(run_dir: str, role: NodeRole = NodeRole(), standby: Ranks | None = None) -> int:
+    """Run the attempt; ``standby``: ranks already started and waiting for the go (their
+    torchrun serves the first start, see :mod:`workbench.standby`)."""
     rd = RunDir(run_dir)
     spec = rd.spec()
     cmd = torchrun_command(rd.path, spec.resources.procs_per_node, role)
@@ -242,7 +248,8 @@ def supervise(run_dir: str, role: NodeRole = NodeRole()) -> int:
     since = log_sizes(rd)
     while not bill.stopped:
         since = log_sizes(rd)
-        rc = _run_ranks(rd, cmd, child, cancel_at, write, role, me, ranks, bill)
+        rc = _run_ranks(rd, cmd, child, cancel_at, write, role, me, ranks, bill, standby)
+        standby = None  # a restart starts torchrun afresh
         if cancel_at or rc == 0:
             break
         newest = _newest_committed_step(rd)
@@ -308,17 +315,21 @@ def _lease_gpus(rd: RunDir, spec: RunSpec, me: procs.ProcessIdentity) -> list[st
 def _run_ranks(rd: RunDir, cmd: list[str], child: list[subprocess.Popen],
                cancel_at: list[float], write: Callable[..., object], role: NodeRole,
                me: procs.ProcessIdentity, ranks: dict[int, psutil.Process],
-               bill: AttemptBill) -> int:
+               bill: AttemptBill, standby: Ranks | None = None) -> int:
     errors = error_file(rd, role)
     errors.unlink(missing_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", procs.SUPERVISOR_ENV: me.token,
            "TORCHELASTIC_ERROR_FILE": str(errors)}
     if role.own_folder:  # only this node's ranks write into this folder (see train.run)
         env[OWN_FOLDER_ENV] = "1"
-    with (rd.logs_dir / role.launcher_log).open("ab") as log:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, env=env, cwd=rd.path,
-                                start_new_session=True, preexec_fn=procs.die_with_parent)
+    if standby is not None:
+        proc = standby.proc
+        standby.go(rd, rd.logs_dir / role.launcher_log)
+    else:
+        with (rd.logs_dir / role.launcher_log).open("ab") as log:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT, env=env, cwd=rd.path,
+                                    start_new_session=True, preexec_fn=procs.die_with_parent)
     child.append(proc)
     if cancel_at:  # the cancel came while torchrun was being started: on_signal missed it
         _signal_group(proc.pid, signal.SIGTERM)
@@ -339,6 +350,8 @@ def _run_ranks(rd: RunDir, cmd: list[str], child: list[subprocess.Popen],
                 procs.kill_all(ranks.values())
     _signal_group(proc.pid, signal.SIGKILL)
     procs.kill_all(ranks.values())  # ranks that outlived torchrun (they run in their own sessions)
+    if standby is not None:
+        standby.ended(errors)
     if role.writes_status:
         for ident in procs.of_attempt(rd.status()):
             if ident.role == "rank" and ident.here:

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from workbench import procs
 from workbench.errors import LaunchError, ResourceError
@@ -22,6 +22,9 @@ from workbench.rundir import FAILED, QUEUED, TERMINAL, RunDir, cancelled_state
 from workbench.spec import RunSpec
 from workbench.target_check import TargetReport, probe_environment, register_check
 from workbench.targets import SSHTarget
+
+if TYPE_CHECKING:
+    from workbench.standby import Standby
 
 # Popen objects of supervisors this process started, so they are reaped (no zombies) once done.
 _children: dict[int, subprocess.Popen] = {}
@@ -87,10 +90,29 @@ class LocalBackend:
 
     name = "local"
 
-    def submit(self, run_dir: Path, spec: RunSpec) -> str:
+    def submit(self, run_dir: Path, spec: RunSpec, standby: Standby | None = None) -> str:
+        """Start the run's supervisor, or give ``standby`` (started by launch, its ranks
+        waiting: :mod:`workbench.standby`) the run directory."""
         rd = RunDir(run_dir)
-        check_local_resources(spec)
+        try:
+            check_local_resources(spec)
+        except BaseException:
+            if standby is not None:
+                standby.discard()
+            raise
         _reap()
+        child = standby.hand_over(rd, spec) if standby is not None else None
+        if child is None:
+            child = self._start(rd)
+        _children[child.pid] = child
+        # Recorded before returning, so no reader ever sees this attempt without its supervisor
+        # (an unreaped child keeps its identity even if it has exited already).
+        sup = procs.ProcessIdentity.of(child.pid, "supervisor")
+        procs.start_attempt(rd, sup, state=QUEUED, submitted=time.time())
+        return f"local:{child.pid}"
+
+    @staticmethod
+    def _start(rd: RunDir) -> subprocess.Popen:
         log = (rd.logs_dir / "supervisor.log").open("ab")
         try:
             child = subprocess.Popen(
@@ -103,12 +125,7 @@ class LocalBackend:
             raise LaunchError(f"could not start the supervisor: {exc}") from None
         finally:
             log.close()
-        _children[child.pid] = child
-        # Recorded before returning, so no reader ever sees this attempt without its supervisor
-        # (an unreaped child keeps its identity even if it has exited already).
-        sup = procs.ProcessIdentity.of(child.pid, "supervisor")
-        procs.start_attempt(rd, sup, state=QUEUED, submitted=time.time())
-        return f"local:{child.pid}"
+        return child
 
     def status(self, run_dir: Path, job_id: str | None) -> dict[str, Any]:
         rd = RunDir(run_dir)

@@ -1,5 +1,9 @@
 """``python -m workbench.train RUN_DIR``: the training entry point run by every rank on every node.
 
+``python -m workbench.train --standby FOLDER`` is a rank of a standby start (see
+:mod:`workbench.standby`): it imports what training needs, waits for the go, then trains on the
+run directory the go names.
+
 ``record`` writes an exception that ends a rank to torchelastic's error file, from which torchrun
 hands the first failure (its type and message) to the supervisor as the run's error.
 """
@@ -13,7 +17,11 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from workbench.train.run import main
 
 if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--standby":
+        from workbench.standby import await_go
+
+        sys.exit(record(lambda folder: main(await_go(folder)))(sys.argv[2]))
     if len(sys.argv) != 2:
-        sys.stderr.write("usage: python -m workbench.train RUN_DIR\n")
+        sys.stderr.write("usage: python -m workbench.train RUN_DIR | --standby FOLDER\n")
         sys.exit(2)
     sys.exit(record(main)(sys.argv[1]))
