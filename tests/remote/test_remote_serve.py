@@ -3,7 +3,8 @@
 The "SSH host" is the loopback sshd of ``tests/remote/cluster.py`` with its own working folder,
 and the Slurm cluster is the one-machine cluster there; vLLM is the real ``.venv-serve`` one
 (``serve_python`` of the targets). A run trained here is served on each target and its greedy
-replies are compared with transformers + peft.
+replies are compared with transformers + peft (the run is the one tests/test_serve.py serves
+locally, trained once per session).
 """
 
 from __future__ import annotations
@@ -37,10 +38,8 @@ def _gone(text: str, timeout: float = 30.0) -> bool:
 
 
 @pytest.fixture(scope="module")
-def trained(targets):
-    job = workbench.launch({"name": "remote-serve", "train": {"epochs": 8, "lr": 3e-3}})
-    assert job.wait(progress=False) == "succeeded", job.logs()
-    return job
+def trained(targets, served_run):
+    return served_run  # tests/conftest.py: the run tests/test_serve.py serves locally
 
 
 @pytest.fixture(scope="module")
