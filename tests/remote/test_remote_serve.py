@@ -43,6 +43,19 @@ def trained(targets, served_run):
 
 
 @pytest.fixture(scope="module")
+def slurm_ep(trained, targets):
+    """The Slurm endpoint, submitted before the SSH test runs so the two vLLM start-ups overlap
+    (each is tens of seconds); its own test waits for it to answer. Stopped here if that test
+    did not get to stop it."""
+    ep = deploy(trained, target="slurm:local", name="slurm-ep", wait=False, progress=False)
+    try:
+        yield ep
+    finally:
+        if get_endpoint("slurm-ep").record.state != "stopped":
+            ep.stop()
+
+
+@pytest.fixture(scope="module")
 def reference(trained) -> list[str]:
     from workbench.infer import load_chat_model
 
@@ -50,7 +63,8 @@ def reference(trained) -> list[str]:
 
 
 def test_ssh_endpoint_is_reached_through_a_tunnel_and_dies_with_its_kernel(trained, reference,
-                                                                           targets):
+                                                                           targets, slurm_ep):
+    # slurm_ep: the Slurm endpoint starts alongside (the next test checks it).
     # The deploying "kernel" is a child process: it deploys with keep=False, then is killed -9.
     kernel = subprocess.Popen(
         [sys.executable, "-c",
@@ -92,9 +106,10 @@ def test_ssh_endpoint_is_reached_through_a_tunnel_and_dies_with_its_kernel(train
     assert get_endpoint("ssh-ep").record.state == "stopped"
 
 
-def test_slurm_endpoint_runs_inside_its_job_with_an_api_key(trained, reference, targets):
-    ep = deploy(trained, target="slurm:local", name="slurm-ep", progress=False, timeout=400)
+def test_slurm_endpoint_runs_inside_its_job_with_an_api_key(slurm_ep, reference, targets):
+    ep = slurm_ep
     try:
+        ep.wait_healthy(timeout=400, progress=False)
         script = (ep.dir / "serve.sbatch").read_text()
         assert "#SBATCH --time=00:10:00" in script and "#SBATCH --no-requeue" in script
         assert "wb-serve-slurm-ep" in squeue_job_names()
