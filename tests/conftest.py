@@ -46,3 +46,16 @@ def finished_job(wb_home: Path):
     state = job.wait(timeout=600, progress=False)
     assert state == "succeeded", job.logs(tail=30)
     return job
+
+
+@pytest.fixture(scope="session")
+def served_run(wb_home: Path):
+    """The run the vLLM tests deploy (tests/test_serve.py locally, tests/remote/test_remote_serve.py
+    on SSH and Slurm): 20 epochs of the teaching set, so its greedy answers are the teaching
+    answers and not garbage. Both modules compare what a server answers with transformers + peft
+    on the same run, so one run serves both: each such run costs the suite ~1 min."""
+    import workbench
+
+    job = workbench.launch({"name": "serve-test", "train": {"epochs": 20, "lr": 3e-3}})
+    assert job.wait(progress=False) == "succeeded", job.logs()
+    return job

@@ -62,10 +62,8 @@ def serve_python() -> str:
 
 
 @pytest.fixture(scope="session")
-def trained(wb_home):
-    job = workbench.launch({"name": "serve-test", "train": {"epochs": 20, "lr": 3e-3}})
-    assert job.wait(progress=False) == "succeeded", job.logs()
-    return job
+def trained(served_run):
+    return served_run  # tests/conftest.py: shared with the remote serving tests
 
 
 @pytest.fixture(scope="session")

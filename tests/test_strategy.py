@@ -65,57 +65,72 @@ def test_locks_left_by_killed_builds_are_removed_and_live_ones_kept(tmp_path, mo
     assert clear_stale_extension_locks() == []  # nothing left to do
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("stage", ["zero2", "zero3"])
-def test_deepspeed_zero_runs_on_cpu_with_two_ranks(stage, tmp_path, monkeypatch):
-    from workbench.infer import load_chat_model
+def _plant_stale_build_lock(tmp_path, monkeypatch):
+    """A JIT build of DeepSpeed's CPU shm op killed half-way leaves its lock file behind, and every
+    later build waits on it forever (CI hung here). Plant one: the run must not build anything."""
     from workbench.train.strategy import SHM_COMM_OP
 
-    # A JIT build of DeepSpeed's CPU shm op killed half-way leaves its lock file behind, and every
-    # later build waits on it forever (CI hung here). Plant one: the run must not build anything.
     stale = tmp_path / "torch_extensions" / SHM_COMM_OP
     stale.mkdir(parents=True)
     (stale / "lock").touch()
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "torch_extensions"))
-    job = workbench.launch({"name": f"ds-{stage}", "train": {"max_steps": 15, "lr": 3e-3},
-                            "parallel": {"strategy": stage}, "checkpoint": {"every_steps": 10}})
-    assert job.wait(timeout=600, progress=False) == "succeeded", job.logs(tail=30)
-    assert (stale / "lock").exists()  # fresh, so kept: the run simply built nothing
-    assert f"strategy: lora + {stage}" in job.logs(tail=None, name="rank-0.log")
-    if stage == "zero3":
-        # Partitioned at load (zero.Init inside from_pretrained): each of the 2 ranks holds about
-        # half of the elements right after loading, never the whole model.
-        for rank in (0, 1):
-            log = job.logs(tail=None, name=f"rank-{rank}.log")
-            held = re.search(r"zero3: loaded partitioned: this rank holds (\d+) of (\d+)", log)
-            assert held, log[-2000:]
-            local, total = int(held[1]), int(held[2])
-            assert total > 100_000 and local <= total / 2 + 1000, (local, total)
-    losses = [m["loss"] for m in job.metrics() if "loss" in m]
-    assert len(losses) == 15 and losses[-1] < losses[0] - 1.0
-    # DeepSpeed writes its own shards; the snapshot is still committed and verified.
-    snap = newest_verified(job.run_dir)
-    assert snap is not None and snap.name == "step-10"
-    assert any(p.is_dir() for p in snap.iterdir())  # the engine's global_step folder
-    # The adapter saved under ZeRO holds real, trained weights (not empty ZeRO-3 shards).
+    return stale / "lock"
+
+
+def _assert_adapter_trained(job) -> None:
+    """The adapter saved under ZeRO holds real, trained weights (not empty ZeRO-3 shards)."""
+    from workbench.infer import load_chat_model
+
     model = load_chat_model(job).model
     lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
     assert lora_b and all(p.numel() > 0 for p in lora_b)
     assert any(p.abs().sum().item() > 0 for p in lora_b)
 
 
+# Plain ZeRO-2 (no offload) has no run of its own here: ZeRO-1 below runs the same DeepSpeed
+# optimizer class without offload, ZeRO-2 + offload below runs stage 2, and stage 2 without
+# offload trains for real in the KTO test (tests/test_preference_train.py) and the Slurm
+# requeue test (tests/remote/test_remote.py). A DeepSpeed run is among the suite's slowest tests
+# (74-155 s each here on a loaded 2-core machine).
+@pytest.mark.slow
+def test_deepspeed_zero3_runs_on_cpu_with_two_ranks(tmp_path, monkeypatch):
+    stale = _plant_stale_build_lock(tmp_path, monkeypatch)
+    job = workbench.launch({"name": "ds-zero3", "train": {"max_steps": 15, "lr": 3e-3},
+                            "parallel": {"strategy": "zero3"}, "checkpoint": {"every_steps": 10}})
+    assert job.wait(timeout=600, progress=False) == "succeeded", job.logs(tail=30)
+    assert stale.exists()  # fresh, so kept: the run simply built nothing
+    assert "strategy: lora + zero3" in job.logs(tail=None, name="rank-0.log")
+    # Partitioned at load (zero.Init inside from_pretrained): each of the 2 ranks holds about
+    # half of the elements right after loading, never the whole model.
+    for rank in (0, 1):
+        log = job.logs(tail=None, name=f"rank-{rank}.log")
+        held = re.search(r"zero3: loaded partitioned: this rank holds (\d+) of (\d+)", log)
+        assert held, log[-2000:]
+        local, total = int(held[1]), int(held[2])
+        assert total > 100_000 and local <= total / 2 + 1000, (local, total)
+    losses = [m["loss"] for m in job.metrics() if "loss" in m]
+    assert len(losses) == 15 and losses[-1] < losses[0] - 1.0
+    # DeepSpeed writes its own shards; the snapshot is still committed and verified.
+    snap = newest_verified(job.run_dir)
+    assert snap is not None and snap.name == "step-10"
+    assert any(p.is_dir() for p in snap.iterdir())  # the engine's global_step folder
+    _assert_adapter_trained(job)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stage, offload", [("zero1", False), ("zero2", True)],
                          ids=["zero1", "zero2-offload-optimizer"])
-def test_zero1_and_optimizer_offload_train_on_cpu(stage, offload):
+def test_zero1_and_optimizer_offload_train_on_cpu(stage, offload, tmp_path, monkeypatch):
     import torch
 
+    stale = _plant_stale_build_lock(tmp_path, monkeypatch)
     job = workbench.launch({"name": f"ds-{stage}{'-off' if offload else ''}",
                             "train": {"max_steps": 8, "lr": 3e-3},
                             "data": {"validation_fraction": 0.0},
                             "checkpoint": {"every_steps": 4},
                             "parallel": {"strategy": stage, "offload_optimizer": offload}})
     assert job.wait(timeout=600, progress=False) == "succeeded", job.logs(tail=30)
+    assert stale.exists()  # fresh, so kept: the run simply built nothing
     log = job.logs(tail=None, name="rank-0.log")
     assert f"strategy: lora + {stage}{' (offload optimizer)' if offload else ''}" in log
     losses = [m["loss"] for m in job.metrics() if "loss" in m]
@@ -140,3 +155,4 @@ def test_zero1_and_optimizer_offload_train_on_cpu(stage, offload):
         held.append(sum(t.numel() for t in osd["single_partition_of_fp32_groups"]))
     trainable = sum(t.numel() for n, t in states["module"].items() if "lora_" in n)
     assert sum(held) >= trainable and max(held) <= trainable / 2 + 64, (held, trainable)
+    _assert_adapter_trained(job)

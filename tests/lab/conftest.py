@@ -1,4 +1,5 @@
-"""A real JupyterLab server for the lab tests: started once per module, on loopback with a token.
+"""A real JupyterLab server for the lab tests: started once per session (the browser tests and the
+REST tests share it; each start cost the suite seconds), on loopback with a token.
 
 The server gets the session's WORKBENCH_HOME (from tests/conftest.py), serves files from that
 folder (so run folders open in the file browser), keeps its config, runtime and user settings in
@@ -64,7 +65,7 @@ def shipped_lab_settings() -> Path:
     return ext / source
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def lab_server(wb_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabServer]:
     with running_lab(wb_home, tmp_path_factory.mktemp("jupyter-state")) as server:
         yield server

@@ -3,7 +3,8 @@
 The "SSH host" is the loopback sshd of ``tests/remote/cluster.py`` with its own working folder,
 and the Slurm cluster is the one-machine cluster there; vLLM is the real ``.venv-serve`` one
 (``serve_python`` of the targets). A run trained here is served on each target and its greedy
-replies are compared with transformers + peft.
+replies are compared with transformers + peft (the run is the one tests/test_serve.py serves
+locally, trained once per session).
 """
 
 from __future__ import annotations
@@ -37,10 +38,21 @@ def _gone(text: str, timeout: float = 30.0) -> bool:
 
 
 @pytest.fixture(scope="module")
-def trained(targets):
-    job = workbench.launch({"name": "remote-serve", "train": {"epochs": 8, "lr": 3e-3}})
-    assert job.wait(progress=False) == "succeeded", job.logs()
-    return job
+def trained(targets, served_run):
+    return served_run  # tests/conftest.py: the run tests/test_serve.py serves locally
+
+
+@pytest.fixture(scope="module")
+def slurm_ep(trained, targets):
+    """The Slurm endpoint, submitted before the SSH test runs so the two vLLM start-ups overlap
+    (each is tens of seconds); its own test waits for it to answer. Stopped here if that test
+    did not get to stop it."""
+    ep = deploy(trained, target="slurm:local", name="slurm-ep", wait=False, progress=False)
+    try:
+        yield ep
+    finally:
+        if get_endpoint("slurm-ep").record.state != "stopped":
+            ep.stop()
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +63,8 @@ def reference(trained) -> list[str]:
 
 
 def test_ssh_endpoint_is_reached_through_a_tunnel_and_dies_with_its_kernel(trained, reference,
-                                                                           targets):
+                                                                           targets, slurm_ep):
+    # slurm_ep: the Slurm endpoint starts alongside (the next test checks it).
     # The deploying "kernel" is a child process: it deploys with keep=False, then is killed -9.
     kernel = subprocess.Popen(
         [sys.executable, "-c",
@@ -93,9 +106,10 @@ def test_ssh_endpoint_is_reached_through_a_tunnel_and_dies_with_its_kernel(train
     assert get_endpoint("ssh-ep").record.state == "stopped"
 
 
-def test_slurm_endpoint_runs_inside_its_job_with_an_api_key(trained, reference, targets):
-    ep = deploy(trained, target="slurm:local", name="slurm-ep", progress=False, timeout=400)
+def test_slurm_endpoint_runs_inside_its_job_with_an_api_key(slurm_ep, reference, targets):
+    ep = slurm_ep
     try:
+        ep.wait_healthy(timeout=400, progress=False)
         script = (ep.dir / "serve.sbatch").read_text()
         assert "#SBATCH --time=00:10:00" in script and "#SBATCH --no-requeue" in script
         assert "wb-serve-slurm-ep" in squeue_job_names()
