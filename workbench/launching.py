@@ -18,15 +18,18 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from workbench.backends import get_backend
+from workbench.backends import Backend, get_backend
 from workbench.errors import LaunchError
 from workbench.home import runs_dir
 from workbench.jobs import Job
 from workbench.registry import Registry, RunRecord
 from workbench.rundir import PENDING, QUEUED, RunDir, write_json_atomic
 from workbench.spec import RunSpec
+
+if TYPE_CHECKING:
+    from workbench.target_model import TargetModel
 
 KERNEL_TARGET_ENV = "WORKBENCH_TARGET"  # set by the remote-kernel provisioner on the target
 
@@ -39,6 +42,14 @@ def _validate_model(spec: RunSpec) -> None:
     from workbench.models import load_config
 
     load_config(spec.model.id, spec.model.revision, spec.model.trust_remote_code)
+
+
+def _model_on_target(spec: RunSpec, backend: Any) -> TargetModel | None:
+    """The model folder as the target sees it, when it is not on this machine; None: the model
+    is checked here (a built-in, a hub id, or a folder that exists here)."""
+    from workbench.target_model import check_on_target, lives_on_target
+
+    return check_on_target(spec, backend) if lives_on_target(spec) else None
 
 
 def _validate_tracking(spec: RunSpec) -> None:
@@ -61,9 +72,11 @@ def _plan(spec: RunSpec, force: bool, longest: int | None = None) -> dict[str, A
     return result.to_dict()
 
 
-def _prepare_data(spec: RunSpec, rd: RunDir, force: bool = False) -> None:
+def _prepare_data(spec: RunSpec, rd: RunDir, force: bool = False,
+                  on_target: TargetModel | None = None) -> None:
     """Read, clean and split the data, then tokenise it once for every rank (see
-    workbench.data.tokenized); refuses data that truncation would leave with too little to train."""
+    workbench.data.tokenized); refuses data that truncation would leave with too little to train.
+    A model folder only the target has (``on_target``) leaves tokenising to the ranks."""
     from workbench.data.prepare import prepare_data
     from workbench.data.tokenized import check_trainable, prepare_tokenized
 
@@ -74,6 +87,10 @@ def _prepare_data(spec: RunSpec, rd: RunDir, force: bool = False) -> None:
         return
     summary = prepare_data(spec, rd.data_dir, cache=True)
     rd.write_status(data=summary.counts)
+    if on_target is not None:  # its tokenizer is there: the ranks tokenise
+        rd.write_status(prepare={"skipped": f"model folder {on_target.path} is on "
+                                            f"{on_target.where}, not here: the ranks tokenise"})
+        return
     from workbench.data.tokenize import load_tokenizer
     from workbench.models import resolve_model
 
@@ -147,7 +164,7 @@ def _launch(spec: RunSpec | dict | str | Path | None, force: bool,
 
         standby = Standby.start(spec)
     try:
-        rd = _accept(spec, force, registry)
+        rd = _accept(spec, force, registry, backend)
     except BaseException:  # refused: no process of the run may outlive the refusal
         if standby is not None:
             standby.discard()
@@ -158,11 +175,23 @@ def _launch(spec: RunSpec | dict | str | Path | None, force: bool,
     return Job(registry.get_run(rd.path.name), registry=registry, backend=backend)
 
 
-def _accept(spec: RunSpec, force: bool, registry: Registry) -> RunDir:
+def _accept(spec: RunSpec, force: bool, registry: Registry, backend: Backend) -> RunDir:
     """Plan, check the model, create the run directory and prepare its data: the accepted run's
     directory, registered; nothing is left behind when any of it is refused."""
-    plan = _plan(spec, force)
-    _validate_model(spec)
+    on_target = _model_on_target(spec, backend)
+    if on_target is None:
+        plan = _plan(spec, force)
+        _validate_model(spec)
+    else:  # planned from the config.json read there
+        from workbench.plan.shape import model_shape
+        from workbench.target_model import planned_from
+
+        model_shape.cache_clear()  # cached by model id: this path may hold another model there
+        try:
+            with planned_from(on_target):
+                plan = _plan(spec, force)
+        finally:
+            model_shape.cache_clear()
     for _ in range(20):
         run_id = _new_run_id(spec.name)
         rd = RunDir(runs_dir() / run_id)
@@ -181,7 +210,7 @@ def _accept(spec: RunSpec, force: bool, registry: Registry) -> RunDir:
                                run_dir=str(rd.path), state=PENDING, created=now, updated=now))
     try:
         write_json_atomic(rd.plan_file, plan)
-        _prepare_data(spec, rd, force)
+        _prepare_data(spec, rd, force, on_target)
     except BaseException:
         registry.delete_run(run_id)
         shutil.rmtree(rd.path, ignore_errors=True)

@@ -59,3 +59,10 @@ def load_config(model_id: str, revision: str | None = None, trust_remote_code: b
             f"could not load the config of {model_id!r}: {exc}. If this is a hub id, check the "
             "spelling and that the hub is reachable (or download it and use the local folder)"
         ) from None
+
+
+def is_absolute_folder_id(model_id: str) -> bool:
+    """``model.id`` names a folder by an absolute or ``~/`` path: a folder that may exist on a
+    run's target only (workbench.target_model checks it there). A relative path is not one: it
+    would mean a different folder on each machine."""
+    return model_id.startswith(("/", "~"))

@@ -41,7 +41,38 @@ def cluster() -> Iterator[test_cluster.Cluster]:
 
 
 @pytest.fixture(scope="session")
-def targets(cluster: test_cluster.Cluster, wb_home: Path) -> dict:
+def target_home(cluster: test_cluster.Cluster) -> Path:
+    """The home folder of ssh:apart's and slurm:apart's user. The hosts are this machine, so the
+    files are one filesystem; what keeps a folder of the targets out of the notebook's view is
+    the home: ``~/models/X`` is TARGET_HOME/models/X there and ~/models/X (HOME of this test
+    process) here, which does not exist (tests assert that)."""
+    home = cluster.root / "target-home"
+    home.mkdir(exist_ok=True)
+    return home
+
+
+@pytest.fixture(scope="session")
+def cluster_model(target_home: Path) -> tuple[str, Path]:
+    """(model.id, folder on the targets) of a model that only ssh:apart and slurm:apart have:
+    builtin:tiny-llama cut to its first layer, so its shape differs from the built-in's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from workbench.assets import builtin_model_path
+
+    model_id = "~/models/wb-cluster-only-tiny"
+    folder = target_home / "models" / "wb-cluster-only-tiny"
+    assert not Path(os.path.expanduser(model_id)).exists()  # here it must name nothing
+    if not (folder / "config.json").is_file():
+        model = AutoModelForCausalLM.from_pretrained(builtin_model_path())
+        model.model.layers = model.model.layers[:1]
+        model.config.num_hidden_layers = 1
+        model.save_pretrained(folder)
+        AutoTokenizer.from_pretrained(builtin_model_path()).save_pretrained(folder)
+    return model_id, folder
+
+
+@pytest.fixture(scope="session")
+def targets(cluster: test_cluster.Cluster, wb_home: Path, target_home: Path) -> dict:
     import workbench
 
     # Every "host" runs the workbench under test (over SSH nothing of this process's env goes).
@@ -62,6 +93,10 @@ def targets(cluster: test_cluster.Cluster, wb_home: Path) -> dict:
                                       {"host": "wb-node1", "workdir": f"{work}/node1"}],
                      "defaults": {"resources.nodes": 2, "resources.processes_per_node": 1}},
             "one": {**ssh, "hosts": ["wb-node0"], "workdir": f"{work}/one"},
+            # The same host, logged into as a user whose home is not the notebook's (see
+            # target_home): ~/... names a folder there that does not exist here.
+            "apart": {**ssh, "env": {**env, "HOME": str(target_home)}, "hosts": ["wb-node0"],
+                      "workdir": f"{work}/one"},
             "down": {**ssh, "hosts": [{"host": "127.0.0.1", "port": 1}], "connect_timeout": 5},
             "broken": {**ssh, "hosts": ["wb-node0"], "python": "/nonexistent/env/bin/python"},
             "unknown-key": {"python": PYTHON, "env": env,
@@ -75,6 +110,9 @@ def targets(cluster: test_cluster.Cluster, wb_home: Path) -> dict:
                       "time": "00:10:00"},
             # sbatch over SSH on a login node, run directory copied to the cluster's workdir.
             "login": {**ssh, "login": "wb-node0", "workdir": f"{work}/cluster", "time": "00:10:00"},
+            # ... and a cluster whose users' home (its shared filesystem) is not the notebook's.
+            "apart": {**ssh, "env": {**env, "HOME": str(target_home)}, "login": "wb-node0",
+                      "workdir": f"{work}/cluster", "time": "00:10:00"},
             "short": {"python": PYTHON, "env": env, "time": "1", "cpus_per_task": 1,
                       # Inside the job only: stands in for a run longer than its limit.
                       "setup": ['[ -z "$SLURM_JOB_ID" ] || sleep 600']},

@@ -9,10 +9,12 @@ waiting overlaps the other tests.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from cluster import processes_with, squeue_job_names
 
@@ -282,12 +284,15 @@ def _evaluate_on_node0(job: workbench.Job, node0: Path) -> None:
 
 # -- cancel -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("target", ["ssh:one", "slurm:login"])
-def test_cancel_stops_every_process(targets, target):
-    job = workbench.launch({"name": "cancelme", "target": target,
+@pytest.mark.parametrize("target", ["ssh:apart", "slurm:apart"])
+def test_cancel_stops_every_process(targets, cluster_model, target):
+    # The model is a folder only the target has (cluster_model): checked and planned there.
+    model_id, folder = cluster_model
+    job = workbench.launch({"name": "cancelme", "target": target, "model": {"id": model_id},
                             "train": {"max_steps": 100000}})
+    _planned_on_the_target(job, folder)
     _wait_running(job)
-    if target == "ssh:one":
+    if target.startswith("ssh:"):
         # The connection drops for the cancel: nothing is known, so nothing is recorded.
         t = get_target(target)
         cut = t.model_copy(update={"hosts": [h.model_copy(update={"port": 1}) for h in t.hosts],
@@ -306,7 +311,7 @@ def test_cancel_stops_every_process(targets, target):
     assert job.cancel() == "cancelled"
     assert workbench.get_job(job.id).state == "cancelled"
     _nothing_left(job.id)
-    if target == "slurm:login":
+    if target.startswith("slurm:"):
         _evaluate_on_the_cluster(job)
 
 
@@ -327,6 +332,7 @@ def _evaluate_on_the_cluster(job: workbench.Job) -> None:
     job.resume(**{"train.max_steps": 5})
     assert job.wait(timeout=300, progress=False) == "succeeded", job.logs(tail=30)
     assert (job.artefact() / "adapter_config.json").is_file()
+    assert "data: train tokenised" in job.logs(tail=None, name="rank-0.log")  # on the target
     _nothing_left(job.id)
     local = job.run_dir.path / "eval.jsonl"
     before = local.read_bytes()
@@ -351,6 +357,25 @@ def _evaluate_on_the_cluster(job: workbench.Job) -> None:
     assert local.read_bytes() == remote == (cluster_dir / "eval.jsonl").read_bytes()
 
 
+def _planned_on_the_target(job: workbench.Job, folder: Path) -> None:
+    """The plan counted the folder on the target (its weights, read here with safetensors: one
+    layer fewer than the built-in), and launch left tokenising to the ranks."""
+    from workbench.assets import builtin_model_path
+
+    plan = json.loads((job.run_dir.path / "plan.json").read_text())
+    assert "host wb-node0" in plan["model_source"], plan["model_source"]
+    assert plan["params"] == _weights(folder) != _weights(builtin_model_path())
+    assert "the ranks tokenise" in job.run_dir.status()["prepare"]["skipped"]
+    assert not (job.run_dir.data_dir / "tokenized").exists()
+
+
+def _weights(folder: Path) -> int:
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "np") as f:
+        return sum(int(np.prod(f.get_slice(k).get_shape())) for k in f.keys())  # noqa: SIM118 (not iterable)
+
+
 # -- errors -------------------------------------------------------------------------------------
 
 def test_unreachable_host_is_a_clear_error(targets):
@@ -359,6 +384,39 @@ def test_unreachable_host_is_a_clear_error(targets):
     failed = workbench.get_job("down")
     assert failed.state == "failed" and "cannot reach" in failed.status()["error"]
     _nothing_left(failed.id)
+
+
+def test_a_model_folder_the_target_lacks_is_refused_before_anything_is_made(
+        targets, target_home):
+    """A folder that is neither here nor on the target names both places; one without its
+    config.json or tokenizer there says what to save; a relative path is refused. No run is
+    registered for any of them."""
+    from workbench.errors import ModelNotFoundError
+    from workbench.registry import Registry
+
+    before = {r.id for r in Registry().list_runs()}
+    assert not Path(os.path.expanduser("~/models/nowhere")).exists()
+    with pytest.raises(ModelNotFoundError) as refused:
+        workbench.launch({"name": "nomodel", "target": "ssh:apart", **TINY,
+                          "model": {"id": "~/models/nowhere"}})
+    message = str(refused.value)
+    assert "neither on this machine" in message and "copy the model folder" in message
+    assert os.path.expanduser("~/models/nowhere") in message  # here
+    assert f"host wb-node0 ({target_home}/models/nowhere)" in message  # there
+    half = target_home / "models" / "half"
+    half.mkdir(parents=True, exist_ok=True)
+    with pytest.raises(ModelNotFoundError, match=f"{half} on host wb-node0 has no readable "
+                                                 "config.json.*save_pretrained"):
+        workbench.launch({"name": "nomodel", "target": "ssh:apart", **TINY,
+                          "model": {"id": "~/models/half"}})
+    (half / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ModelNotFoundError, match="has no tokenizer.*tokenizer.save_pretrained"):
+        workbench.launch({"name": "nomodel", "target": "slurm:apart", **TINY,
+                          "model": {"id": "~/models/half"}})
+    with pytest.raises(ModelNotFoundError, match="relative path.*absolute path on the target"):
+        workbench.launch({"name": "nomodel", "target": "ssh:apart", **TINY,
+                          "model": {"id": "./models/half"}})
+    assert {r.id for r in Registry().list_runs()} == before
 
 
 def test_unknown_host_key_is_refused_by_default(targets):

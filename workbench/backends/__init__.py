@@ -14,6 +14,10 @@ A backend is anything with this shape (a Protocol, not a base class to inherit f
                                         backends read incrementally over SSH; local reads the file)
     logs(run_dir) -> dict[str, str]     log file name -> text
 
+Remote backends also have ``shells(spec) -> [(transport, prefix)]``: a shell, with the target's
+set-up and plain env, on each host whose files the run reads (workbench.target_model looks for a
+model folder there).
+
 The run directory is the only channel between a run and its readers, so every backend looks the
 same to the Job handle, the widgets, the CLI and the lab panel. ``get_backend(target)`` maps a
 spec's ``target`` ("local", "ssh:NAME", "slurm:NAME") to an instance.

@@ -100,6 +100,12 @@ class SlurmBackend:
         return self.transport.run(f"{self.target.shell_prefix()}{command}",
                                   check=False, timeout=timeout)
 
+    def shells(self, spec: RunSpec) -> list[tuple[Transport, str]]:
+        """The login node's shell (or this machine's) with the target's set-up and plain env:
+        the compute nodes see the cluster's shared filesystem as it does
+        (workbench.target_model). No secrets: they would cost a round trip and are not needed."""
+        return [(self.transport, self.target.shell_prefix())]
+
     def preview(self, spec: RunSpec, run_dir: Path) -> str:
         """The sbatch script ``submit`` would write for ``spec`` in ``run_dir``."""
         where = self._cluster_dir(run_dir) or str(Path(run_dir).resolve())

@@ -69,6 +69,13 @@ class SSHBackend:
     def _workdir(self, host: Any) -> str:
         return host.workdir or self.target.workdir
 
+    def shells(self, spec: RunSpec) -> list[tuple[SSHTransport, str]]:
+        """(transport, shell prefix with the target's set-up and plain env) per host ``spec``
+        runs on: a short command there sees the files the run's processes will
+        (workbench.target_model). No secrets: they would cost a round trip and are not needed."""
+        return [(self._transport(h), self.target.shell_prefix())
+                for h in self.target.hosts[:spec.resources.nodes]]
+
     # -- submit ----------------------------------------------------------------------------------
     def submit(self, run_dir: Path, spec: RunSpec) -> str:
         t, rd, mirror = self.target, RunDir(run_dir), MirroredRunDir(run_dir)

@@ -108,11 +108,34 @@ def _hub_reachable(timeout: float = 1.5) -> bool:
         return False
 
 
+def _config_on_target(model_id: str) -> tuple[Any, str] | None:
+    """The config launch read on the run's target for a folder that exists only there
+    (workbench.target_model), or None."""
+    from workbench.target_model import target_config
+
+    found = target_config(model_id)
+    if found is None:
+        return None
+    from transformers import CONFIG_MAPPING
+
+    model_type = str(found.config.get("model_type") or "")
+    if model_type not in CONFIG_MAPPING:
+        raise ModelNotFoundError(
+            f"config.json of {found.path} on {found.where} names model_type {model_type!r}, "
+            "which the transformers installed here does not know, so the run cannot be planned; "
+            "upgrade transformers here, or copy the folder to this machine (custom model code "
+            "is not read from the target)")
+    return CONFIG_MAPPING[model_type].from_dict(found.config), f"config on {found.where}"
+
+
 def _config_for(model_id: str, revision: str | None, trust_remote_code: bool) -> tuple[Any, str]:
     from transformers import AutoConfig
 
     from workbench.models import load_config, resolve_model
 
+    on_target = _config_on_target(model_id)
+    if on_target is not None:
+        return on_target
     offline_key = _OFFLINE_ALIASES.get(model_id, model_id)
     source = resolve_model(model_id)
     is_hub = source == model_id and not Path(os.path.expanduser(model_id)).exists()
