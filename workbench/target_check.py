@@ -193,9 +193,9 @@ def _calibrate(name: str, report: TargetReport) -> None:
         if name == "local":
             cal = calibrate(name)
         else:
-            from workbench.plan.probe import probe_target
+            from workbench.plan.probe import PROBE_REUSE_S, probe_target
 
-            cal = probe_target(name)
+            cal = probe_target(name, reuse_s=PROBE_REUSE_S)
     except (CalibrationError, RuntimeError) as exc:
         report.add("calibration", False, f"could not measure {name}: {exc}",
                    "the planner uses the GPU table's peak x utilisation until it can")
@@ -204,5 +204,5 @@ def _calibrate(name: str, report: TargetReport) -> None:
     report.add("calibration", True,
                f"{cal.matmul_gflops:,.1f} GFLOP/s matmul, {best[1]:,.1f} GFLOP/s forward+backward"
                f" (hidden {best[0]}) at {cal.dtype} on {cal.device['name']}"
-               f"{' (' + cal.where + ')' if cal.where else ''}; written to "
+               f"{' (' + cal.where + ')' if cal.where else ''} {cal.date}; stored in "
                f"{calibration_file(name)}")

@@ -7,8 +7,8 @@ it prints and stores them as the target's calibration (``WORKBENCH_HOME/calibrat
 with ``source: "target probe"`` and ``where``: the host, or the Slurm job and node). The planner
 then plans that target from them (:func:`workbench.plan.calibrate.time_basis`) and says so
 ("calibrated by a probe on slurm:gpu (Slurm job 42 on node7) DATE"). The probe measures for a
-few seconds; ``workbench targets check ssh:NAME|slurm:NAME`` runs it once the target is ready,
-and the stored figures are used until the next check.
+few seconds; ``workbench targets check ssh:NAME|slurm:NAME`` runs it once the target is ready
+(reusing a probe of the last hour), and the stored figures are used until the next probe.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from workbench.plan.calibrate import PROBE_TAG, Calibration, CalibrationError, s
 # A probe that waits longer than this (a busy Slurm queue, a hung host) is given up; the planner
 # keeps using what it had (an earlier probe, else the GPU table).
 PROBE_TIMEOUT_S = 600.0
+# `targets check` run again within this reuses the last probe rather than queueing another job.
+PROBE_REUSE_S = 3600.0
 _SLURM_PROBE_MINUTES = 5  # --time of the probe job: it measures for seconds
 
 
@@ -40,12 +42,24 @@ def probe_command(target: Any) -> str:
     return f"srun {' '.join(shlex.quote(o) for o in opts)} {cmd}"
 
 
-def probe_target(ref: str, *, timeout: float = PROBE_TIMEOUT_S) -> Calibration:
+def probe_target(ref: str, *, timeout: float = PROBE_TIMEOUT_S,
+                 reuse_s: float = 0.0) -> Calibration:
     """Measure the target ``ref`` (``ssh:NAME`` or ``slurm:NAME``) on the target, store the
-    figures as its calibration and return them. Raises CalibrationError, saying what to fix, when
-    the probe cannot run there (nothing is stored then: an earlier calibration stays)."""
+    figures as its calibration and return them. ``reuse_s``: a probe of this target stored less
+    than that many seconds ago is returned instead of queueing another. Raises
+    CalibrationError, saying what to fix, when the probe cannot run there (nothing is stored
+    then: an earlier calibration stays)."""
+    import time
+
     from workbench.errors import TargetError
+    from workbench.plan.calibrate import calibration_file, load_calibration
     from workbench.targets import get_target
+
+    path = calibration_file(ref)
+    if reuse_s > 0 and path.is_file() and time.time() - path.stat().st_mtime < reuse_s:
+        earlier = load_calibration(ref, quiet=True)
+        if earlier is not None and earlier.source == "target probe":
+            return earlier
 
     target = get_target(ref)
     cmd = target.shell_prefix() + probe_command(target)
