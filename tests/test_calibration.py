@@ -95,6 +95,8 @@ def test_a_real_run_teaches_the_next_plan_and_projects_its_cost_live(home):
     spec = {**SPEC, "budget": {"price_per_cpu_core_hour": 1.0, "limit": 100.0}}
     calibrate("local")
     first = plan(spec)
+    wide = _wider_model(home)  # another model shape: what the run teaches carries over
+    wide_before = plan({**spec, "model": {"id": str(wide)}})
     job = workbench.launch(spec)
     seen: dict = {}
     from workbench.widgets.job_view import JobView
@@ -134,8 +136,6 @@ def test_a_real_run_teaches_the_next_plan_and_projects_its_cost_live(home):
     measured = status["measured"]
     actual = status["ended"] - status["attempt_started"]
     assert measured["total_s"] == pytest.approx(actual)
-    wide = _wider_model(home)  # another model shape: what the run teaches carries over
-    wide_before = plan({**spec, "model": {"id": str(wide)}})
     second = plan(spec)
     assert any("from 1 earlier run(s) on local" in a and job.run_dir.path.name in a
                for a in second.assumptions)
