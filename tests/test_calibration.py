@@ -143,9 +143,10 @@ def test_a_real_run_teaches_the_next_plan_and_projects_its_cost_live(home):
     assert any("another model shape" in a and job.run_dir.path.name in a
                for a in wide_after.assumptions)
     assert wide_after.clock["earlier_shapes"] == [first.clock["shape"]]
-    # The run's measured / modelled step time, carried to the wider shape by the FLOPs model.
+    # The run's measured / modelled step time, carried to the wider shape by the FLOPs model
+    # (within 1 %: the second plan's tokens per step come from the run's data cache).
     assert wide_after.clock["step_s"] / wide_before.clock["step_s"] == pytest.approx(
-        second.clock["step_s"] / first.clock["step_s"], rel=1e-6)
+        second.clock["step_s"] / first.clock["step_s"], rel=0.01)
     # The data cache (the run tokenised it) keeps the estimate: not max_length per example.
     assert second.tokens_per_step == pytest.approx(first.tokens_per_step, rel=0.05)
     assert abs(second.clock["total_s"] - actual) < abs(first.clock["total_s"] - actual)
