@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -37,14 +38,21 @@ def _step_s(spec: dict = SPEC) -> float:
 def test_calibration_is_written_with_device_and_date_and_drives_the_plan(home):
     table = plan(SPEC)
     assert "not calibrated" in table.clock["basis"]
-    cal = calibrate("local")
+    assert table.clock["calibration"] == {"source": "default", "date": None, "where": None}
+    from workbench.target_check import check_target
+
+    report = check_target("local")  # `workbench targets check local` measures this machine
+    assert next(c for c in report.checks if c.name == "calibration").ok, str(report)
     stored = json.loads(calibration_file("local").read_text())
     assert stored["date"] == time.strftime("%Y-%m-%d")
     assert stored["device"]["cores"] >= 1 and stored["device"]["name"]
     assert all(v > 0 for v in stored["layers"].values()) and stored["matmul_gflops"] > 0
     assert stored["optimizer_params_per_s"] > 0
     p = plan(SPEC)
-    assert any(a.startswith(f"calibrated on this machine {cal.date}") for a in p.assumptions)
+    assert any(a.startswith(f"calibrated on this machine {stored['date']}")
+               for a in p.assumptions)
+    assert p.clock["calibration"]["source"] == "local measured"
+    assert p.clock["calibration"]["date"] == time.strftime("%Y-%m-%d")
     assert p.clock["step_s"] != table.clock["step_s"]
     # Twice every measured throughput (the layers' and the optimizer's) must plan (about) half
     # the compute time.
@@ -56,12 +64,14 @@ def test_calibration_is_written_with_device_and_date_and_drives_the_plan(home):
 
 
 def test_a_calibration_from_another_device_is_not_used(home):
+    from workbench.plan.calibrate import device_identity
+
     table = _step_s()
-    calibrate("local")
-    stored = json.loads(calibration_file("local").read_text())
-    stored["device"]["name"] = "Some Other CPU 9000"
-    stored["layers"] = {k: v * 100 for k, v in stored["layers"].items()}
-    calibration_file("local").write_text(json.dumps(stored))
+    # As `targets check local` stores one, but of another CPU (and 100x this one's speed).
+    other = {**device_identity(False), "name": "Some Other CPU 9000"}
+    calibration_file("local").write_text(json.dumps({
+        "target": "local", "date": "2026-12-01", "device": other, "dtype": "float32",
+        "matmul_gflops": 500.0, "layers": {"64": 300.0, "256": 800.0, "1024": 900.0}}))
     with pytest.warns(CalibrationWarning, match="Some Other CPU 9000"):
         p = plan(SPEC)
     assert p.clock["step_s"] == pytest.approx(table)
@@ -81,19 +91,12 @@ def test_a_corrupt_calibration_warns_and_falls_back_to_the_table(home, text):
     assert "not calibrated" in p.clock["basis"]
 
 
-def test_targets_check_local_stores_a_calibration(home):
-    from workbench.target_check import check_target
-
-    report = check_target("local")
-    line = next(c for c in report.checks if c.name == "calibration")
-    assert line.ok, line.detail
-    assert calibration_file("local").is_file()
-
-
 def test_a_real_run_teaches_the_next_plan_and_projects_its_cost_live(home):
     spec = {**SPEC, "budget": {"price_per_cpu_core_hour": 1.0, "limit": 100.0}}
     calibrate("local")
     first = plan(spec)
+    wide = _wider_model(home)  # another model shape: what the run teaches carries over
+    wide_before = plan({**spec, "model": {"id": str(wide)}})
     job = workbench.launch(spec)
     seen: dict = {}
     from workbench.widgets.job_view import JobView
@@ -136,6 +139,14 @@ def test_a_real_run_teaches_the_next_plan_and_projects_its_cost_live(home):
     second = plan(spec)
     assert any("from 1 earlier run(s) on local" in a and job.run_dir.path.name in a
                for a in second.assumptions)
+    wide_after = plan({**spec, "model": {"id": str(wide)}})
+    assert any("another model shape" in a and job.run_dir.path.name in a
+               for a in wide_after.assumptions)
+    assert wide_after.clock["earlier_shapes"] == [first.clock["shape"]]
+    # The run's measured / modelled step time, carried to the wider shape by the FLOPs model
+    # (within 1 %: the second plan's tokens per step come from the run's data cache).
+    assert wide_after.clock["step_s"] / wide_before.clock["step_s"] == pytest.approx(
+        second.clock["step_s"] / first.clock["step_s"], rel=0.01)
     # The data cache (the run tokenised it) keeps the estimate: not max_length per example.
     assert second.tokens_per_step == pytest.approx(first.tokens_per_step, rel=0.05)
     assert abs(second.clock["total_s"] - actual) < abs(first.clock["total_s"] - actual)
@@ -147,6 +158,57 @@ def test_a_real_run_teaches_the_next_plan_and_projects_its_cost_live(home):
     assert measured["planned_memory_gib"] == json.loads(job.run_dir.plan_file.read_text())[
         "memory_gib"]["total"]
     assert "peak memory / process" in out
+
+
+def _wider_model(home: Path) -> Path:
+    """The built-in model's files with twice its hidden and MLP sizes in config.json: another
+    model shape the planner can read (it needs no weights)."""
+    from workbench.assets import builtin_model_path
+
+    src, dest = Path(builtin_model_path()), home / "wide-tiny"
+    dest.mkdir(exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.name not in ("config.json", "model.safetensors"):
+            shutil.copy(f, dest)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(hidden_size=2 * cfg["hidden_size"], intermediate_size=2 * cfg["intermediate_size"])
+    (dest / "config.json").write_text(json.dumps(cfg))
+    return dest
+
+
+def test_earlier_runs_of_other_shapes_scale_the_plan_and_its_own_shape_wins(home):
+    before = plan(SPEC).clock
+    tiny = before["shape"]
+    params = int(tiny.rsplit(":", 1)[1])
+
+    def recorded(name: str, shape: str, times: float, **other: object) -> dict:
+        # A line as an ended run appends it: its modelled step, and a measured one `times` that.
+        return {"target": "local", "device": before["device"], "shape": shape,
+                "method": before["method"], "world_size": before["world_size"], "run": name,
+                "model_step_s": 0.5, "model_eval_s": 0.0, "planned_steps": 20,
+                "model_startup_s": 10.0, "measured_step_s": 0.5 * times,
+                "measured_startup_s": 20.0, "finish_s": 4.0, **other}
+
+    history = calibration_file("local").parent / "runs.jsonl"
+    rows = [recorded("near", f"wide-tiny:{3 * params}", 3.0),
+            recorded("far", "Qwen/Qwen2.5-7B:7615616512", 0.2),
+            # Another world size or another target of the same shape says nothing here.
+            recorded("one-process", tiny, 9.0, world_size=1),
+            recorded("elsewhere", tiny, 9.0, target="ssh:pair")]
+    history.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    scaled = plan(SPEC)
+    line = next(a for a in scaled.assumptions if "earlier run" in a)
+    assert "another model shape (wide-tiny:" in line and "newest near" in line, line
+    assert scaled.clock["step_s"] == pytest.approx(3 * before["step_s"], rel=1e-6)
+    assert scaled.clock["startup_s"] == pytest.approx(2 * before["startup_s"], rel=1e-6)
+    assert scaled.clock["finish_s"] == pytest.approx(4.0)
+    with history.open("a") as fh:
+        fh.write(json.dumps(recorded("same", tiny, 1.5)) + "\n")
+    own = plan(SPEC)
+    assert own.clock["earlier_shapes"] == []
+    assert any("corrected from 1 earlier run(s) on local, newest same" in a
+               for a in own.assumptions)
+    assert own.clock["step_s"] == pytest.approx(1.5 * before["step_s"], rel=1e-6)
 
 
 def test_the_projection_warns_once_it_passes_the_limit():

@@ -179,24 +179,30 @@ def check_target(name: str) -> TargetReport:
         importlib.import_module(f"workbench.backends.{kind}")
     report = TargetReport(name)
     _CHECKS[kind](target, report)
-    if kind == "local" and report.ok:
+    if report.ok:
         _calibrate(name, report)
     return report
 
 
 def _calibrate(name: str, report: TargetReport) -> None:
-    """Measure this machine for the planner's clock (workbench.plan.calibrate). Only the local
-    target can be measured from here; a remote target is planned from the GPU table."""
+    """Measure the target for the planner's clock: this machine (workbench.plan.calibrate), or
+    a remote target on the target itself (workbench.plan.probe)."""
     from workbench.plan.calibrate import CalibrationError, calibrate, calibration_file
 
     try:
-        cal = calibrate(name)
+        if name == "local":
+            cal = calibrate(name)
+        else:
+            from workbench.plan.probe import PROBE_REUSE_S, probe_target
+
+            cal = probe_target(name, reuse_s=PROBE_REUSE_S)
     except (CalibrationError, RuntimeError) as exc:
-        report.add("calibration", False, f"could not measure this machine: {exc}",
+        report.add("calibration", False, f"could not measure {name}: {exc}",
                    "the planner uses the GPU table's peak x utilisation until it can")
         return
     best = max(cal.layers.items(), key=lambda kv: int(kv[0]))
     report.add("calibration", True,
                f"{cal.matmul_gflops:,.1f} GFLOP/s matmul, {best[1]:,.1f} GFLOP/s forward+backward"
-               f" (hidden {best[0]}) at {cal.dtype} on {cal.device['name']}; written to "
+               f" (hidden {best[0]}) at {cal.dtype} on {cal.device['name']}"
+               f"{' (' + cal.where + ')' if cal.where else ''} {cal.date}; stored in "
                f"{calibration_file(name)}")

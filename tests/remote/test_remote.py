@@ -115,8 +115,14 @@ def test_check_reports_what_works_and_what_is_missing(targets):
     assert ok.ok, str(ok)
     text = str(ok)
     for item in ("reachable (wb-node0)", "torch (wb-node0)", "GPUs (wb-node0)",
-                 "free disk (wb-node0)"):
+                 "free disk (wb-node0)", "calibration"):
         assert item in text
+    # A ready target is measured there (the probe over SSH), and plans of it say so.
+    from workbench.plan import plan
+
+    one = plan({"target": "ssh:one", "train": {"max_steps": 10}}).clock
+    assert one["calibration"]["source"] == "target probe", one["basis"]
+    assert "calibrated by a probe on ssh:one" in one["basis"]
     down = check_target("ssh:down")
     assert not down.ok and "reachable (127.0.0.1)" in down.missing[0].name
     assert "Connection refused" in down.missing[0].detail
@@ -130,6 +136,37 @@ def test_check_reports_what_works_and_what_is_missing(targets):
 
     assert main(["targets", "check", "ssh:one"]) == 0
     assert main(["targets", "check", "ssh:broken"]) == 1
+
+
+def test_a_remote_target_is_calibrated_by_a_probe_run_there(targets, cluster):
+    from workbench.plan import plan
+    from workbench.plan.calibrate import CalibrationError, calibration_file
+    from workbench.plan.probe import probe_target
+
+    spec = {"train": {"max_steps": 10}, "resources": {"processes_per_node": 1}}
+    before = plan({**spec, "target": "slurm:local"}).clock
+    assert before["calibration"]["source"] == "default" and "not calibrated" in before["basis"]
+    report = check_target("slurm:local")  # ready, so it probes: a one-task srun job
+    line = next(c for c in report.checks if c.name == "calibration")
+    assert line.ok, str(report)
+    stored = json.loads(calibration_file("slurm:local").read_text())
+    assert stored["source"] == "target probe" and stored["date"] == time.strftime("%Y-%m-%d")
+    # It ran as a job of this cluster: Slurm's own completion log has it, under its name.
+    job = stored["where"].split()[2]
+    assert stored["where"].startswith("Slurm job ")
+    done = (cluster.root / "jobcomp.txt").read_text()
+    assert f"JobId={job} " in done and "Name=wb-calibrate" in done
+    after = plan({**spec, "target": "slurm:local"}).clock
+    assert after["calibration"] == {"source": "target probe", "date": stored["date"],
+                                    "where": stored["where"]}
+    assert f"calibrated by a probe on slurm:local (Slurm job {job}" in after["basis"]
+    assert after["step_s"] != before["step_s"]
+    # Cached per target: another target is still planned from the table.
+    assert plan({**spec, "target": "slurm:login"}).clock["calibration"]["source"] == "default"
+    # A target where the probe cannot run: a clear error, nothing stored.
+    with pytest.raises(CalibrationError, match="(?s)nope.*targets check slurm:nopart"):
+        probe_target("slurm:nopart")
+    assert not calibration_file("slurm:nopart").exists()
 
 
 def test_sbatch_script_asks_for_what_the_spec_needs(targets):

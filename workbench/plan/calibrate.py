@@ -4,10 +4,11 @@
 backward pass of a transformer MLP block (``hidden -> 4 hidden -> hidden``, SiLU) at a few hidden
 sizes (and the model's own, given a spec), and writes ``WORKBENCH_HOME/calibration/TARGET.json``
 with the date and the device it ran on (CPU model and core count, or GPU name). ``workbench
-targets check local`` runs it. :func:`load_calibration` gives the planner the stored figures only
-for the device being planned: a calibration from another device is not used, and a file that
-cannot be read is reported (``CalibrationWarning``) and ignored, so the planner falls back to the
-GPU table's peak times its stated utilisation.
+targets check local`` runs it; a remote target is measured on the target itself by
+:mod:`workbench.plan.probe` (the same measurement, run there). :func:`load_calibration` gives the
+planner the stored figures only for the device being planned: a calibration from another device
+is not used, and a file that cannot be read is reported (``CalibrationWarning``) and ignored, so
+the planner falls back to the GPU table's peak times its stated utilisation.
 
     >>> calibrate("local").train_gflops(64)  # doctest: +SKIP
     3.1
@@ -95,6 +96,10 @@ class Calibration:
     # Parameters per second through gradient clipping + AdamW's step + zero_grad (fp32 state):
     # the optimizer step of full fine-tuning, memory-bound, not FLOPs. None: not measured.
     optimizer_params_per_s: float | None = None
+    # How it was measured: "local measured" (calibrate() on the machine that stored it) or
+    # "target probe" (workbench.plan.probe, on the target); where: the host or Slurm job.
+    source: str = "local measured"
+    where: str = ""
 
     def train_gflops(self, hidden: int) -> tuple[float, int]:
         """(GFLOP/s of a forward+backward at the measured hidden size nearest ``hidden``, that
@@ -214,18 +219,36 @@ def calibrate(target: str = "local", *, spec: Any = None, dtype: str | None = No
                              spec.model.trust_remote_code).hidden
         hiddens = (hidden,) if old is not None and old.dtype == dtype else (
             *(_GPU_HIDDENS if on_gpu else _CPU_HIDDENS), hidden)
+    cal = measure_here(target, on_gpu, dtype, hiddens, old)
+    store(cal)
+    return cal
+
+
+def measure_here(target: str, on_gpu: bool, dtype: str, hiddens: tuple[int, ...] = (),
+                 old: Calibration | None = None) -> Calibration:
+    """Measure this machine (its CPU, or its first GPU) into a Calibration of ``target``,
+    keeping ``old``'s layer figures of other sizes when it is of this device and dtype."""
+    import socket
+
     matmul, layers = measure(on_gpu, dtype, hiddens)
     optimizer = measure_optimizer(on_gpu)
     ident = device_identity(on_gpu)
     if old is not None and old.device == ident and old.dtype == dtype:
         layers = {**old.layers, **layers}
-    cal = Calibration(target=target, date=_dt.date.today().isoformat(), device=ident, dtype=dtype,
-                      matmul_gflops=matmul, layers=layers, optimizer_params_per_s=optimizer)
-    path = calibration_file(target)
+    job = os.environ.get("SLURM_JOB_ID")
+    where = f"Slurm job {job} on {socket.gethostname()}" if job else socket.gethostname()
+    return Calibration(target=target, date=_dt.date.today().isoformat(), device=ident,
+                       dtype=dtype, matmul_gflops=matmul, layers=layers,
+                       optimizer_params_per_s=optimizer, where=where)
+
+
+def store(cal: Calibration) -> Path:
+    """Write ``cal`` as its target's calibration (atomically: a reader never sees half)."""
+    path = calibration_file(cal.target)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(cal.to_dict(), indent=2))
     tmp.replace(path)
-    return cal
+    return path
 
 
 def load_calibration(target: str, device: dict[str, Any] | None = None, dtype: str | None = None,
@@ -245,6 +268,9 @@ def load_calibration(target: str, device: dict[str, Any] | None = None, dtype: s
         cal = Calibration(**raw)
         if not isinstance(cal.device, dict) or not isinstance(cal.layers, dict):
             raise TypeError("device and layers must be mappings")
+        if cal.source not in ("local measured", "target probe") or not isinstance(cal.where,
+                                                                                   str):
+            raise ValueError(f"unknown source {cal.source!r}")
         cal.matmul_gflops = float(cal.matmul_gflops)
         cal.layers = {str(int(k)): float(v) for k, v in cal.layers.items()}
         if cal.optimizer_params_per_s is not None:
@@ -268,12 +294,26 @@ def load_calibration(target: str, device: dict[str, Any] | None = None, dtype: s
     return cal
 
 
-def time_basis(target: str, gpu: Any, on_gpu: bool, dtype: str, hidden: int
-               ) -> tuple[Any, str, str, float | None]:
-    """(the GpuType whose peak x utilisation step_seconds should use, the plan's assumption line,
-    the device key runs are grouped by, the measured optimizer parameters/s or None): the
-    target's calibration when it was measured on this device at this dtype, else the GPU table's
-    peak at its stated utilisation."""
+@dataclass(frozen=True)
+class TimeBasis:
+    """What the planner's clock stands on for one target: the GpuType whose peak x utilisation
+    step_seconds uses, the plan's assumption line, the device key runs are grouped by, the
+    measured optimizer parameters/s (None: not measured), and which calibration it used
+    (``{"source": "local measured" | "target probe" | "default", "date", "where"}``)."""
+
+    gpu: Any
+    line: str
+    device_key: str
+    optimizer_rate: float | None
+    calibration: dict[str, Any]
+
+
+def time_basis(target: str, gpu: Any, on_gpu: bool, dtype: str, hidden: int,
+               cores: int | None = None) -> TimeBasis:
+    """The target's calibration when it was measured on this device at this dtype, else the GPU
+    table's peak at its stated utilisation. ``cores``: the CPU cores per node the planner counts
+    (its ``n_devices``), so a remote CPU node measured with another core count keeps its
+    measured throughput per node."""
     import dataclasses
 
     if on_gpu:
@@ -286,18 +326,26 @@ def time_basis(target: str, gpu: Any, on_gpu: bool, dtype: str, hidden: int
         want, key = {"kind": "cpu"}, "CPU"
     cal = load_calibration(target, want, dtype)
     if cal is None:
+        default = {"source": "default", "date": None, "where": None}
         if on_gpu:
-            return gpu, (f"{gpu.name}: {gpu.bf16_tflops:g} TFLOP/s bf16 peak at "
-                         f"{gpu.utilisation:.0%} utilisation (the GPU table; not calibrated)"
-                         ), key, None
-        return gpu, ("CPU run: memory is host RAM shared by the processes; time at "
-                     f"{gpu.utilisation:.0%} of {gpu.bf16_tflops} TFLOP/s per core (the GPU "
-                     "table; not calibrated)"), key, None
+            return TimeBasis(gpu, f"{gpu.name}: {gpu.bf16_tflops:g} TFLOP/s bf16 peak at "
+                             f"{gpu.utilisation:.0%} utilisation (the GPU table; not calibrated)",
+                             key, None, default)
+        return TimeBasis(gpu, "CPU run: memory is host RAM shared by the processes; time at "
+                         f"{gpu.utilisation:.0%} of {gpu.bf16_tflops} TFLOP/s per core (the GPU "
+                         "table; not calibrated)", key, None, default)
     gflops, h = cal.train_gflops(hidden)
-    units = 1 if on_gpu else max(1, int(cal.device.get("cores") or 1))
+    units = 1 if on_gpu else max(1, int(cores or cal.device.get("cores") or 1))
     eff = dataclasses.replace(gpu, bf16_tflops=gflops / 1e3 / units, utilisation=1.0)
-    where = "on this machine" if target == "local" else f"on {target}"
-    return eff, (f"calibrated {where} {cal.date}: {gflops:,.1f} GFLOP/s for a forward+backward "
-                 f"of a hidden-{h} layer at {cal.dtype} ({cal.device.get('name')}, "
-                 f"{cal.device.get('cores')} {'GPUs' if on_gpu else 'cores'})"), key, \
-        cal.optimizer_params_per_s
+    if cal.source == "target probe":
+        where = f"by a probe on {target}" + (f" ({cal.where})" if cal.where else "")
+    else:
+        where = "on this machine" if target == "local" else f"on {target}"
+    return TimeBasis(eff, (f"calibrated {where} {cal.date}: {gflops:,.1f} GFLOP/s for a "
+                           f"forward+backward of a hidden-{h} layer at {cal.dtype} "
+                           f"({cal.device.get('name')}, {cal.device.get('cores')} "
+                           f"{'GPUs' if on_gpu else 'cores'})"), key, cal.optimizer_params_per_s,
+                     {"source": cal.source, "date": cal.date, "where": cal.where or None})
+
+
+PROBE_TAG = "WORKBENCH-CALIBRATION "  # the line the probe's remote side prints its figures on

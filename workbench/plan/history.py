@@ -5,13 +5,15 @@ run did (status.json: supervisor start, first step, last step, bill), gives the 
 ``measured`` for status.json's last write and appends one line to
 ``WORKBENCH_HOME/calibration/runs.jsonl``. :func:`correction` gives the planner the median ratio
 measured / modelled of the nearest earlier runs (same target, device, model shape, method and world
-size) for step time and start-up, and their median finish (last step to the end).
+size; without any, of other model shapes nearest in size) for step time and start-up, and their
+median finish (last step to the end).
 :func:`check_report` is ``workbench plan --check RUN``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,31 +103,62 @@ class Correction:
     finish: float  # seconds from the last step to the end (save, exit)
     runs: int  # how many earlier runs it is taken from
     names: tuple[str, ...] = ()  # their run folders, oldest first
+    # The model shapes of those runs when none was of the planned shape (their ratio measured /
+    # modelled scaled to this shape by the FLOPs model); empty: runs of this very shape.
+    shapes: tuple[str, ...] = ()
+
+    def line(self, target: str) -> str:
+        """The plan's assumption line: what the estimate was corrected from, and by how much."""
+        newest = f", newest {self.names[-1]}" if self.names else ""
+        how = (f"scaled by the FLOPs model from {self.runs} earlier run(s) of another model "
+               f"shape ({', '.join(self.shapes)})" if self.shapes else
+               f"corrected from {self.runs} earlier run(s)")
+        return (f"{how} on {target}{newest}: step time x{self.step:.2f}, start-up "
+                f"x{self.startup:.2f} (measured / modelled)")
+
+
+def _params(shape: Any) -> float:
+    """The parameter count in a shape key ``model_id:params`` (0 when it has none)."""
+    try:
+        return float(str(shape).rsplit(":", 1)[1])
+    except (IndexError, ValueError):
+        return 0.0
 
 
 def correction(target: str, device: str, shape: str, method: str,
                world_size: int) -> Correction | None:
     """Median measured / modelled ratios of the newest earlier runs of the same target, device,
-    shape, method and world size, or None without any. Other world sizes are not used: on CPU one
-    process trains with every core's threads and two with one each, measured 3-20x apart."""
+    shape, method and world size; without any, of the runs of the other model shape nearest in
+    parameter count (same target, device, method and world size): a ratio measured / modelled is
+    what the FLOPs/tokens model missed on that device, so it carries to another shape, sequence
+    length or batch. None without any. Other world sizes are not used: on CPU one process trains
+    with every core's threads and two with one each, measured 3-20x apart."""
     try:
         lines = runs_file().read_text(encoding="utf-8").splitlines()
     except OSError:
         return None
-    rows = []
+    same: list[dict[str, Any]] = []
+    other: list[dict[str, Any]] = []
     for line in lines:
         try:
             r = json.loads(line)
         except ValueError:
             continue  # a torn last line of a run killed while appending
-        if (isinstance(r, dict) and (r.get("target"), r.get("device"), r.get("shape"),
-                                     r.get("method"), r.get("world_size"))
-                == (target, device, shape, method, world_size)
+        if (isinstance(r, dict) and (r.get("target"), r.get("device"), r.get("method"),
+                                     r.get("world_size")) == (target, device, method, world_size)
                 and r.get("model_step_s") and r.get("measured_step_s")):
-            rows.append(r)
-    if not rows:
+            (same if r.get("shape") == shape else other).append(r)
+    if same:
+        near = same[-_NEAREST:]
+    elif other:
+        # The runs of the one shape nearest in size (the newest such shape among equals): a far
+        # shape's ratio (other kernels, other overheads) would only blur it.
+        size = max(_params(shape), 1.0)
+        nearest = min(reversed(other), key=lambda r: abs(
+            math.log(max(_params(r.get("shape")), 1.0) / size))).get("shape")
+        near = [r for r in other if r.get("shape") == nearest][-_NEAREST:]
+    else:
         return None
-    near = rows[-_NEAREST:]
 
     def modelled(r: dict[str, Any]) -> float:
         # status.json's step_s is training time per step, validation passes included: compare
@@ -140,7 +173,8 @@ def correction(target: str, device: str, shape: str, method: str,
     ends = [r["finish_s"] for r in near if r.get("finish_s") is not None]
     return Correction(step, statistics.median(ups) if ups else 1.0,
                       statistics.median(ends) if ends else FINISH_S, len(near),
-                      tuple(str(r.get("run")) for r in near if r.get("run")))
+                      tuple(str(r.get("run")) for r in near if r.get("run")),
+                      () if same else tuple(dict.fromkeys(str(r.get("shape")) for r in near)))
 
 
 def _fmt(v: float | None, unit: str = "s") -> str:

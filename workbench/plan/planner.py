@@ -134,19 +134,17 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
     from workbench.plan.calibrate import time_basis
     from workbench.plan.history import FINISH_S, correction
 
-    time_gpu, basis, device_key, optimizer_rate = time_basis(
-        spec.target, gpu, on_gpu, precision.compute_dtype, shape.hidden)
-    assumptions.append(basis)
+    tb = time_basis(spec.target, gpu, on_gpu, precision.compute_dtype, shape.hidden,
+                    cores=os.cpu_count() or 1)
+    time_gpu, device_key = tb.gpu, tb.device_key
+    assumptions.append(tb.line)
     shape_key = f"{shape.model_id}:{shape.params}"
     corr = correction(spec.target, device_key, shape_key, spec.method.kind, res.world_size)
     time_scale, startup_scale, finish = (corr.step, corr.startup, corr.finish) if corr else (
         1.0, 1.0, FINISH_S)
     if corr:
-        newest = f", newest {corr.names[-1]}" if corr.names else ""
-        assumptions.append(f"corrected from {corr.runs} earlier run(s) on {spec.target}{newest}: "
-                           f"step time x{corr.step:.2f}, start-up x{corr.startup:.2f} (measured "
-                           "/ modelled)")
-    run = _Run(tokens_per_step, steps, time_gpu, n_devices, on_gpu, optimizer_rate)
+        assumptions.append(corr.line(spec.target))
+    run = _Run(tokens_per_step, steps, time_gpu, n_devices, on_gpu, tb.optimizer_rate)
     # What the bill counts: cards, or processes on CPU (workbench.budget bills process-core-hours),
     # held from the supervisor's start to its exit, so start-up and release are paid too.
     units = billed_units(spec)
@@ -265,7 +263,8 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
              "total_s": startup_total + (model_step * steps + eval_s) * time_scale + finish
              if steps else None,
              "basis": "; ".join(assumptions[-2 if corr else -1:]),
-             "earlier_runs": corr.runs if corr else 0}
+             "earlier_runs": corr.runs if corr else 0,
+             "earlier_shapes": list(corr.shapes) if corr else [], "calibration": tb.calibration}
     return Plan(
         model_id=spec.model.id, model_source=shape.source, params=shape.params,
         trainable_params=trainable, gpu_type=gpu.name, device="gpu" if on_gpu else "cpu",

@@ -1,0 +1,132 @@
+"""The remote calibration probe: a target that is not this machine, measured on the target itself.
+
+:func:`probe_target` runs ``python -m workbench.plan.probe --emit`` where the target's runs
+run (over SSH on an SSH target's first host; as a one-task ``srun`` job in a Slurm target's
+partition, with its account, QoS and the CPUs and GPU a run's process gets), reads the figures
+it prints and stores them as the target's calibration (``WORKBENCH_HOME/calibration/TARGET.json``
+with ``source: "target probe"`` and ``where``: the host, or the Slurm job and node). The planner
+then plans that target from them (:func:`workbench.plan.calibrate.time_basis`) and says so
+("calibrated by a probe on slurm:gpu (Slurm job 42 on node7) DATE"). The probe measures for a
+few seconds; ``workbench targets check ssh:NAME|slurm:NAME`` runs it once the target is ready
+(reusing a probe of the last hour), and the stored figures are used until the next probe.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from typing import Any
+
+from workbench.plan.calibrate import PROBE_TAG, Calibration, CalibrationError, store
+
+# A probe that waits longer than this (a busy Slurm queue, a hung host) is given up; the planner
+# keeps using what it had (an earlier probe, else the GPU table).
+PROBE_TIMEOUT_S = 600.0
+# `targets check` run again within this reuses the last probe rather than queueing another job.
+PROBE_REUSE_S = 3600.0
+_SLURM_PROBE_MINUTES = 5  # --time of the probe job: it measures for seconds
+
+
+def probe_command(target: Any) -> str:
+    """The shell command that measures ``target`` on the target and prints the figures."""
+    cmd = (f"{shlex.quote(target.python)} -m workbench.plan.probe --emit --target "
+           f"{shlex.quote(target.ref)}")
+    if target.kind == "ssh":
+        return cmd
+    opts = ["--nodes=1", "--ntasks=1", f"--cpus-per-task={target.cpus_per_task or 2}",
+            f"--time={_SLURM_PROBE_MINUTES}", "--job-name=wb-calibrate"]
+    opts += [f"--{k}={v}" for k, v in (("partition", target.partition),
+                                       ("account", target.account), ("qos", target.qos)) if v]
+    if int(target.defaults.get("resources.gpus_per_node") or 0) > 0:
+        opts.append("--gres=gpu:1")  # a run's card, not the login node's CPU
+    return f"srun {' '.join(shlex.quote(o) for o in opts)} {cmd}"
+
+
+def probe_target(ref: str, *, timeout: float = PROBE_TIMEOUT_S,
+                 reuse_s: float = 0.0) -> Calibration:
+    """Measure the target ``ref`` (``ssh:NAME`` or ``slurm:NAME``) on the target, store the
+    figures as its calibration and return them. ``reuse_s``: a probe of this target stored less
+    than that many seconds ago is returned instead of queueing another. Raises
+    CalibrationError, saying what to fix, when the probe cannot run there (nothing is stored
+    then: an earlier calibration stays)."""
+    import time
+
+    from workbench.errors import TargetError
+    from workbench.plan.calibrate import calibration_file, load_calibration
+    from workbench.targets import get_target
+
+    path = calibration_file(ref)
+    if reuse_s > 0 and path.is_file() and time.time() - path.stat().st_mtime < reuse_s:
+        earlier = load_calibration(ref, quiet=True)
+        if earlier is not None and earlier.source == "target probe":
+            return earlier
+
+    target = get_target(ref)
+    cmd = target.shell_prefix() + probe_command(target)
+    try:
+        if target.kind == "ssh":
+            from workbench.backends.remote import SSHTransport
+
+            where = f"host {target.hosts[0].host}"
+            res = SSHTransport(target.hosts[0], target).run(cmd, check=False, timeout=timeout)
+        else:
+            from workbench.backends.remote import LocalTransport, SSHTransport
+
+            where = f"a Slurm job in partition {target.partition or '(default)'}"
+            transport = SSHTransport(target.login, target) if target.login else LocalTransport()
+            res = transport.run(cmd, check=False, timeout=timeout)
+    except TargetError as exc:
+        raise CalibrationError(f"the calibration probe could not reach {ref}: {exc}") from None
+    line = next((ln for ln in res.stdout.decode(errors="replace").splitlines()
+                 if ln.startswith(PROBE_TAG)), None)
+    if res.returncode != 0 or line is None:
+        err = (res.stderr.decode(errors="replace").strip() or res.stdout.decode(
+            errors="replace").strip() or "no output")[-800:]
+        raise CalibrationError(
+            f"the calibration probe failed on {where} of {ref} (exit {res.returncode}): {err}\n"
+            f"-> `workbench targets check {ref}` lists what is missing; the planner uses the "
+            "GPU table (or the target's earlier calibration) meanwhile")
+    try:
+        raw = json.loads(line[len(PROBE_TAG):])
+        cal = Calibration(**raw)
+    except (ValueError, TypeError) as exc:
+        raise CalibrationError(f"the calibration probe on {ref} printed figures this version "
+                               f"cannot read ({exc}): install the same workbench version on the "
+                               "target") from None
+    cal.target, cal.source = ref, "target probe"
+    store(cal)
+    return cal
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m workbench.plan.probe --emit --target REF``: measure this machine (its first
+    GPU when torch sees one) and print the calibration on one line for the probe that started it
+    here; nothing is stored on this machine."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m workbench.plan.probe")
+    ap.add_argument("--emit", action="store_true", required=True)
+    ap.add_argument("--target", default="local")
+    ap.add_argument("--dtype", default="auto")
+    args = ap.parse_args(argv)
+    try:
+        import torch
+
+        on_gpu = torch.cuda.is_available()
+    except ImportError:
+        on_gpu = False
+    dtype = args.dtype
+    if dtype == "auto":
+        from workbench.precision import local_device_kind, resolve_precision
+
+        dtype = resolve_precision("auto", "lora",
+                                  local_device_kind() if on_gpu else "cpu").compute_dtype
+    from workbench.plan.calibrate import measure_here
+
+    cal = measure_here(args.target, on_gpu, dtype)
+    print(PROBE_TAG + json.dumps(cal.to_dict()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
