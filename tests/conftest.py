@@ -46,3 +46,8 @@ def finished_job(wb_home: Path):
     state = job.wait(timeout=600, progress=False)
     assert state == "succeeded", job.logs(tail=30)
     return job
+
+
+# The preference runs that test_preference_train.py and test_serve.py both read (after the
+# home is set: their module imports workbench).
+from tests.preference_runs import dpo_job, orpo_job  # noqa: E402,F401
