@@ -59,3 +59,8 @@ def served_run(wb_home: Path):
     job = workbench.launch({"name": "serve-test", "train": {"epochs": 20, "lr": 3e-3}})
     assert job.wait(progress=False) == "succeeded", job.logs()
     return job
+
+
+# The preference runs that test_preference_train.py and test_serve.py both read (after the
+# home is set: their module imports workbench).
+from tests.preference_runs import dpo_job, orpo_job  # noqa: E402,F401

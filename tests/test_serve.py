@@ -236,29 +236,24 @@ def test_second_adapter_on_the_same_base_and_rank_above_max(servers, trained, tm
         adapter.add_adapter(wide)
 
 
-def test_dpo_adapter_serves_and_answers_as_transformers(servers, tmp_path):
-    """A LoRA trained with method.stage dpo is an ordinary adapter on the same base: it is added
-    to the shared server and its greedy answers are transformers + peft's, token for token."""
-    rows = list(teaching_rows("train"))
-    pairs = tmp_path / "pairs.jsonl"
-    with pairs.open("w") as fh:
-        for i, r in enumerate(rows):  # rejected: another question's answer, never the right one
-            wrong = next(o["output"] for o in rows[i + 1:] + rows if o["output"] != r["output"])
-            fh.write(json.dumps({"prompt": r["instruction"], "chosen": r["output"],
-                                 "rejected": wrong}) + "\n")
-    job = workbench.launch({
-        "name": "serve-dpo", "method": {"stage": "dpo"},
-        "data": {"sources": [{"path": str(pairs)}], "validation_fraction": 0.0, "max_length": 64},
-        "train": {"max_steps": 4, "lr": 5e-3, "batch_size": 8, "eval_every": 0},
-        "resources": {"processes_per_node": 1}})
-    assert job.wait(progress=False) == "succeeded", job.logs()
-    assert json.loads((job.run_dir.adapter_dir / "workbench.json").read_text())["stage"] == "dpo"
+@pytest.mark.parametrize("run", ["dpo_job", "orpo_job"])
+def test_preference_adapters_serve_and_answer_as_transformers(servers, run, request):
+    """A LoRA trained with method.stage dpo (with an implicit reference) or orpo (none; this run
+    was killed and resumed) is an ordinary adapter on the same base: added to the shared server,
+    its greedy answers are transformers + peft's, token for token. The runs are the session's
+    shared preference runs (tests/preference_runs.py), which test_preference_train.py also reads."""
+    job = request.getfixturevalue(run)
+    stage = job.spec.method.stage
+    assert json.loads((job.run_dir.adapter_dir / "workbench.json").read_text())["stage"] == stage
     adapter, _ = servers
-    name = adapter.add_adapter(job.run_dir.adapter_dir, name="serve-dpo")
+    name = adapter.add_adapter(job.run_dir.adapter_dir, name=f"serve-{stage}")
     assert name in adapter.list_models()
-    assert all(adapter.generate(HELDOUT[:8], model=name))
-    # Ids, not text: 4 DPO steps from the base model still answer garbage that may end mid-character.
-    assert adapter.generate_token_ids(HELDOUT[:8], model=name) == _transformers_ids(job, HELDOUT[:8])
+    # Ids, not text: a few steps from the base model still answer garbage that may end
+    # mid-character (DPO), or an end-of-sequence at once (ORPO's training on short answers).
+    served = adapter.generate_token_ids(HELDOUT[:8], model=name)
+    assert served == _transformers_ids(job, HELDOUT[:8])
+    # The adapter changed the answers: a server that ignored it would answer as the base.
+    assert served != adapter.generate_token_ids(HELDOUT[:8], model="tiny-llama")
 
 
 def _untrained_adapter(path: Path, rank: int) -> Path:
