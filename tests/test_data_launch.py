@@ -44,6 +44,11 @@ def test_long_prompts_are_refused_before_anything_starts(tmp_path):
     assert "Raise data.max_length" in msg and "data.truncation: keep_response" in msg
     assert set(runs_dir().iterdir()) == before_runs
     assert len(Registry().list_runs()) == before_reg
+    # Again: now from the tokenised cache (no tokenizer loaded), refused the same way.
+    with pytest.raises(DataTruncationError) as again:
+        workbench.launch(spec)
+    assert str(again.value) == msg
+    assert set(runs_dir().iterdir()) == before_runs
 
 
 def _watch_phases(stop: threading.Event, seen: list) -> None:
