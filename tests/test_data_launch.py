@@ -4,6 +4,8 @@ preparing phase, the cache, resume, and both ranks reading the same Arrow files 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 
@@ -42,6 +44,11 @@ def test_long_prompts_are_refused_before_anything_starts(tmp_path):
     assert "Raise data.max_length" in msg and "data.truncation: keep_response" in msg
     assert set(runs_dir().iterdir()) == before_runs
     assert len(Registry().list_runs()) == before_reg
+    # Again: now from the tokenised cache (no tokenizer loaded), refused the same way.
+    with pytest.raises(DataTruncationError) as again:
+        workbench.launch(spec)
+    assert str(again.value) == msg
+    assert set(runs_dir().iterdir()) == before_runs
 
 
 def _watch_phases(stop: threading.Event, seen: list) -> None:
@@ -104,8 +111,17 @@ def test_large_set_is_tokenised_once_cached_and_read_by_both_ranks(tmp_path):
     val = _rank_lines(first, "validation")["rank-0.log"][0]
     assert f"loaded {stats['splits']['validation']['examples']} rows" in val
 
-    # A second run on the same data and settings links the cache instead of tokenising.
-    second = workbench.launch({**spec, "name": "bigdata2"})
+    # A second run on the same data and settings links the cache instead of tokenising, and
+    # its launch (a fresh process, as the CLI's) never loads the tokenizer, transformers or torch.
+    code = ("import json, sys, workbench\n"
+            f"job = workbench.launch(json.loads({json.dumps({**spec, 'name': 'bigdata2'})!r}))\n"
+            "print(job.id, sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=False, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    run_id, heavy = out.stdout.strip().splitlines()[-1].split(" ", 1)
+    assert heavy == "[]", out.stdout
+    second = workbench.get_job(run_id)
     assert second.status()["prepare"]["cache_hit"] is True
     assert second.status()["prepare"]["fingerprint"] == status["prepare"]["fingerprint"]
     files = sorted(p.relative_to(tokenized) for p in tokenized.rglob("*") if p.is_file())

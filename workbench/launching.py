@@ -39,9 +39,16 @@ def _new_run_id(name: str) -> str:
 
 
 def _validate_model(spec: RunSpec) -> None:
+    from workbench.plan.shape import local_config_fields
+
+    m = spec.model
+    # A local config.json of a family the planner counts has been read and understood already;
+    # only the rest needs transformers (a hub download, remote code, another model_type).
+    if local_config_fields(m.id, m.trust_remote_code) is not None:
+        return
     from workbench.models import load_config
 
-    load_config(spec.model.id, spec.model.revision, spec.model.trust_remote_code)
+    load_config(m.id, m.revision, m.trust_remote_code)
 
 
 def _model_on_target(spec: RunSpec, backend: Any) -> TargetModel | None:
@@ -78,29 +85,38 @@ def _prepare_data(spec: RunSpec, rd: RunDir, force: bool = False,
     workbench.data.tokenized); refuses data that truncation would leave with too little to train.
     A model folder only the target has (``on_target``) leaves tokenising to the ranks."""
     from workbench.data.prepare import prepare_data
-    from workbench.data.tokenized import check_trainable, prepare_tokenized
+    from workbench.data.tokenized import (
+        check_trainable,
+        files_key,
+        prepare_tokenized,
+        reuse_tokenized,
+    )
 
     if spec.method.stage != "sft":  # preference/prompt rows: checked here, tokenised by TRL
         from workbench.data.preference import prepare_preference_data
 
         rd.write_status(data=prepare_preference_data(spec, rd.data_dir).counts)
         return
+    key = files_key(spec)  # before reading the sources, as prepare_data's own key is
     summary = prepare_data(spec, rd.data_dir, cache=True)
     rd.write_status(data=summary.counts)
     if on_target is not None:  # its tokenizer is there: the ranks tokenise
         rd.write_status(prepare={"skipped": f"model folder {on_target.path} is on "
                                             f"{on_target.where}, not here: the ranks tokenise"})
         return
-    from workbench.data.tokenize import load_tokenizer
-    from workbench.models import resolve_model
+    # Tokenised before from the same files: linked without loading the tokenizer (transformers).
+    stats = reuse_tokenized(spec, rd, key)
+    if stats is None:
+        from workbench.data.tokenize import load_tokenizer
+        from workbench.models import resolve_model
 
-    try:
-        tokenizer = load_tokenizer(spec, resolve_model(spec.model.id))
-    except (OSError, ValueError) as exc:  # the tokenizer lives only on the target: ranks tokenise
-        rd.write_status(prepare={"skipped": f"tokenizer not loadable here: {exc}"})
-        return
-    stats = prepare_tokenized(spec, rd, tokenizer)
-    check_trainable(stats, spec)
+        try:
+            tokenizer = load_tokenizer(spec, resolve_model(spec.model.id))
+        except (OSError, ValueError) as exc:  # the tokenizer is only on the target: ranks do it
+            rd.write_status(prepare={"skipped": f"tokenizer not loadable here: {exc}"})
+            return
+        stats = prepare_tokenized(spec, rd, tokenizer, key=key)
+    check_trainable(stats, spec)  # the cached statistics are checked exactly as fresh ones
     # The plan measured a sample; what the run will train on is now known exactly.
     plan = json.loads(rd.plan_file.read_text(encoding="utf-8"))
     longest = (stats.splits["train"].summarised().tokens or {}).get("max")

@@ -7,7 +7,10 @@ launch (:class:`~workbench.errors.DataTruncationError`) when truncation leaves n
 much, untrainable. The result is cached under ``WORKBENCH_HOME/cache/tokenized/FINGERPRINT`` (the
 data files' content, tokenizer, chat template, max_length, truncation and packing), so a later
 run on the same data links the cached files instead of tokenising again; resumes, requeues and
-restarts read the run's own copy.
+restarts read the run's own copy. The fingerprint needs the loaded tokenizer (transformers, seconds
+to import); for a built-in or local model, :func:`files_key` names the same entry from files
+alone (the sources' and the tokenizer files' bytes), so a repeated launch reuses the cache, and
+the planner its statistics, without loading the tokenizer (:func:`reuse_tokenized`).
 
     >>> stats = prepare_tokenized(spec, run_dir, tokenizer)  # doctest: +SKIP
     >>> stats.splits["train"].dropped, stats.trainable_tokens_per_epoch
@@ -62,6 +65,70 @@ def fingerprint(spec: RunSpec, data_dir: Path, tokenizer: Any) -> str:
     h.update(json.dumps([tokenizer_fingerprint(tokenizer), d.max_length, d.truncation,
                          d.packing]).encode())
     return h.hexdigest()[:24]
+
+
+# Files of a model folder that hold weights, not tokenizer or config: left out of files_key.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf",
+                    ".onnx", ".npz")
+
+
+def files_key(spec: RunSpec) -> str | None:
+    """A key for what :func:`fingerprint` would give, from files only: the prepared data's key
+    (its sources' bytes and settings), every non-weight file of the model folder (what
+    AutoTokenizer reads), the tokenising settings and the versions of what turns them into
+    tokens. None for a hub model, remote code or a hub dataset (the tokenizer is loaded then)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from workbench.data.prepare import sources_key
+    from workbench.data.tokenize import FALLBACK_CHAT_TEMPLATE
+    from workbench.errors import WorkbenchError
+    from workbench.models import resolve_model
+
+    if spec.model.trust_remote_code:
+        return None
+    try:
+        folder = Path(resolve_model(spec.model.id))
+    except WorkbenchError:
+        return None
+    data_key = sources_key(spec)
+    if data_key is None or not folder.is_dir():
+        return None
+    try:
+        libs = [version("transformers"), version("tokenizers")]
+    except PackageNotFoundError:
+        return None
+    h = hashlib.sha256(json.dumps([_VERSION, data_key, libs, FALLBACK_CHAT_TEMPLATE,
+                                   spec.data.max_length, spec.data.truncation,
+                                   spec.data.packing]).encode())
+    for path in sorted(folder.iterdir()):
+        if path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES):
+            h.update(f"\0{path.name}\0".encode())
+            h.update(hashlib.sha256(path.read_bytes()).digest())
+    return h.hexdigest()[:24]
+
+
+def _by_files(key: str) -> Path:
+    return cache_root() / "by-files" / key
+
+
+def cached_stats(key: str | None) -> TokenStats | None:
+    """The statistics of the cache entry :func:`files_key` ``key`` names, if it is complete."""
+    if key is None or not _by_files(key).is_file():
+        return None
+    entry = cache_root() / _by_files(key).read_text(encoding="utf-8").strip()
+    if not (entry / "stats.json").is_file():
+        return None
+    return TokenStats.from_dict(json.loads((entry / "stats.json").read_text(encoding="utf-8")))
+
+
+def _remember(key: str | None, fp: str) -> None:
+    if key is None:
+        return
+    path = _by_files(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{key}.tmp{os.getpid()}")
+    tmp.write_text(fp, encoding="utf-8")
+    tmp.replace(path)  # atomic: a reader sees a whole fingerprint or none
 
 
 def cache_root() -> Path:
@@ -179,12 +246,40 @@ def _link_tree(src: Path, dst: Path) -> None:
             shutil.copy2(path, target)
 
 
+def reuse_tokenized(spec: RunSpec, run_dir: Any, key: str | None) -> TokenStats | None:
+    """Link the cache entry that :func:`files_key` ``key`` names into the run, as
+    :func:`prepare_tokenized` does on a hit, without a tokenizer; None when there is none."""
+    stats = cached_stats(key)
+    if stats is None or stats.fingerprint is None:
+        return None
+    started = time.time()
+    run_dir.write_status(phase="preparing", prepare={"split": "train", "done": 0})
+    return _link_hit(run_dir, stats.fingerprint, started)
+
+
+def _link_hit(run_dir: Any, fp: str, started: float) -> TokenStats:
+    out = run_dir.data_dir / "tokenized"
+    _link_tree(cache_root() / fp, out)
+    stats = TokenStats.from_dict(json.loads((out / "stats.json").read_text(encoding="utf-8")))
+    return _finish(run_dir, stats, fp, True, started)
+
+
+def _finish(run_dir: Any, stats: TokenStats, fp: str, hit: bool, started: float) -> TokenStats:
+    (run_dir.data_dir / "stats.json").write_text(json.dumps(stats.to_dict(), indent=1),
+                                                 encoding="utf-8")
+    run_dir.write_status(phase=None, prepare={
+        "fingerprint": fp, "cache_hit": hit, "seconds": round(time.time() - started, 3),
+        "path": str(run_dir.data_dir / "tokenized")})
+    return stats
+
+
 def prepare_tokenized(spec: RunSpec, run_dir: Any, tokenizer: Any,
-                      progress: Progress | None = None) -> TokenStats:
+                      progress: Progress | None = None, key: str | None = None) -> TokenStats:
     """Tokenise (or reuse the cache for) a run's prepared data; write tokenized/ and stats.json.
 
     ``run_dir`` is a RunDir; while this works its status.json says ``phase: preparing`` with
-    how far it got, so the job view and ``workbench status`` show it.
+    how far it got, so the job view and ``workbench status`` show it. ``key`` (from
+    :func:`files_key`, before the data was prepared) is remembered as naming this entry.
     """
     data_dir: Path = run_dir.data_dir
     started = time.time()
@@ -202,29 +297,26 @@ def prepare_tokenized(spec: RunSpec, run_dir: Any, tokenizer: Any,
                                  prepare={"split": split, "done": done, "total": total})
 
     run_dir.write_status(phase="preparing", prepare={"split": "train", "done": 0})
-    hit = (cached / "stats.json").is_file()
-    if hit:
-        _link_tree(cached, out)
-        stats = TokenStats.from_dict(json.loads((cached / "stats.json").read_text()))
-    else:
-        import datasets  # ~1 s to import: only when writing (a cache hit only links files)
+    if (cached / "stats.json").is_file():
+        stats = _link_hit(run_dir, fp, started)
+        _remember(key, fp)
+        return stats
+    import datasets  # ~1 s to import: only when writing (a cache hit only links files)
 
-        splits = {}
-        for split in SPLITS:
-            table, split_stats = tokenize_split(data_dir / f"{split}.jsonl", spec, tokenizer,
-                                                report, split)
-            datasets.Dataset(table).save_to_disk(str(out / split))
-            splits[split] = split_stats
-        stats = TokenStats(splits=splits, max_length=spec.data.max_length,
-                           truncation=spec.data.truncation, packing=spec.data.packing,
-                           fingerprint=fp)
-        (out / "stats.json").write_text(json.dumps(stats.to_dict(), indent=1), encoding="utf-8")
-        _store_in_cache(out, cached)
-    (data_dir / "stats.json").write_text(json.dumps(stats.to_dict(), indent=1), encoding="utf-8")
-    run_dir.write_status(phase=None, prepare={
-        "fingerprint": fp, "cache_hit": hit, "seconds": round(time.time() - started, 3),
-        "path": str(out)})
-    return stats
+    splits = {}
+    for split in SPLITS:
+        table, split_stats = tokenize_split(data_dir / f"{split}.jsonl", spec, tokenizer,
+                                            report, split)
+        datasets.Dataset(table).save_to_disk(str(out / split))
+        splits[split] = split_stats
+    stats = TokenStats(splits=splits, max_length=spec.data.max_length,
+                       truncation=spec.data.truncation, packing=spec.data.packing,
+                       fingerprint=fp)
+    (out / "stats.json").write_text(json.dumps(stats.to_dict(), indent=1), encoding="utf-8")
+    _store_in_cache(out, cached)
+    if (cached / "stats.json").is_file():
+        _remember(key, fp)
+    return _finish(run_dir, stats, fp, False, started)
 
 
 def _store_in_cache(out: Path, cached: Path) -> None:

@@ -1,13 +1,18 @@
 """Model shape: what the planner needs to know about a model, counted without downloading it.
 
 :func:`model_shape` reads the model's config (a built-in, a local folder, the hub, or, offline, a
-table of well-known configs) and instantiates it on the meta device to count parameters, linear
-layers and the largest module. Every later estimate (memory, time, cost) starts from this.
+table of well-known configs) and counts parameters, linear layers and the largest module. Every
+later estimate (memory, time, cost) starts from this. The decoder families whose layers are
+known (:data:`COUNTED_TYPES`: llama, mistral, qwen2, qwen3) are counted from config.json's fields
+by arithmetic, so planning a local or built-in model imports neither torch nor transformers (3-6 s
+of a launch); anything else (remote code, another model_type, a config that leaves a shape field
+to a library default) is instantiated on the meta device through transformers, as before.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import socket
 from dataclasses import dataclass
@@ -63,6 +68,20 @@ _OFFLINE_ALIASES = {
     "mistralai/Mistral-7B-Instruct-v0.1": "mistralai/Mistral-7B-v0.1",
     "mistralai/Mistral-7B-Instruct-v0.2": "mistralai/Mistral-7B-v0.1",
 }
+
+# How each counted family builds its layers (transformers' modeling_*.py): which projections
+# carry a bias (a config flag, or always), and per-head q/k norms. Shape fields a config.json
+# leaves out are refused rather than guessed, since the library defaults differ by version.
+_FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": dict(qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias="mlp_bias"),
+    "mistral": dict(),
+    "qwen2": dict(qkv_bias=True),
+    "qwen3": dict(qkv_bias="attention_bias", o_bias="attention_bias", qk_norm=True,
+                  head_dim_required=True),
+}
+COUNTED_TYPES = frozenset(_FAMILIES)
+_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+             "intermediate_size")
 
 
 @dataclass(frozen=True)
@@ -151,10 +170,99 @@ def _config_for(model_id: str, revision: str | None, trust_remote_code: bool) ->
         return AutoConfig.for_model(fields.pop("model_type"), **fields), "offline table"
 
 
+def local_config_fields(model_id: str, trust_remote_code: bool = False) -> dict[str, Any] | None:
+    """The parsed config.json of a built-in or local model of a counted family; None for a hub
+    id, remote code, another model_type or an unreadable file (those go through transformers)."""
+    from workbench.models import resolve_model
+
+    if trust_remote_code:
+        return None
+    source = resolve_model(model_id)  # raises ModelNotFoundError for what is nowhere
+    if source == model_id and not Path(os.path.expanduser(model_id)).exists():
+        return None  # a hub id
+    try:
+        fields = json.loads((Path(source) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(fields, dict) or fields.get("model_type") not in COUNTED_TYPES \
+            or "auto_map" in fields:
+        return None
+    return fields
+
+
+def _offline_fields(model_id: str) -> dict[str, Any] | None:
+    key = _OFFLINE_ALIASES.get(model_id, model_id)
+    return dict(OFFLINE_CONFIGS[key]) if key in OFFLINE_CONFIGS else None
+
+
+def counted_shape(model_id: str, fields: dict[str, Any], source: str) -> ModelShape | None:
+    """The shape of a counted family from its config fields, by arithmetic over the layers
+    transformers builds (None when the family is not counted or a shape field is missing)."""
+    family = _FAMILIES.get(str(fields.get("model_type")))
+    if family is None or any(not isinstance(fields.get(k), int) for k in _REQUIRED):
+        return None
+    hidden, layers, heads = (fields["hidden_size"], fields["num_hidden_layers"],
+                             fields["num_attention_heads"])
+    vocab, inter = fields["vocab_size"], fields["intermediate_size"]
+    if "num_key_value_heads" not in fields or (
+            family.get("head_dim_required") and not fields.get("head_dim")):
+        return None
+    kv_heads = fields["num_key_value_heads"] or heads
+    head_dim = fields.get("head_dim") or hidden // heads
+
+    def flag(name: str) -> bool:
+        rule = family.get(name, False)
+        return bool(fields.get(rule, False)) if isinstance(rule, str) else bool(rule)
+
+    qkv_bias, o_bias, mlp_bias = flag("qkv_bias"), flag("o_bias"), flag("mlp_bias")
+    per_layer = [  # (name, in, out, bias)
+        ("self_attn.q_proj", hidden, heads * head_dim, qkv_bias),
+        ("self_attn.k_proj", hidden, kv_heads * head_dim, qkv_bias),
+        ("self_attn.v_proj", hidden, kv_heads * head_dim, qkv_bias),
+        ("self_attn.o_proj", heads * head_dim, hidden, o_bias),
+        ("mlp.gate_proj", hidden, inter, mlp_bias),
+        ("mlp.up_proj", hidden, inter, mlp_bias),
+        ("mlp.down_proj", inter, hidden, mlp_bias),
+    ]
+    layer_linear = sum(i * o + (o if b else 0) for _, i, o, b in per_layer)
+    layer_norms = 2 * hidden + (2 * head_dim if family.get("qk_norm") else 0)
+    embed = vocab * hidden
+    tied = bool(fields.get("tie_word_embeddings", False))
+    return ModelShape(
+        model_id=model_id,
+        params=embed + layers * (layer_linear + layer_norms) + hidden + (0 if tied else embed),
+        linear_weights=layers * sum(i * o for _, i, o, _ in per_layer),
+        lm_head_weights=embed,
+        # One module's own parameters: the embedding (and the head, tied or not) or one linear.
+        largest_layer_params=max(embed, *(i * o + (o if b else 0) for _, i, o, b in per_layer)),
+        linears=tuple((f"model.layers.{n}.{name}", i, o)
+                      for n in range(layers) for name, i, o, _ in per_layer),
+        hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, intermediate=inter,
+        vocab=vocab, source=source,
+    )
+
+
 @functools.lru_cache(maxsize=32)
 def model_shape(model_id: str, revision: str | None = None,
                 trust_remote_code: bool = False) -> ModelShape:
     """Count parameters and LoRA-able layers of ``model_id`` without downloading weights."""
+    fields = local_config_fields(model_id, trust_remote_code)
+    if fields is not None:
+        counted = counted_shape(model_id, fields, "config")
+        if counted is not None:
+            return counted
+    elif not trust_remote_code and (offline := _offline_fields(model_id)) is not None \
+            and not _hub_reachable():
+        counted = counted_shape(model_id, offline, "offline table")
+        if counted is not None:
+            return counted
+    return meta_shape(model_id, revision, trust_remote_code)
+
+
+def meta_shape(model_id: str, revision: str | None = None,
+               trust_remote_code: bool = False) -> ModelShape:
+    """The shape counted on a meta-device instance of the model (imports torch + transformers):
+    for what :func:`counted_shape` does not know, and the reference it is tested against."""
     import torch
     from torch import nn
     from transformers import AutoModelForCausalLM

@@ -110,8 +110,15 @@ def _local_tokenizer(spec: RunSpec) -> Any:
 def _token_sample(spec: RunSpec) -> Any:
     """TokenStats of the first rows of each source, or None when the tokenizer or the data cannot
     be read here (the planner then guesses from characters)."""
+    from workbench.data.tokenized import cached_stats, files_key
     from workbench.errors import WorkbenchError
 
+    try:  # the same data tokenised before, known from its files: every row, no tokenizer
+        cached = cached_stats(files_key(spec))
+    except OSError:
+        cached = None
+    if cached is not None:
+        return cached
     tokenizer = _local_tokenizer(spec)
     if tokenizer is None:
         return None
@@ -151,7 +158,10 @@ def estimate_data(spec: RunSpec) -> DataEstimate:
             # lengths: a padded batch's longest is about the p95 (one example: the median).
             n = train.tokens["p95" if spec.train.batch_size > 1 else "median"]
             lengths = [min(L, n)] * train.kept
-        how = (f"measured with the model's tokenizer on {train.examples} sampled rows "
+        whole = sample_stats is not None and sample_stats.fingerprint
+        rows_of = (f"all {train.examples} rows (tokenised before)" if whole
+                   else f"{train.examples} sampled rows")
+        how = (f"measured with the model's tokenizer on {rows_of} "
                f"({train.truncated} truncated, {train.dropped} dropped at max_length {L})")
         if total is not None and train.dropped:
             total = max(1, int(total * train.kept / train.examples))
@@ -184,7 +194,9 @@ def estimate_data(spec: RunSpec) -> DataEstimate:
     if packed_rows and total is not None:
         total = max(1, round(total * len(packed_rows) / len(lengths)))
         note += f"; ~{total:,} packed rows"
-    tokens = {**sample_stats.to_dict(), "sampled": True} if measured else None
+    # Statistics with a fingerprint are a whole tokenised set's (from the cache), not a sample.
+    tokens = ({**sample_stats.to_dict(), "sampled": sample_stats.fingerprint is None}
+              if measured else None)
     longest, longest_of = None, ""
     if measured and train is not None and not spec.data.packing:
         if train.lengths:

@@ -13,7 +13,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from workbench.data.tokenize import load_tokenizer
 from workbench.precision import Precision, local_device_kind, resolve_precision
@@ -409,7 +409,26 @@ def main(run_dir: str) -> int:
 
     record_peak_memory(rd, rank)
     _shutdown_distributed()
-    return 0
+    _exit_now(0)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """End the rank now that everything it writes is closed and on disk. The interpreter's own
+    teardown of torch/transformers (half a million objects: 0.2 s of atexit work, then ~3 s of
+    module and object teardown measured on this 2-core machine) would only delay torchrun, the
+    supervisor's bill and the user's ``wait``. What a normal exit would still do for data is
+    done here: other threads are joined and the exit handlers (logging's flush, wandb's finish,
+    temporary folders) run, as the interpreter does before its teardown."""
+    import atexit
+    import threading
+
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _evaluated_at(log_history: list[dict[str, Any]], step: int) -> bool:
