@@ -59,7 +59,8 @@ class EvalCallback(TrainerCallback):
         self.last_s = 0.0  # how long the previous evaluation took: the next one's estimate
         self.cfg = spec.eval
         validation = run_dir.data_dir / "validation.jsonl"
-        self.default_file = validation if validation.is_file() else None
+        # validation_fraction 0 still writes the split, empty: that is no split to score.
+        self.default_file = validation if _has_rows(validation) else None
         self.tasks = _fitting(self.cfg.tasks, self.default_file)
         self.beside: Any = None  # a workbench.evaluate.beside.Beside on rank 0 when there is room
         self.beside_all = False  # every rank: every_steps scores beside (no barrier)
@@ -170,6 +171,13 @@ class EvalCallback(TrainerCallback):
             self.beside.close()  # its lines are in eval.jsonl before ``after`` writes there
         if self.cfg.after and self._active():
             self._evaluate(state, model, "after")
+
+
+def _has_rows(path: Path) -> bool:
+    if not path.is_file():
+        return False
+    with path.open(encoding="utf-8") as fh:
+        return any(line.strip() for line in fh)
 
 
 def _fitting(tasks: list[Any], validation: Path | None) -> list[Any]:
