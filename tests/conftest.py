@@ -63,4 +63,4 @@ def served_run(wb_home: Path):
 
 # The preference runs that test_preference_train.py and test_serve.py both read (after the
 # home is set: their module imports workbench).
-from tests.preference_runs import dpo_job, orpo_job  # noqa: E402,F401
+from tests.preference_runs import dpo_job, grpo_job, kto_job, orpo_job, user_reward  # noqa: E402,F401,I001

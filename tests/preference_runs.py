@@ -1,5 +1,5 @@
-"""Preference runs shared by the whole test session: their data, specs, and the finished DPO and
-ORPO runs that both tests/test_preference_train.py (curves, kill and resume) and
+"""Preference runs shared by the whole test session: their data, specs, and the finished DPO,
+ORPO, KTO and GRPO runs that both tests/test_preference_train.py (curves, kill and resume) and
 tests/test_serve.py (their adapters served by vLLM) read. Each real run costs the suite tens of
 seconds, so a session trains each of these once (tests/conftest.py registers the fixtures).
 """
@@ -7,8 +7,11 @@ seconds, so a session trains each of these once (tests/conftest.py registers the
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
+import sys
+import textwrap
 
 import pytest
 
@@ -23,6 +26,8 @@ _WRONG = {r["output"]: _ROWS[(i + 5) % len(_ROWS)]["output"] for i, r in enumera
 
 DPO_STEPS = 8
 ORPO_STEPS = 12
+KTO_STEPS = 12
+GRPO_STEPS = 8
 KILL_CHECKPOINT = {"every_steps": 2, "keep": 2}  # DPO's and GRPO's killed runs
 # ORPO's and KTO's runs are killed once a step past their snapshot (every 5 steps) is logged, so
 # the steps after the snapshot are trained twice, before and after the kill; 12 steps leave
@@ -112,4 +117,53 @@ def orpo_job(tmp_path_factory):
     job = workbench.launch(pref_spec("orpo", "orpo", pref_data(tmp_path_factory, "pairs"),
                                      ORPO_STEPS, checkpoint=ONE_SNAPSHOT))
     kill_rank_1_and_resume(job, ORPO_STEPS, ONE_SNAPSHOT["every_steps"], past=True)
+    return job
+
+
+@pytest.fixture(scope="session")
+def kto_job(tmp_path_factory):
+    """KTO in 2 processes under ZeRO-2, killed -9 after its one snapshot and a step past it, and
+    resumed: its test compares the steps trained twice; test_serve.py serves its adapter."""
+    job = workbench.launch(pref_spec("kto-zero2", "kto", pref_data(tmp_path_factory, "unpaired"),
+                                     KTO_STEPS, parallel={"strategy": "zero2"},
+                                     checkpoint=ONE_SNAPSHOT))
+    kill_rank_1_and_resume(job, KTO_STEPS, ONE_SNAPSHOT["every_steps"], past=True)
+    return job
+
+
+# GRPO scores with a user's reward function from a folder the ranks do not have on their path.
+USER_REWARD = textwrap.dedent("""
+    print(f"wb_pref_reward imported from {__file__}", flush=True)
+
+    def quarter(completions, **kwargs):
+        return [0.25 for _ in completions]
+    """)
+
+
+@pytest.fixture(scope="session")
+def user_reward(tmp_path_factory):
+    """A reward module in a folder on this process's sys.path (as a notebook's own folder is)
+    and NOT on the ranks' PYTHONPATH: the ranks can only import it if launch shipped it."""
+    folder = tmp_path_factory.mktemp("user-rewards")
+    (folder / "wb_pref_reward.py").write_text(USER_REWARD)
+    assert str(folder) not in os.environ.get("PYTHONPATH", "")
+    sys.path.insert(0, str(folder))
+    yield folder
+    sys.path.remove(str(folder))
+    sys.modules.pop("wb_pref_reward", None)
+
+
+def grpo_spec(name: str, data: str) -> dict:
+    return pref_spec(name, "grpo", data, GRPO_STEPS,
+                     method={"num_generations": 4, "max_completion_length": 8,
+                             "rewards": [{"fn": "length", "target_chars": 12},
+                                         {"fn": "exact_match"}, {"fn": "wb_pref_reward:quarter"}]},
+                     checkpoint=KILL_CHECKPOINT)
+
+
+@pytest.fixture(scope="session")
+def grpo_job(user_reward, tmp_path_factory):
+    """GRPO in 2 processes (DDP), uninterrupted; test_serve.py serves its adapter."""
+    job = workbench.launch(grpo_spec("grpo-ddp", pref_data(tmp_path_factory, "prompts")))
+    succeeded(job)
     return job

@@ -1,9 +1,10 @@
 """DPO, ORPO, KTO and GRPO train for real through launch() on the built-in tiny model.
 
 Every stage runs in 2 processes: DPO, ORPO and GRPO under DDP over gloo, KTO under ZeRO-2. Every
-stage is killed -9 mid-run and resumes from its snapshot on the uninterrupted run's curve, step
-for step; the uninterrupted runs are the ones the other tests of each stage read (DPO's and
-ORPO's are shared with tests/test_serve.py through tests/preference_runs.py). GRPO also scores
+stage is killed -9 mid-run and resumes from its snapshot: DPO and GRPO on a separate uninterrupted
+run's curve, step for step; ORPO and KTO on their own first attempt's steps past the snapshot,
+which they train twice. Every stage's run is shared with tests/test_serve.py (its adapter served
+by vLLM) through tests/preference_runs.py. GRPO also scores
 with a user's reward function from a folder the ranks do not have on their path (launch ships it
 with the run). Steps and data are tiny: these check the path (data, TRL trainer, our callbacks,
 snapshots, artefacts), not what the model learns (the preference notebook does that).
@@ -11,28 +12,24 @@ snapshots, artefacts), not what the model learns (the preference notebook does t
 
 from __future__ import annotations
 
-import os
-import sys
-import textwrap
-
 import pytest
 
 import workbench
 from tests.preference_runs import (
     DPO_STEPS,
+    GRPO_STEPS,
     KILL_CHECKPOINT,
-    ONE_SNAPSHOT,
+    KTO_STEPS,
     ORPO_STEPS,
+    USER_REWARD,
+    grpo_spec,
     kill_rank_1_and_resume,
     pref_data,
     pref_spec,
-    succeeded,
     train_lines,
 )
 
 pytestmark = pytest.mark.slow
-
-KTO_STEPS = 12
 
 
 def _same_curve(reference, job, keys: tuple[str, ...], steps) -> None:
@@ -67,11 +64,6 @@ def test_dpo_killed_mid_run_resumes_on_the_same_curve(dpo_job, tmp_path_factory)
     _same_curve(dpo_job, job, ("loss", "rewards/margins"), range(at + 1, DPO_STEPS + 1))
 
 
-def _kto_spec(name: str, data: str) -> dict:
-    return pref_spec(name, "kto", data, KTO_STEPS, parallel={"strategy": "zero2"},
-                     checkpoint=ONE_SNAPSHOT)
-
-
 def _same_as_first_attempt(job, keys: tuple[str, ...]) -> None:
     """The run was killed after its snapshot and after training on past it: the steps the first
     attempt trained past the snapshot (uninterrupted until the kill) were trained again after
@@ -92,10 +84,9 @@ def _same_as_first_attempt(job, keys: tuple[str, ...]) -> None:
                                                          abs=1e-5), (step, key)
 
 
-def test_kto_under_zero2_in_two_processes_killed_and_resumed(tmp_path_factory):
-    """Its snapshot is a ZeRO-2 (DeepSpeed) one."""
-    job = workbench.launch(_kto_spec("kto-zero2", pref_data(tmp_path_factory, "unpaired")))
-    kill_rank_1_and_resume(job, KTO_STEPS, ONE_SNAPSHOT["every_steps"], past=True)
+def test_kto_under_zero2_in_two_processes_killed_and_resumed(kto_job):
+    """kto_job was killed -9 after its snapshot, a ZeRO-2 (DeepSpeed) one, and resumed."""
+    job = kto_job
     _same_as_first_attempt(job, ("loss", "kl", "rewards/margins", "logps/chosen", "logps/rejected"))
     assert "lora + zero2" in job.logs(tail=None, name="rank-0.log")
     lines = train_lines(job)
@@ -115,43 +106,6 @@ def test_orpo_in_two_processes_trains_with_no_reference_killed_and_resumed(orpo_
 
 # -- GRPO: 2 processes, a user's reward shipped with the run, killed -9 and resumed -------------
 
-GRPO_STEPS = 8
-_USER_REWARD = textwrap.dedent("""
-    print(f"wb_pref_reward imported from {__file__}", flush=True)
-
-    def quarter(completions, **kwargs):
-        return [0.25 for _ in completions]
-    """)
-
-
-@pytest.fixture(scope="module")
-def user_reward(tmp_path_factory):
-    """A reward module in a folder on this process's sys.path (as a notebook's own folder is)
-    and NOT on the ranks' PYTHONPATH: the ranks can only import it if launch shipped it."""
-    folder = tmp_path_factory.mktemp("user-rewards")
-    (folder / "wb_pref_reward.py").write_text(_USER_REWARD)
-    assert str(folder) not in os.environ.get("PYTHONPATH", "")
-    sys.path.insert(0, str(folder))
-    yield folder
-    sys.path.remove(str(folder))
-    sys.modules.pop("wb_pref_reward", None)
-
-
-def _grpo_spec(name: str, data: str) -> dict:
-    return pref_spec(name, "grpo", data, GRPO_STEPS,
-                     method={"num_generations": 4, "max_completion_length": 8,
-                             "rewards": [{"fn": "length", "target_chars": 12},
-                                         {"fn": "exact_match"}, {"fn": "wb_pref_reward:quarter"}]},
-                     checkpoint=KILL_CHECKPOINT)
-
-
-@pytest.fixture(scope="module")
-def grpo_job(user_reward, tmp_path_factory):
-    job = workbench.launch(_grpo_spec("grpo-ddp", pref_data(tmp_path_factory, "prompts")))
-    succeeded(job)
-    return job
-
-
 def test_grpo_in_two_processes_logs_rewards_spread_and_kl_with_a_shipped_user_reward(grpo_job):
     assert grpo_job.status()["world_size"] == 2
     lines = train_lines(grpo_job)
@@ -166,7 +120,7 @@ def test_grpo_in_two_processes_logs_rewards_spread_and_kl_with_a_shipped_user_re
     # Random tokens differ in length, so the length reward has a spread to learn from.
     assert any(m["reward_std"] > 0 for m in lines)
     shipped = grpo_job.run_dir.path / "data" / "rewards" / "wb_pref_reward.py"
-    assert shipped.read_text() == _USER_REWARD
+    assert shipped.read_text() == USER_REWARD
     for rank in (0, 1):  # each rank imported the run's copy, not the notebook's folder
         assert f"wb_pref_reward imported from {shipped}" in grpo_job.logs(
             tail=None, name=f"rank-{rank}.log")
@@ -174,7 +128,7 @@ def test_grpo_in_two_processes_logs_rewards_spread_and_kl_with_a_shipped_user_re
 
 def test_grpo_killed_mid_run_resumes_from_its_snapshot_on_the_same_curve(grpo_job,
                                                                          tmp_path_factory):
-    job = workbench.launch(_grpo_spec("grpo-kill", pref_data(tmp_path_factory, "prompts")))
+    job = workbench.launch(grpo_spec("grpo-kill", pref_data(tmp_path_factory, "prompts")))
     kill_rank_1_and_resume(job, GRPO_STEPS)
     # Sampling is seeded (per rank) and the snapshot holds every rank's RNG state, so the resumed
     # run samples the same completions and gets the same rewards as the uninterrupted one.

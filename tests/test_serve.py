@@ -236,12 +236,13 @@ def test_second_adapter_on_the_same_base_and_rank_above_max(servers, trained, tm
         adapter.add_adapter(wide)
 
 
-@pytest.mark.parametrize("run", ["dpo_job", "orpo_job"])
+@pytest.mark.parametrize("run", ["dpo_job", "orpo_job", "kto_job", "grpo_job"])
 def test_preference_adapters_serve_and_answer_as_transformers(servers, run, request):
-    """A LoRA trained with method.stage dpo (with an implicit reference) or orpo (none; this run
-    was killed and resumed) is an ordinary adapter on the same base: added to the shared server,
-    its greedy answers are transformers + peft's, token for token. The runs are the session's
-    shared preference runs (tests/preference_runs.py), which test_preference_train.py also reads."""
+    """A LoRA trained with each preference stage -- dpo (an implicit reference), orpo (none;
+    killed and resumed), kto (under ZeRO-2; killed and resumed), grpo (sampled completions and
+    rewards) -- is an ordinary adapter on the same base: added to the shared server, its greedy
+    answers are transformers + peft's, token for token. The runs are the session's shared
+    preference runs (tests/preference_runs.py), which test_preference_train.py also reads."""
     job = request.getfixturevalue(run)
     stage = job.spec.method.stage
     assert json.loads((job.run_dir.adapter_dir / "workbench.json").read_text())["stage"] == stage
