@@ -123,7 +123,7 @@ def hub() -> Iterator[dict[str, Any]]:
         "hold_margin": 10,  # the shared 2-core machine runs far slower than planned
         "caps": {"concurrent_runs": 1, "processes_per_run": 1, "hours_per_run": 1,
                  "eval_minutes": 5},  # held 3 CNY; a loaded machine took 140 s
-        "idle_minutes": 1,  # the culler stops A's server, idle after its one request
+        "idle_minutes": 1,  # the culler stops the browser test's servers once its pages close
         "state_dir": str(state),
         "hub": {"port": port, "hub_port": free_port(), "proxy_api_port": free_port(),
                 "service_port": free_port()},
@@ -152,6 +152,8 @@ def hub() -> Iterator[dict[str, Any]]:
                  "['admin:users', 'admin:servers', 'tokens', 'list:services', 'read:services'], "
                  "'services': ['course-test']})\n"
                  f"c.Spawner.cmd = [{str(python)!r}, '-m', 'jupyterhub.singleuser']\n"
+                 # window.jupyterapp: the browser test runs a cell as tests/lab's do.
+                 "c.Spawner.args = ['--LabApp.expose_app_in_browser=True']\n"
                  f"c.Spawner.environment.update({spawner_env!r})\n"
                  "c.Spawner.start_timeout = c.Spawner.http_timeout = 180\n")
     log = root / "hub.log"
