@@ -1,5 +1,6 @@
 """Headless Chromium (Debian's) driven by Playwright, on a JupyterLab server: what every browser
-test opens before it tests anything (tests/lab/test_browser.py, tests/remote/test_kernels_browser.py).
+test opens before it tests anything, and how it runs a cell (tests/lab/test_browser.py,
+tests/remote/test_kernels_browser.py, tests/course/test_course.py).
 
     with browser_page() as page:
         open_lab(page, server)
@@ -7,10 +8,13 @@ test opens before it tests anything (tests/lab/test_browser.py, tests/remote/tes
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from .conftest import ARTIFACTS, LabServer
 
@@ -54,6 +58,32 @@ def accept_kernel_dialog(page: Any) -> None:
     dialog = page.locator(".jp-Dialog")
     if dialog.count():
         dialog.locator(".jp-mod-accept").first.click()
+
+
+def command(page: Any, name: str, args: dict | None = None) -> None:
+    """Execute a JupyterLab command (the page needs ``window.jupyterapp``: JupyterLab's
+    ``expose_app_in_browser``)."""
+    # Not awaited in the page: a command can wait on a dialog (e.g. kernel selection) forever.
+    page.evaluate("([c, a]) => { window.jupyterapp.commands.execute(c, a); }", [name, args or {}])
+
+
+def run_first_cell(page: Any, attempts: int = 8, wait_s: float = 15) -> None:
+    """Run the notebook's first cell, again if JupyterLab dropped the request (kernel not ready).
+
+    A queued or running cell shows ``[*]`` at once, so re-asking only while the prompt is still
+    empty never runs the cell twice.
+    """
+    prompt = page.locator(".jp-Cell").first.locator(".jp-InputPrompt")
+    for _ in range(attempts):
+        command(page, "notebook:run-cell")
+        deadline = time.time() + wait_s
+        while time.time() < deadline:
+            accept_kernel_dialog(page)
+            text = prompt.inner_text()
+            if "*" in text or any(c.isdigit() for c in text):
+                return
+            time.sleep(0.5)
+    pytest.fail("the notebook never started running its cell")
 
 
 def shot(page: Any, name: str) -> None:

@@ -22,6 +22,8 @@ from workbench.serve import endpoints
 from workbench.targets import target_names
 
 from .browser import accept_kernel_dialog, browser_page, open_lab, shot
+from .browser import command as _command
+from .browser import run_first_cell as _run_first_cell
 from .conftest import LabServer, wait_for
 
 
@@ -35,30 +37,6 @@ def page(lab_server: LabServer):
 def _shot_on_exit(request, page):
     yield
     shot(page, f"last-{request.node.name}")
-
-
-def _command(page, command: str, args: dict | None = None) -> None:
-    # Not awaited in the page: a command can wait on a dialog (e.g. kernel selection) forever.
-    page.evaluate("([c, a]) => { window.jupyterapp.commands.execute(c, a); }", [command, args or {}])
-
-
-def _run_first_cell(page, attempts: int = 8, wait_s: float = 15) -> None:
-    """Run the notebook's first cell, again if JupyterLab dropped the request (kernel not ready).
-
-    A queued or running cell shows ``[*]`` at once, so re-asking only while the prompt is still
-    empty never runs the cell twice.
-    """
-    prompt = page.locator(".jp-Cell").first.locator(".jp-InputPrompt")
-    for _ in range(attempts):
-        _command(page, "notebook:run-cell")
-        deadline = time.time() + wait_s
-        while time.time() < deadline:
-            accept_kernel_dialog(page)
-            text = prompt.inner_text()
-            if "*" in text or any(c.isdigit() for c in text):
-                return
-            time.sleep(0.5)
-    pytest.fail("the notebook never started running its cell")
 
 
 def _run_all_cells(page, attempts: int = 8, wait_s: float = 15) -> None:

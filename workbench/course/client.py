@@ -215,9 +215,10 @@ def deploy_via_course(source: Any, *more: Any, name: str | None = None,
     return CourseClient().deploy(runs, name=name, **options)
 
 
-def sweep_via_course() -> None:
-    """What ``workbench.sweep`` does under a course hub: the service says why it cannot."""
-    CourseClient().request("POST", "sweep", {})
+def sweep_via_course(spec: Any, space: Any) -> None:
+    """What ``workbench.sweep`` does under a course hub: the service refuses it and answers with
+    the trials to launch one by one, each quoted against the student's credit."""
+    CourseClient().request("POST", "sweep", {"spec": _spec_body(spec), "space": space})
     raise CourseError("sweeps are not available in a course: launch the trials one by one")
 
 

@@ -14,7 +14,8 @@ adapter over :class:`~workbench.course.desk.CourseDesk`:
     POST /evaluate/RUN  score an ended run, held at one core for eval_minutes (body: tasks)
     POST /deploy        hold an endpoint's first block, then serve (body: runs, name)
     GET  /endpoints     own endpoints (instructors: all);  POST /undeploy/NAME
-    POST /sweep         refused: sweeps are not available in a course (400, says what to do)
+    POST /sweep         refused (400): the answer is the trials as launches to run one by one,
+                        each quoted (body: {"spec", "space"})
     POST /grant         instructors: {"student", "amount", "note"}
     GET  /students      instructors: each student's credit, held, spent and runs
     GET  /export.csv    instructors: spend per student
@@ -181,9 +182,10 @@ class Undeploy(_Handler):
 
 class Sweep(_Handler):
     async def post(self) -> None:
-        self.user()
-        raise _Refused(400, "sweeps are not available in a course yet: launch the trials you "
-                            "want one by one with workbench.launch (each is priced and held)")
+        body = self.body()
+        answer = await self.call(self.desk.sweep_answer, self.user(), body.get("spec"),
+                                 body.get("space"))
+        raise _Refused(400, answer)
 
 
 class Students(_Handler):

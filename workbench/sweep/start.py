@@ -75,9 +75,9 @@ def sweep(spec: RunSpec | dict | str | Path | None = None, *, space: dict[str, A
     of completed trials at the same step, once ``prune_after`` trials completed) or "none".
     """
     if os.environ.get("WORKBENCH_COURSE_URL"):  # a course hub's kernel: the service refuses
-        from workbench.course.client import sweep_via_course
+        from workbench.course.client import sweep_via_course  # and says which launches to run
 
-        sweep_via_course()
+        sweep_via_course(spec, space)
     base = RunSpec.coerce(spec)
     if target is not None:
         try:

@@ -1,0 +1,196 @@
+"""The course tests' one real class, shared by the session: JupyterHub + configurable-http-proxy on
+loopback, the course service declared in the hub config by ``workbench course init``, and real
+local Unix users (made with useradd, given passwords for the hub's PAM login page, removed after):
+two students and an instructor, each with their own hub token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import yaml
+
+from tests.waiting import wait_for
+from workbench.course.client import CourseClient
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http(method: str, url: str, token: str, body: Any = None) -> tuple[int, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Authorization": f"token {token}"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            text = resp.read().decode()
+            code = resp.status
+    except urllib.error.HTTPError as exc:
+        text, code = exc.read().decode(), exc.code
+    except (urllib.error.URLError, ConnectionError) as exc:
+        return 0, str(exc)
+    try:
+        return code, json.loads(text)
+    except ValueError:
+        return code, text
+
+
+def wait_until(what: str, check: Any, timeout: float, log: Path | None = None) -> Any:
+    """The suite's poll loop (tests/waiting.py), with the hub's or service's log tail on failure."""
+    try:
+        return wait_for(check, timeout, what, every=0.5)
+    except AssertionError as exc:
+        tail = log.read_text(errors="replace")[-4000:] if log and log.exists() else ""
+        raise AssertionError(f"{exc}\n{tail}") from None
+
+
+def _students_python(root: Path) -> Path:
+    """A venv the students' Unix users can run (jupyterhub-singleuser, workbench_lab): the
+    interpreter copied out of its 0700 home under /root into ``root``, the project's venv added
+    as a site dir, this checkout first on PYTHONPATH (set in the spawner's environment)."""
+    base, ver = Path(sys.base_prefix), f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    py = root / "python"
+    (py / "bin").mkdir(parents=True)
+    (py / "lib").mkdir()
+    shutil.copy2(base / "bin" / ver, py / "bin" / ver)
+    for lib in (base / "lib").glob("libpython*"):  # its RUNPATH points under /root
+        shutil.copy2(lib, py / "lib" / lib.name, follow_symlinks=False)
+    shutil.copytree(base / "lib" / ver, py / "lib" / ver,
+                    ignore=shutil.ignore_patterns("site-packages", "test", "idlelib", "tkinter"))
+    env = {**os.environ, "LD_LIBRARY_PATH": str(py / "lib")}
+    subprocess.run([str(py / "bin" / ver), "-m", "venv", "--without-pip", str(root / "venv")],
+                   check=True, env=env)
+    site = root / "venv" / "lib" / ver / "site-packages"
+    project_site = next(Path(p) for p in sys.path if p.endswith("site-packages"))
+    (site / "workbench_project.pth").write_text(
+        f"import site; site.addsitedir({str(project_site)!r})\n")
+    conf = root / "venv" / "etc" / "jupyter" / "jupyter_server_config.d"
+    conf.mkdir(parents=True)
+    (conf / "workbench_lab.json").write_text(json.dumps(
+        {"ServerApp": {"jpserver_extensions": {"workbench_lab": True, "jupyterlab": True}}}))
+    return root / "venv" / "bin" / "python"
+
+
+def service_pids(course_json: Path) -> list[int]:
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "workbench.course.service" in cmd and str(course_json) in cmd:
+            out.append(p.pid)
+    return out
+
+
+@pytest.fixture(scope="session")
+def hub() -> Iterator[dict[str, Any]]:
+    assert os.geteuid() == 0, "the course tests create Unix users: run them as root (CI does)"
+    tag = secrets.token_hex(3)
+    users = {"a": f"wbc{tag}a", "b": f"wbc{tag}b", "teacher": f"wbc{tag}t"}
+    passwords = {key: secrets.token_urlsafe(12) for key in users}
+    for key, name in users.items():
+        subprocess.run(["useradd", "-m", "-s", "/bin/bash", name], check=True)
+        # The hub's PAM login page checks these (the browser test logs in with them).
+        subprocess.run(["chpasswd"], input=f"{name}:{passwords[key]}\n", text=True, check=True)
+    # A world-readable parent, so what keeps students out is the state folder's own mode.
+    root = Path(tempfile.mkdtemp(prefix="wbcourse-"))
+    root.chmod(0o755)
+    state = root / "state"
+    port = free_port()
+    course = {
+        "name": "test-class", "instructors": [users["teacher"]],
+        "students": [users["a"], users["b"]], "currency": "CNY", "default_credit": 20,
+        # 36 CNY a core-hour is 1 fen a second; an endpoint's first hour (1000 CNY) fits nobody.
+        "credits": {users["b"]: 0.01}, "prices": {"cpu_core_hour": 36, "endpoint_hour": 1000},
+        "hold_margin": 10,  # the shared 2-core machine runs far slower than planned
+        "caps": {"concurrent_runs": 1, "processes_per_run": 1, "hours_per_run": 1,
+                 "eval_minutes": 5},  # held 3 CNY; a loaded machine took 140 s
+        "idle_minutes": 1,  # the culler stops the browser test's servers once its pages close
+        "state_dir": str(state),
+        "hub": {"port": port, "hub_port": free_port(), "proxy_api_port": free_port(),
+                "service_port": free_port()},
+    }
+    course_file = root / "course.yaml"
+    course_file.write_text(yaml.safe_dump(course))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    subprocess.run([sys.executable, "-m", "workbench.cli", "course", "init", str(course_file)],
+                   check=True, env=env)
+    # A test-only service whose token may issue tokens for the users (what a login would do)
+    # and start their servers; the servers run a Python the students' users can execute.
+    admin_token = secrets.token_hex(16)
+    python = _students_python(root)
+    # The project venv's JupyterLab assets and labextensions (the built Workbench panel) and
+    # kernelspecs (their "python" runs the students' interpreter); the server reports its
+    # activity every 10 s, so the culler (idle_minutes: 1) leaves a server in use alone.
+    jupyter = Path(sys.prefix) / "share" / "jupyter"
+    spawner_env = {"PYTHONPATH": f"{REPO}:{REPO / 'extensions' / 'workbench_lab'}",
+                   "LD_LIBRARY_PATH": str(root / "python" / "lib"),
+                   "JUPYTER_PATH": str(jupyter), "JUPYTERLAB_DIR": str(jupyter / "lab"),
+                   "JUPYTERHUB_ACTIVITY_INTERVAL": "10"}
+    with open(state / "jupyterhub_config.py", "a") as fh:
+        fh.write(f"c.JupyterHub.services.append({{'name': 'course-test', "
+                 f"'api_token': {admin_token!r}}})\n"
+                 "c.JupyterHub.load_roles.append({'name': 'course-test', 'scopes': "
+                 "['admin:users', 'admin:servers', 'tokens', 'list:services', 'read:services'], "
+                 "'services': ['course-test']})\n"
+                 f"c.Spawner.cmd = [{str(python)!r}, '-m', 'jupyterhub.singleuser']\n"
+                 # window.jupyterapp: the browser test runs a cell as tests/lab's do.
+                 "c.Spawner.args = ['--LabApp.expose_app_in_browser=True']\n"
+                 f"c.Spawner.environment.update({spawner_env!r})\n"
+                 "c.Spawner.start_timeout = c.Spawner.http_timeout = 180\n")
+    log = root / "hub.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "jupyterhub", "-f",
+                                 str(state / "jupyterhub_config.py")], cwd=state, env=env,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    info: dict[str, Any] = {"users": users, "state": state, "root": root, "log": log,
+                            "admin": admin_token, "base": base,
+                            "passwords": passwords,
+                            "service": f"{base}/services/course/",
+                            "course_json": state / "course.json", "tokens": {}}
+    try:
+        wait_until("the hub API", lambda: http("GET", f"{base}/hub/api/", admin_token)[0] == 200,
+                  120, log)
+        for key, name in users.items():
+            code, answer = http("POST", f"{base}/hub/api/users/{name}/tokens", admin_token,
+                                 {"scopes": ["access:services!service=course",
+                                             f"access:servers!user={name}"], "note": "test"})
+            assert code == 201, answer
+            info["tokens"][key] = answer["token"]
+        info["client"] = {k: CourseClient(info["service"], t) for k, t in info["tokens"].items()}
+        wait_until("the course service",
+                  lambda: http("GET", info["service"] + "me", info["tokens"]["a"])[0] == 200,
+                  120, log)
+        yield info
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for pid in service_pids(state / "course.json"):  # one the hub restarted late
+            os.kill(pid, signal.SIGKILL)
+        for name in users.values():
+            subprocess.run(["userdel", "-r", name], check=False, capture_output=True)
+        shutil.rmtree(root, ignore_errors=True)
+
+
