@@ -141,8 +141,12 @@ def test_torchrun_killed_with_sigkill_restarts_from_the_snapshot_and_says_why():
     _wait_for(lambda: (job.status().get("snapshot") or {}).get("step"), 300, "a first snapshot")
     status = job.status()
     launcher = psutil.Process(status["launcher_pid"])
-    cmdline = " ".join(launcher.cmdline())
-    assert "torch.distributed.run" in cmdline and str(job.run_dir.path) in cmdline  # by identity
+    assert "torch.distributed.run" in " ".join(launcher.cmdline())
+    # This run's torchrun by identity, not a reused pid: the one its attempt recorded. (Its
+    # command line names a standby folder, not the run dir, when the standby started it.)
+    recorded = [p for p in status["processes"] if p["role"] == "launcher"]
+    assert [(p["pid"], p["create_time"]) for p in recorded] == [
+        (launcher.pid, launcher.create_time())]
     old = {r: psutil.Process(p) for r, p in _rank_pids(job).items()}
     assert len(old) == 2
     launcher.send_signal(signal.SIGKILL)

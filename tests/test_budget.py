@@ -65,12 +65,30 @@ def _lines(job) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
-def _processes_of(run_dir) -> list[psutil.Process]:
+def _markers(job) -> list[str]:
+    """What a live run's processes carry on their command lines: its run directory, and the
+    folder of the standby that started them (``python -m workbench.standby FOLDER N``; its
+    torchrun and ranks name that folder, not the run directory). Read while the run is live."""
+    found = [str(job.run_dir.path)]
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "workbench.standby" in cmd:
+            folder = Path(cmd[cmd.index("workbench.standby") + 1])
+            try:  # the standby this run was handed: its go names the run directory
+                handed = json.loads((folder / "go.json").read_text())["run_dir"]
+            except (OSError, ValueError, KeyError):
+                continue
+            if handed == str(job.run_dir.path):
+                found.append(str(folder))
+    return found
+
+
+def _processes_of(markers: list[str]) -> list[psutil.Process]:
     found = []
     for p in psutil.process_iter(["cmdline", "status"]):
         try:
-            if p.info["status"] != psutil.STATUS_ZOMBIE and str(run_dir) in " ".join(
-                    p.info["cmdline"] or []):
+            line = " ".join(p.info["cmdline"] or [])
+            if p.info["status"] != psutil.STATUS_ZOMBIE and any(m in line for m in markers):
                 found.append(p)
         except psutil.NoSuchProcess:
             continue
@@ -262,8 +280,10 @@ def test_a_restart_inside_an_attempt_is_billed_and_the_limit_holds():
     log = job.run_dir.logs_dir / "rank-1.log"
     pid = int(re.search(r"rank 1/2 pid (\d+)", log.read_text()).group(1))
     rank1 = psutil.Process(pid)
-    cmdline = " ".join(rank1.cmdline())
-    assert "workbench.train" in cmdline and str(job.run_dir.path) in cmdline  # not a reused PID
+    assert "-m workbench.train" in " ".join(rank1.cmdline())
+    # Not a reused PID: the rank 1 this attempt recorded (pid and start time).
+    assert [(p["pid"], p["create_time"]) for p in job.status()["processes"]
+            if p["role"] == "rank" and p["rank"] == 1] == [(pid, rank1.create_time())]
     rank1.send_signal(signal.SIGKILL)
     assert job.wait(timeout=900, progress=False) == "succeeded", job.logs(tail=30)
     status = job.status()
@@ -276,10 +296,11 @@ def test_a_cancel_mid_run_ends_every_process_and_a_limit_it_already_spent_is_ref
     job = workbench.launch(_spec("budget-cancel", None))
     _wait_for(lambda: (job.status().get("step") or 0) >= 2, 300, "two steps")
     assert job.state == "running"
-    assert len(_processes_of(job.run_dir.path)) >= 3  # supervisor, torchrun, 2 ranks
+    markers = _markers(job)
+    assert len(_processes_of(markers)) >= 3  # supervisor, torchrun, 2 ranks
     assert job.cancel(timeout=60) == "cancelled"
     assert Registry().get_run(job.id).state == "cancelled"
-    _wait_for(lambda: not _processes_of(job.run_dir.path), 30, "every process of the run ended")
+    _wait_for(lambda: not _processes_of(markers), 30, "every process of the run ended")
     assert job.cancel() == "cancelled"  # cancelling an ended run is harmless
     spent = job.status()["cost"]
     assert spent > 0

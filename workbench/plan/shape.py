@@ -246,6 +246,17 @@ def counted_shape(model_id: str, fields: dict[str, Any], source: str) -> ModelSh
 def model_shape(model_id: str, revision: str | None = None,
                 trust_remote_code: bool = False) -> ModelShape:
     """Count parameters and LoRA-able layers of ``model_id`` without downloading weights."""
+    from workbench.target_model import target_config
+
+    found = target_config(model_id)
+    if found is not None:  # a folder only the run's target has: counted from the config read there
+        theirs = found.config
+        if not trust_remote_code and theirs.get("model_type") in COUNTED_TYPES \
+                and "auto_map" not in theirs:
+            counted = counted_shape(model_id, dict(theirs), f"config on {found.where}")
+            if counted is not None:
+                return counted
+        return meta_shape(model_id, revision, trust_remote_code)
     fields = local_config_fields(model_id, trust_remote_code)
     if fields is not None:
         counted = counted_shape(model_id, fields, "config")
