@@ -270,7 +270,11 @@ def test_budget_sweep_survives_a_controller_restart_and_never_overspends(wb_home
     controller = ProcessIdentity.from_dict(s.data()["controller"])
     assert controller.signal(signal.SIGKILL)
     _wait_for(lambda: not controller.alive(), 60, "the controller to die")
-    before = {t["number"]: (t["run_id"], t["state"]) for t in s.trials if t.get("released")}
+    released = [t for t in s.trials if t.get("released")]
+    # A trial released without a run was skipped because the budget left could not pay for it
+    # (fast trials spend the limit before the kill); never a launch that failed.
+    assert all(t.get("run_id") or t["state"] == "skipped" for t in released), released
+    before = {t["number"]: (t.get("run_id"), t["state"]) for t in released}
     # Its lock is released only once its last thread has exited; controller_alive waits for that.
     assert not s.controller_alive
     with pytest.raises(SweepError, match="resume"):
@@ -286,7 +290,7 @@ def test_budget_sweep_survives_a_controller_restart_and_never_overspends(wb_home
 
     trials = {t["number"]: t for t in s.trials}
     for n, (run_id, st) in before.items():  # finished trials were kept, not run again
-        assert (trials[n]["run_id"], trials[n]["state"]) == (run_id, st)
+        assert (trials[n].get("run_id"), trials[n]["state"]) == (run_id, st)
     tag = s.id.rsplit("-", 1)[-1]
     runs = [r for r in Registry().list_runs() if f"-{tag}-t" in r.name]
     assert sorted(r.name for r in runs) == sorted({r.name for r in runs})  # one run per trial
