@@ -68,22 +68,29 @@ def command(page: Any, name: str, args: dict | None = None) -> None:
 
 
 def run_first_cell(page: Any, attempts: int = 8, wait_s: float = 15) -> None:
-    """Run the notebook's first cell, again if JupyterLab dropped the request (kernel not ready).
+    """Run the notebook's first cell, again if JupyterLab dropped the request (kernel not ready)."""
+    run_until_started(page, "notebook:run-cell",
+                      page.locator(".jp-Cell").first.locator(".jp-InputPrompt"), attempts, wait_s)
+
+
+def run_until_started(page: Any, name: str, prompt: Any, attempts: int = 8,
+                      wait_s: float = 15) -> None:
+    """Execute the run command ``name`` until ``prompt`` (a cell's input prompt) shows its cell
+    queued or run, asking again if JupyterLab dropped the request (kernel not ready yet).
 
     A queued or running cell shows ``[*]`` at once, so re-asking only while the prompt is still
     empty never runs the cell twice.
     """
-    prompt = page.locator(".jp-Cell").first.locator(".jp-InputPrompt")
     for _ in range(attempts):
-        command(page, "notebook:run-cell")
+        command(page, name)
         deadline = time.time() + wait_s
         while time.time() < deadline:
             accept_kernel_dialog(page)
-            text = prompt.inner_text()
+            text = prompt.text_content() or ""
             if "*" in text or any(c.isdigit() for c in text):
                 return
             time.sleep(0.5)
-    pytest.fail("the notebook never started running its cell")
+    pytest.fail(f"the notebook never started running ({name})")
 
 
 def shot(page: Any, name: str) -> None:

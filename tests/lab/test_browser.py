@@ -9,7 +9,6 @@ details open, and Cancel in the panel stops it. The launcher offers the kernel a
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import nbformat
@@ -21,7 +20,7 @@ import workbench
 from workbench.serve import endpoints
 from workbench.targets import target_names
 
-from .browser import accept_kernel_dialog, browser_page, open_lab, shot
+from .browser import accept_kernel_dialog, browser_page, open_lab, run_until_started, shot
 from .browser import command as _command
 from .browser import run_first_cell as _run_first_cell
 from .conftest import LabServer, wait_for
@@ -40,21 +39,10 @@ def _shot_on_exit(request, page):
 
 
 def _run_all_cells(page, attempts: int = 8, wait_s: float = 15) -> None:
-    """Run every cell, again if JupyterLab dropped the request (kernel not ready yet).
-
-    As in ``_run_first_cell``: re-asked only while the first code cell's prompt is still empty.
-    """
-    prompt = page.locator(".jp-Notebook .jp-CodeCell").first.locator(".jp-InputPrompt")
-    for _ in range(attempts):
-        _command(page, "notebook:run-all-cells")
-        deadline = time.time() + wait_s
-        while time.time() < deadline:
-            accept_kernel_dialog(page)
-            text = prompt.text_content() or ""
-            if "*" in text or any(c.isdigit() for c in text):
-                return
-            time.sleep(0.5)
-    pytest.fail("the notebook never started running its cells")
+    """Run every cell, again while the first code cell's prompt shows nothing started."""
+    run_until_started(page, "notebook:run-all-cells",
+                      page.locator(".jp-Notebook .jp-CodeCell").first.locator(".jp-InputPrompt"),
+                      attempts, wait_s)
 
 
 def _wait_accepting_dialogs(page, locator, timeout_s: float) -> None:
