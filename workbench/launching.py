@@ -174,13 +174,16 @@ def _launch(spec: RunSpec | dict | str | Path | None, force: bool,
 
         check_local_resources(spec)
     _validate_tracking(spec)
+    from workbench.plan.probe import LaunchProbe
+
+    probe = LaunchProbe.start(spec)  # an uncalibrated remote target is measured meanwhile
     standby = None
     if spec.target == "local":  # the ranks import their libraries while we plan and prepare
         from workbench.standby import Standby
 
         standby = Standby.start(spec)
     try:
-        rd = _accept(spec, force, registry, backend)
+        rd = _accept(spec, force, registry, backend, probe)
     except BaseException:  # refused: no process of the run may outlive the refusal
         if standby is not None:
             standby.discard()
@@ -191,7 +194,8 @@ def _launch(spec: RunSpec | dict | str | Path | None, force: bool,
     return Job(registry.get_run(rd.path.name), registry=registry, backend=backend)
 
 
-def _accept(spec: RunSpec, force: bool, registry: Registry, backend: Backend) -> RunDir:
+def _accept(spec: RunSpec, force: bool, registry: Registry, backend: Backend,
+            probe: Any = None) -> RunDir:
     """Plan, check the model, create the run directory and prepare its data: the accepted run's
     directory, registered; nothing is left behind when any of it is refused."""
     on_target = _model_on_target(spec, backend)
@@ -227,6 +231,8 @@ def _accept(spec: RunSpec, force: bool, registry: Registry, backend: Backend) ->
     try:
         write_json_atomic(rd.plan_file, plan)
         _prepare_data(spec, rd, force, on_target)
+        if probe is not None:  # the plan's clock from the target's measurement, or why not
+            probe.settle(rd.plan_file, spec, on_target)
     except BaseException:
         registry.delete_run(run_id)
         shutil.rmtree(rd.path, ignore_errors=True)

@@ -77,8 +77,14 @@ def targets(cluster: test_cluster.Cluster, wb_home: Path, target_home: Path) -> 
 
     # Every "host" runs the workbench under test (over SSH nothing of this process's env goes).
     source = str(Path(workbench.__file__).resolve().parents[1])
+    # Every target here is this one machine: the launches leave measuring it to the tests about
+    # calibration (which turn the launch probe back on), instead of a probe job per target.
+    from workbench.plan.probe import LAUNCH_PROBE_ENV
+
+    os.environ[LAUNCH_PROBE_ENV] = "0"
     env = {"WORKBENCH_HOME": str(wb_home), "HF_HUB_OFFLINE": "1", "PYTHONPATH": source,
-           "TOKENIZERS_PARALLELISM": "false", "SLURM_CONF": str(cluster.slurm_conf)}
+           "TOKENIZERS_PARALLELISM": "false", "SLURM_CONF": str(cluster.slurm_conf),
+           LAUNCH_PROBE_ENV: "0"}
     from workbench.serve import serving_python
 
     # vLLM lives in its own environment (.venv-serve), as on real clusters.

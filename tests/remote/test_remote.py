@@ -219,9 +219,16 @@ def _last_resume(log: str) -> str:
     return [ln for ln in log.splitlines() if ln.startswith("resuming from")][-1]
 
 
-def test_two_node_ssh_run_without_shared_folder_resumes_every_node_from_storage(targets, cluster):
+def test_two_node_ssh_run_without_shared_folder_resumes_every_node_from_storage(targets, cluster,
+                                                                               monkeypatch):
     """Trains, snapshots to storage, loses node 1's rank (kill -9), comes back whole through
-    a small sync chunk, and resumes both nodes from the same stored snapshot."""
+    a small sync chunk, and resumes both nodes from the same stored snapshot. Being the first
+    launch on ssh:pair, it measures the target there for its own plan."""
+    from workbench.plan.calibrate import calibration_file
+    from workbench.plan.probe import LAUNCH_PROBE_ENV
+
+    monkeypatch.setenv(LAUNCH_PROBE_ENV, "1")
+    assert not calibration_file("ssh:pair").exists()
     # Two nodes of one process each come from the target's defaults in targets.yaml; each host
     # has its own workdir, so snapshots reach node 1 only through checkpoint.storage. Plain
     # DDP: DeepSpeed's CPU communication can hang when two "nodes" share one host (seen in CI).
@@ -231,6 +238,12 @@ def test_two_node_ssh_run_without_shared_folder_resumes_every_node_from_storage(
                             "checkpoint": {"every_steps": 3, "storage": str(storage)},
                             "parallel": {"strategy": "ddp"}})
     assert job.spec.resources.nodes == 2 and job.spec.resources.procs_per_node == 1
+    calibration = json.loads(calibration_file("ssh:pair").read_text())
+    assert calibration["source"] == "target probe", calibration
+    clock = json.loads(job.run_dir.plan_file.read_text())["clock"]
+    assert clock["calibration"] == {"source": "target probe", "date": calibration["date"],
+                                    "where": calibration["where"], "measured_now": True}, clock
+    assert f"measured on {calibration['where']} now" in clock["basis"], clock["basis"]
     try:
         stored = storage / job.id / "latest"
         deadline = time.time() + 300
@@ -461,11 +474,24 @@ def test_unknown_host_key_is_refused_by_default(targets):
         workbench.launch({"name": "hostkey", "target": "ssh:unknown-key", **TINY})
 
 
-def test_broken_remote_env_surfaces_the_remote_error(targets):
+def test_broken_remote_env_surfaces_the_remote_error(targets, monkeypatch):
+    from workbench.plan.calibrate import CalibrationWarning, calibration_file
+    from workbench.plan.probe import LAUNCH_PROBE_ENV
+
     with pytest.raises(TargetError, match="(?s)broken on host wb-node0.*/nonexistent/env/bin/"
                                           "python: No such file or directory"):
         workbench.launch({"name": "brokenssh", "target": "ssh:broken", **TINY})
-    job = workbench.launch({"name": "brokenslurm", "target": "slurm:broken", **TINY})
+    # The first launch on slurm:broken probes it too; the probe's failure does not stop the
+    # launch (the job fails by itself, below): the plan says why it used the table.
+    monkeypatch.setenv(LAUNCH_PROBE_ENV, "1")
+    with pytest.warns(CalibrationWarning, match="probe of slurm:broken failed"):
+        job = workbench.launch({"name": "brokenslurm", "target": "slurm:broken", **TINY})
+    assert not calibration_file("slurm:broken").exists()
+    clock = json.loads(job.run_dir.plan_file.read_text())["clock"]
+    assert clock["calibration"]["source"] == "default", clock
+    assert "/nonexistent/env/bin/python" in clock["calibration"]["probe_error"], clock
+    assert "calibration probe of slurm:broken at this launch failed" in clock["basis"]
+    assert "not calibrated" in clock["basis"]
     assert job.wait(timeout=120, progress=False) == "failed"
     error = job.status()["error"]
     assert "ended FAILED" in error and "/nonexistent/env/bin/python" in error, error

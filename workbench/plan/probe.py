@@ -9,21 +9,44 @@ then plans that target from them (:func:`workbench.plan.calibrate.time_basis`) a
 ("calibrated by a probe on slurm:gpu (Slurm job 42 on node7) DATE"). The probe measures for a
 few seconds; ``workbench targets check ssh:NAME|slurm:NAME`` runs it once the target is ready
 (reusing a probe of the last hour), and the stored figures are used until the next probe.
+
+The first launch on a remote target that has no calibration measures it too
+(:class:`LaunchProbe`): the probe runs in a thread while the launch plans, checks and prepares
+its data, and the launch waits for it at most ``LAUNCH_PROBE_TIMEOUT_S`` before it re-plans the
+clock from it ("measured on HOST now"). A probe that fails or times out never fails the launch:
+its plan keeps the table and says why (``clock.calibration.probe_error``).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import threading
+import time
+import warnings
+from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
-from workbench.plan.calibrate import PROBE_TAG, Calibration, CalibrationError, store
+from workbench.plan.calibrate import (
+    PROBE_TAG,
+    Calibration,
+    CalibrationError,
+    CalibrationWarning,
+    store,
+)
 
 # A probe that waits longer than this (a busy Slurm queue, a hung host) is given up; the planner
 # keeps using what it had (an earlier probe, else the GPU table).
 PROBE_TIMEOUT_S = 600.0
 # `targets check` run again within this reuses the last probe rather than queueing another job.
 PROBE_REUSE_S = 3600.0
+# A first launch waits at most this for its target's probe (it has been running meanwhile).
+LAUNCH_PROBE_TIMEOUT_S = 90.0
+# "0": launches never probe (`targets check` still does); the test suite's remote targets are
+# all this one machine, so its launches leave the measuring to the tests about it.
+LAUNCH_PROBE_ENV = "WORKBENCH_LAUNCH_PROBE"
 _SLURM_PROBE_MINUTES = 5  # --time of the probe job: it measures for seconds
 
 
@@ -49,8 +72,6 @@ def probe_target(ref: str, *, timeout: float = PROBE_TIMEOUT_S,
     than that many seconds ago is returned instead of queueing another. Raises
     CalibrationError, saying what to fix, when the probe cannot run there (nothing is stored
     then: an earlier calibration stays)."""
-    import time
-
     from workbench.errors import TargetError
     from workbench.plan.calibrate import calibration_file, load_calibration
     from workbench.targets import get_target
@@ -96,6 +117,80 @@ def probe_target(ref: str, *, timeout: float = PROBE_TIMEOUT_S,
     cal.target, cal.source = ref, "target probe"
     store(cal)
     return cal
+
+
+class LaunchProbe:
+    """The probe a launch runs on its remote target when the target has no calibration."""
+
+    def __init__(self, ref: str, timeout: float) -> None:
+        self.ref, self.timeout = ref, timeout
+        self.cal: Calibration | None = None
+        self.error: str | None = None
+        self._started = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name=f"calibrate {ref}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.cal = probe_target(self.ref, timeout=self.timeout)
+        except Exception as exc:  # noqa: BLE001 - a probe never fails the launch: it is reported
+            self.error = str(exc)
+
+    @classmethod
+    def start(cls, spec: Any, timeout: float = LAUNCH_PROBE_TIMEOUT_S) -> LaunchProbe | None:
+        """Start measuring ``spec.target`` when it is remote and has no stored calibration (a
+        stored one of another device is not used by the planner, and not replaced here either:
+        ``targets check`` measures again); None when there is nothing to measure."""
+        from workbench.plan.calibrate import calibration_file
+
+        if spec.target == "local" or os.environ.get(LAUNCH_PROBE_ENV, "1") == "0" or \
+                calibration_file(spec.target).is_file():
+            return None
+        return cls(spec.target, timeout)
+
+    def settle(self, plan_file: Path, spec: Any, on_target: Any = None) -> None:
+        """Wait for the probe (what is left of its timeout) and rewrite the launch's plan: its
+        clock from the new calibration, or the table's with the probe's failure said."""
+        self._thread.join(max(0.0, self.timeout + 5.0 - (time.monotonic() - self._started)))
+        old = json.loads(plan_file.read_text(encoding="utf-8"))
+        if self.cal is None:
+            why = self.error or (f"no answer within {self.timeout:.0f} s (it goes on; run "
+                                 f"`workbench targets check {self.ref}` later)")
+            warnings.warn(f"the calibration probe of {self.ref} failed: {why}; this run is "
+                          "planned from the GPU table", CalibrationWarning, stacklevel=2)
+            note = (f"calibration probe of {self.ref} at this launch failed ({why.splitlines()[0]}"
+                    f"): time from the GPU table; `workbench targets check {self.ref}` measures "
+                    "again")
+            old["assumptions"] = [*old.get("assumptions", []), note]
+            if old.get("clock"):
+                old["clock"]["calibration"] = {**old["clock"].get("calibration", {}),
+                                               "probe_error": why}
+                old["clock"]["basis"] = f"{old['clock'].get('basis', '')}; {note}"
+            _write(plan_file, old)
+            return
+        from workbench.plan.planner import plan
+        from workbench.target_model import planned_from
+
+        # Re-planned as launch planned it: every row measured when launch re-planned for that.
+        every_row = any("every training row" in a for a in old.get("assumptions", []))
+        with planned_from(on_target) if on_target is not None else nullcontext():
+            new = plan(spec, longest=old.get("memory_seq_len") if every_row else None).to_dict()
+        was = f"calibrated by a probe on {self.ref}" + (f" ({self.cal.where})" if self.cal.where
+                                                          else "") + f" {self.cal.date}"
+        now = f"calibrated by a probe on {self.ref}, measured on {self.cal.where or self.ref} now"
+        new["assumptions"] = [a.replace(was, now) for a in new.get("assumptions", [])]
+        if new.get("clock"):
+            new["clock"]["basis"] = new["clock"].get("basis", "").replace(was, now)
+            new["clock"]["calibration"] = {**new["clock"]["calibration"], "measured_now": True}
+        if "data_tokens" in old:
+            new["data_tokens"] = old["data_tokens"]
+        _write(plan_file, new)
+
+
+def _write(path: Path, data: dict[str, Any]) -> None:
+    from workbench.rundir import write_json_atomic
+
+    write_json_atomic(path, data)
 
 
 def main(argv: list[str] | None = None) -> int:
