@@ -31,6 +31,9 @@ class TargetReport:
 
     target: str
     checks: list[Check] = field(default_factory=list)
+    # What each checked machine trains on ({"kind", "name", "cores"}, as a calibration records
+    # it), by the place the checks name: `targets check` reuses a calibration of the same device.
+    devices: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -84,8 +87,21 @@ try:
     import torch
     out["torch"] = torch.__version__
     out["cuda_devices"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if out["cuda_devices"]:  # the device a calibration here measures (its first card)
+        out["device"] = {"kind": "gpu", "name": torch.cuda.get_device_name(0),
+                         "cores": out["cuda_devices"]}
 except Exception as exc:
     out["torch"], out["torch_error"] = None, f"{type(exc).__name__}: {exc}"
+if "device" not in out:
+    cpu = ""
+    try:
+        cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo")
+                    if l.startswith("model name")), "")
+    except OSError:
+        pass
+    import platform
+    out["device"] = {"kind": "cpu", "name": cpu or platform.processor() or platform.machine(),
+                     "cores": os.cpu_count() or 1}
 smi = shutil.which("nvidia-smi")
 out["nvidia_smi"] = None
 if smi:
@@ -126,6 +142,8 @@ def probe_environment(transport: Any, target: Target, workdir: str, report: Targ
                    "and check its 'setup:' lines")
         return None
     info: dict[str, Any] = json.loads(line.split(" ", 1)[1])
+    if isinstance(info.get("device"), dict):
+        report.devices[where] = info["device"]
     report.add(f"python ({where})", True, f"{info['executable']} (Python {info['python']})")
     for mod in ("workbench", "torch", "transformers", "peft"):
         report.add(f"{mod} ({where})", bool(info.get(mod)),
@@ -180,13 +198,19 @@ def check_target(name: str) -> TargetReport:
     report = TargetReport(name)
     _CHECKS[kind](target, report)
     if report.ok:
-        _calibrate(name, report)
+        # An SSH target's probe runs on its first host, which these checks just saw; a Slurm
+        # target's runs on a compute node they cannot see (they run on the login node).
+        seen = report.devices.get(target.hosts[0].host) if kind == "ssh" and isinstance(
+            target, SSHTarget) else None
+        _calibrate(name, report, seen)
     return report
 
 
-def _calibrate(name: str, report: TargetReport) -> None:
+def _calibrate(name: str, report: TargetReport, seen: dict[str, Any] | None = None) -> None:
     """Measure the target for the planner's clock: this machine (workbench.plan.calibrate), or
-    a remote target on the target itself (workbench.plan.probe)."""
+    a remote target on the target itself (workbench.plan.probe). ``seen``: the device the
+    checks found where the probe would run; a probe of that same device is reused, however
+    old."""
     from workbench.plan.calibrate import CalibrationError, calibrate, calibration_file
 
     try:
@@ -195,7 +219,7 @@ def _calibrate(name: str, report: TargetReport) -> None:
         else:
             from workbench.plan.probe import PROBE_REUSE_S, probe_target
 
-            cal = probe_target(name, reuse_s=PROBE_REUSE_S)
+            cal = probe_target(name, reuse_s=PROBE_REUSE_S, device=seen)
     except (CalibrationError, RuntimeError) as exc:
         report.add("calibration", False, f"could not measure {name}: {exc}",
                    "the planner uses the GPU table's peak x utilisation until it can")

@@ -131,10 +131,24 @@ def test_check_reports_what_works_and_what_is_missing(targets):
     assert "partition" in missing and "debug" in missing["partition"].fix
     broken = check_target("ssh:broken")
     assert any("/nonexistent/env/bin/python" in c.detail for c in broken.missing)
+    # The checks saw the device the probe measured on that host; so a check reuses the probe
+    # however old it is (the CLI's, below), and measures again once the stored device differs.
+    from workbench.plan.calibrate import calibration_file
+
+    path = calibration_file("ssh:one")
+    measured = json.loads(path.read_text())
+    assert {k: measured["device"][k] for k in ("kind", "name", "cores")} == ok.devices["wb-node0"]
+    old = time.time() - 7200
+    os.utime(path, (old, old))
     # The CLI's exit status says whether the target is ready.
     from workbench.cli import main
 
     assert main(["targets", "check", "ssh:one"]) == 0
+    assert path.stat().st_mtime == old and json.loads(path.read_text()) == measured
+    path.write_text(json.dumps({**measured, "device": {**measured["device"], "name": "Other"}}))
+    assert check_target("ssh:one").ok
+    again = json.loads(path.read_text())
+    assert again["device"] == measured["device"] and again["source"] == "target probe"
     assert main(["targets", "check", "ssh:broken"]) == 1
 
 

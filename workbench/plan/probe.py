@@ -7,8 +7,11 @@ it prints and stores them as the target's calibration (``WORKBENCH_HOME/calibrat
 with ``source: "target probe"`` and ``where``: the host, or the Slurm job and node). The planner
 then plans that target from them (:func:`workbench.plan.calibrate.time_basis`) and says so
 ("calibrated by a probe on slurm:gpu (Slurm job 42 on node7) DATE"). The probe measures for a
-few seconds; ``workbench targets check ssh:NAME|slurm:NAME`` runs it once the target is ready
-(reusing a probe of the last hour), and the stored figures are used until the next probe.
+few seconds; ``workbench targets check ssh:NAME|slurm:NAME`` runs it once the target is ready,
+and the stored figures are used until the next probe. A check reuses a stored probe rather than
+measuring again: on an SSH target while the first host's device (CPU model and core count, or
+GPU name and count, which the check sees anyway) is the one measured, however old; on a Slurm
+target, whose compute nodes the check does not see, when it is less than an hour old.
 
 The first launch on a remote target that has no calibration measures it too
 (:class:`LaunchProbe`): the probe runs in a thread while the launch plans, checks and prepares
@@ -65,21 +68,28 @@ def probe_command(target: Any) -> str:
     return f"srun {' '.join(shlex.quote(o) for o in opts)} {cmd}"
 
 
-def probe_target(ref: str, *, timeout: float = PROBE_TIMEOUT_S,
-                 reuse_s: float = 0.0) -> Calibration:
+def probe_target(ref: str, *, timeout: float = PROBE_TIMEOUT_S, reuse_s: float = 0.0,
+                 device: dict[str, Any] | None = None) -> Calibration:
     """Measure the target ``ref`` (``ssh:NAME`` or ``slurm:NAME``) on the target, store the
-    figures as its calibration and return them. ``reuse_s``: a probe of this target stored less
-    than that many seconds ago is returned instead of queueing another. Raises
-    CalibrationError, saying what to fix, when the probe cannot run there (nothing is stored
-    then: an earlier calibration stays)."""
+    figures as its calibration and return them. ``device``: the device (``kind``, ``name``,
+    ``cores``) just seen where the probe runs; a stored probe of that same device is returned,
+    however old (hardware that has not changed measures the same), and one of another device is
+    measured again at once. Without it, ``reuse_s``: a probe of this target stored less than
+    that many seconds ago is returned instead of queueing another. Raises CalibrationError,
+    saying what to fix, when the probe cannot run there (nothing is stored then: an earlier
+    calibration stays)."""
     from workbench.errors import TargetError
     from workbench.plan.calibrate import calibration_file, load_calibration
     from workbench.targets import get_target
 
     path = calibration_file(ref)
-    if reuse_s > 0 and path.is_file() and time.time() - path.stat().st_mtime < reuse_s:
-        earlier = load_calibration(ref, quiet=True)
-        if earlier is not None and earlier.source == "target probe":
+    earlier = load_calibration(ref, quiet=True) if path.is_file() else None
+    if earlier is not None and earlier.source == "target probe":
+        if device is not None:
+            if {k: earlier.device.get(k) for k in ("kind", "name", "cores")} == {
+                    k: device.get(k) for k in ("kind", "name", "cores")}:
+                return earlier
+        elif reuse_s > 0 and time.time() - path.stat().st_mtime < reuse_s:
             return earlier
 
     target = get_target(ref)
