@@ -183,8 +183,14 @@ class LaunchProbe:
 
         # Re-planned as launch planned it: every row measured when launch re-planned for that.
         every_row = any("every training row" in a for a in old.get("assumptions", []))
-        with planned_from(on_target) if on_target is not None else nullcontext():
-            new = plan(spec, longest=old.get("memory_seq_len") if every_row else None).to_dict()
+        try:
+            with planned_from(on_target) if on_target is not None else nullcontext():
+                new = plan(spec, longest=old.get("memory_seq_len") if every_row else None
+                           ).to_dict()
+        except Exception as exc:  # noqa: BLE001 - the plan accepted stands; the next one uses it
+            warnings.warn(f"{self.ref} was calibrated, but re-planning from it failed ({exc}): "
+                          "this run keeps its plan", CalibrationWarning, stacklevel=2)
+            return
         was = f"calibrated by a probe on {self.ref}" + (f" ({self.cal.where})" if self.cal.where
                                                           else "") + f" {self.cal.date}"
         now = f"calibrated by a probe on {self.ref}, measured on {self.cal.where or self.ref} now"
