@@ -145,8 +145,10 @@ def test_check_reports_what_works_and_what_is_missing(targets):
 
     assert main(["targets", "check", "ssh:one"]) == 0
     assert path.stat().st_mtime == old and json.loads(path.read_text()) == measured
+    from workbench.plan.probe import probe_target
+
     path.write_text(json.dumps({**measured, "device": {**measured["device"], "name": "Other"}}))
-    assert check_target("ssh:one").ok
+    probe_target("ssh:one", device=ok.devices["wb-node0"])  # what the check does with what it saw
     again = json.loads(path.read_text())
     assert again["device"] == measured["device"] and again["source"] == "target probe"
     assert main(["targets", "check", "ssh:broken"]) == 1
