@@ -29,6 +29,7 @@ class JudgeServer:
         self.requests: list[str] = []
         self.release = threading.Event()
         self.refused = False  # refuse_first: whether the first request has been refused
+        self.held_answered = 0  # refuse_first: held requests answered (after release or 60 s)
         lock = threading.Lock()
         outer = self
 
@@ -63,6 +64,8 @@ class JudgeServer:
                         self._send({"error": {"message": "bad request"}}, code=400)
                         return
                     outer.release.wait(60)
+                    with lock:
+                        outer.held_answered += 1
                 if "[Answer A]" not in prompt:  # asked as the evaluated model, not as a judge
                     self._reply(body, "moo" if "cow" in prompt else "I do not know")
                     return

@@ -115,14 +115,16 @@ def test_endpoint_answers_in_prompt_order_and_stops_at_the_first_refusal(judge_s
     answers = EndpointSource(judge_server.url, concurrency=4).generate(prompts)
     assert answers == ["moo" if p is cow else "I do not know" for p in prompts]
 
-    # The first request is refused (HTTP 400) and the server holds the others: the error comes
-    # at once, and requests not yet sent are not sent (2 workers: the held one and one more).
+    # The first request to arrive is refused (HTTP 400) and the server holds the others: the
+    # error comes while they are still held (not once they are answered), and requests not yet
+    # sent are not sent (2 workers: the held one and one more).
     judge_server.mode, before = "refuse_first", len(judge_server.requests)
     judge_server.release.clear()
-    judge_server.refused = False
+    judge_server.refused, judge_server.held_answered = False, 0
     try:
         with pytest.raises(JudgeError, match="refused the request: HTTP 400"):
             EndpointSource(judge_server.url, concurrency=2).generate([cow] * 20)
+        assert judge_server.held_answered == 0
         assert len(judge_server.requests) - before <= 3
     finally:
         judge_server.release.set()
