@@ -2,9 +2,12 @@
 
   eval throughput     heldout scoring through a served vLLM endpoint / the same scoring with
                       transformers generate in this process: same prompts, same max_new_tokens,
-                      the same scorer (workbench.evaluate.runner.score), each side's tokens
-                      counted from its own answers (re-tokenised with the model's tokenizer)
-                                                                                   target >= 2
+                      the same scorer (workbench.evaluate.runner.score), greedy both sides,
+                      each with the batching its scorer uses by default (transformers: batches
+                      of TransformersSource.batch_size; endpoint: sources.CONCURRENCY requests
+                      in flight, which vLLM batches), each side's tokens counted from its own
+                      answers (re-tokenised with the model's tokenizer)               target >= 2
+  server start        deploy -> /health answers, reported on its own (not in the throughput)
   every_steps cost    (train_runtime of a run with eval.every_steps - the same run without)
                       / the evaluation seconds recorded inside it (eval.jsonl "seconds")
                       1.0: training loses exactly the evaluation's own time (it pauses)
@@ -16,6 +19,7 @@ medians. The 1-minute load average is recorded with each repeat (other work on t
 slows both sides).
 
     python bench/bench_eval.py [--repeats 2] [--copies 2] [--steps 24] [--every 6]
+                               [--concurrency N] [--skip throughput|every_steps]
                                                           (writes bench/results/eval.json)
 """
 
@@ -61,7 +65,8 @@ def _timed_score(source: Any, qa: Path, new: int, tokenizer: Any) -> dict[str, f
             "exact_match": report.metrics["heldout.exact_match"], "answers": answers}
 
 
-def throughput(ep: Any, job: Any, qa: Path, repeats: int) -> dict[str, Any]:
+def throughput(ep: Any, job: Any, qa: Path, repeats: int, concurrency: int
+               ) -> dict[str, Any]:
     from workbench.evaluate.sources import EndpointSource, open_weights
 
     out: dict[str, Any] = {}
@@ -69,7 +74,7 @@ def throughput(ep: Any, job: Any, qa: Path, repeats: int) -> dict[str, Any]:
                                        ("base_64_tokens", "builtin:tiny-llama", "tiny-llama", 64)):
         local = open_weights(weights)
         remote = EndpointSource(ep.api_base, model=model, api_key=ep.api_key,
-                                parallel=local.batch_size)  # as many in flight as one batch
+                                concurrency=concurrency)
         sides: dict[str, list[dict[str, float]]] = {"transformers": [], "endpoint": []}
         load = []
         for i in range(repeats):
@@ -83,7 +88,7 @@ def throughput(ep: Any, job: Any, qa: Path, repeats: int) -> dict[str, Any]:
         med = {s: statistics.median(r["tokens_per_s"] for r in runs) for s, runs in sides.items()}
         out[label] = {
             "examples": sides["endpoint"][0]["examples"], "max_new_tokens": new,
-            "transformers_batch": local.batch_size, "endpoint_requests_in_flight": remote.parallel,
+            "transformers_batch": local.batch_size, "endpoint_requests_in_flight": remote.concurrency,
             "same_answers": same,
             **{f"{s}_{k}": [r[k] for r in runs] for s, runs in sides.items()
                for k in ("seconds", "tokens", "tokens_per_s", "exact_match")},
@@ -139,6 +144,8 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=2, help="times the 48 held-out prompts repeat")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--every", type=int, default=6)
+    ap.add_argument("--concurrency", type=int, default=None,
+                    help="endpoint requests in flight (default: the scorer's, sources.CONCURRENCY)")
     ap.add_argument("--skip", default="", help="throughput or every_steps: leave that part out")
     ap.add_argument("--out", default=str(HERE / "results" / "eval.json"))
     args = ap.parse_args()
@@ -155,9 +162,14 @@ def main() -> None:
         job = workbench.launch({"name": "bench-eval", "train": {"epochs": 20, "lr": 3e-3},
                                 "eval": {"after": False}})
         assert job.wait(progress=False) == "succeeded", job.logs()
+        from workbench.evaluate.sources import CONCURRENCY
+
+        t0 = time.time()
         ep = workbench.deploy(job, name="bench-eval", progress=False)
+        result["server_start_s"] = time.time() - t0  # deploy -> healthy: not in the throughput
         try:
-            result["throughput"] = throughput(ep, job, _qa_file(tmp, args.copies), args.repeats)
+            result["throughput"] = throughput(ep, job, _qa_file(tmp, args.copies), args.repeats,
+                                              args.concurrency or CONCURRENCY)
         finally:
             ep.stop()
     if "every_steps" not in args.skip:

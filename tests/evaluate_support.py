@@ -3,7 +3,9 @@
 The judge is a real HTTP server (http.server) that speaks the chat-completions API, written here
 independently of workbench: it reads the two answers out of the prompt and prefers the one that
 says "good" (asked anything else, it answers "moo" about cows). Its ``mode`` makes it
-position-biased (always the first answer) or talk nonsense.
+position-biased (always the first answer), talk nonsense, answer with an HTML page instead of a
+chat completion (``html``), or refuse the first request it gets with HTTP 400 and hold every
+other one until ``release`` is set (``refuse_first``).
 """
 
 from __future__ import annotations
@@ -23,18 +25,23 @@ SOUNDS = [("What sound does a cow make?", ["moo", "meow", "croak", "howl"], 0),
 
 class JudgeServer:
     def __init__(self) -> None:
-        self.mode = "fair"  # fair | first | nonsense
+        self.mode = "fair"  # fair | first | nonsense | html | refuse_first
         self.requests: list[str] = []
+        self.release = threading.Event()
+        self.refused = False  # refuse_first: whether the first request has been refused
+        self.held_answered = 0  # refuse_first: held requests answered (after release or 60 s)
+        lock = threading.Lock()
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *a: object) -> None:
                 pass
 
-            def _send(self, body: dict) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
+            def _send(self, body: dict | str, code: int = 200) -> None:
+                data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "text/html" if isinstance(body, str)
+                                 else "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
@@ -46,7 +53,19 @@ class JudgeServer:
             def do_POST(self) -> None:  # /v1/chat/completions
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 prompt = body["messages"][-1]["content"]
-                outer.requests.append(prompt)
+                with lock:
+                    outer.requests.append(prompt)
+                    first, outer.refused = not outer.refused, True
+                if outer.mode == "html":
+                    self._send("<html><body>Welcome to nginx!</body></html>")
+                    return
+                if outer.mode == "refuse_first":
+                    if first:
+                        self._send({"error": {"message": "bad request"}}, code=400)
+                        return
+                    outer.release.wait(60)
+                    with lock:
+                        outer.held_answered += 1
                 if "[Answer A]" not in prompt:  # asked as the evaluated model, not as a judge
                     self._reply(body, "moo" if "cow" in prompt else "I do not know")
                     return

@@ -12,7 +12,7 @@ import pytest
 
 import workbench
 from tests.evaluate_support import JudgeServer, write_sounds_task
-from workbench.errors import EvalTaskError, JudgeError, SpecError
+from workbench.errors import EvalError, EvalTaskError, JudgeError, SpecError
 from workbench.evaluate import heldout, judge
 from workbench.evaluate.sources import EndpointSource
 from workbench.spec import RunSpec
@@ -105,6 +105,41 @@ def test_judge_nonsense_is_counted_not_fatal(judge_server):
     assert metrics["unparseable"] == 4 and "win_rate" not in metrics
     assert [r["score"] for r in rows] == [None, None]
     judge_server.mode = "fair"
+
+
+def test_endpoint_answers_in_prompt_order_and_stops_at_the_first_refusal(judge_server):
+    cow = [{"role": "user", "content": "What does a cow say?"}]
+    other = [{"role": "user", "content": "What is two plus two?"}]
+    prompts = [cow, other, other, cow, other, cow, cow, other, other]
+    judge_server.mode = "fair"  # asked as a model: "moo" about cows, else "I do not know"
+    answers = EndpointSource(judge_server.url, concurrency=4).generate(prompts)
+    assert answers == ["moo" if p is cow else "I do not know" for p in prompts]
+
+    # The first request to arrive is refused (HTTP 400) and the server holds the others: the
+    # error comes while they are still held (not once they are answered), and requests not yet
+    # sent are not sent (2 workers: the held one and one more).
+    judge_server.mode, before = "refuse_first", len(judge_server.requests)
+    judge_server.release.clear()
+    judge_server.refused, judge_server.held_answered = False, 0
+    try:
+        with pytest.raises(JudgeError, match="refused the request: HTTP 400"):
+            EndpointSource(judge_server.url, concurrency=2).generate([cow] * 20)
+        assert judge_server.held_answered == 0
+        assert len(judge_server.requests) - before <= 3
+    finally:
+        judge_server.release.set()
+        judge_server.mode = "fair"
+
+
+def test_endpoint_that_is_not_openai_compatible_is_a_clear_error(judge_server):
+    judge_server.mode = "html"  # e.g. a web server's page: the URL lacks /v1 or is another site
+    try:
+        with pytest.raises(JudgeError, match="not an OpenAI chat completion.*ending in /v1"):
+            EndpointSource(judge_server.url).generate([[{"role": "user", "content": "hi"}]])
+    finally:
+        judge_server.mode = "fair"
+    with pytest.raises(EvalError, match="concurrency 0: give at least 1"):
+        EndpointSource(judge_server.url, concurrency=0)
 
 
 def test_verdict_parsing():

@@ -196,8 +196,9 @@ def test_chat_widget_streams_a_conversation(servers):
 
 def test_evaluate_through_vllm_scores_as_transformers_and_judges(servers, trained, tmp_path):
     """workbench.evaluate on an endpoint: its greedy heldout answers are transformers + peft's,
-    so the scores are the same; the other server as a judge answers every comparison, in both
-    orders, and each verdict is counted once (a tiny model's verdicts may well be nonsense)."""
+    so the scores are the same, whether the requests go together or one by one; the other
+    server as a judge answers every comparison, in both orders, and each verdict is counted once
+    (a tiny model's verdicts may well be nonsense)."""
     adapter, merged = servers
     qa = tmp_path / "qa.jsonl"
     rows = list(teaching_rows("heldout"))[:12]
@@ -209,6 +210,11 @@ def test_evaluate_through_vllm_scores_as_transformers_and_judges(servers, traine
     answers = [r["prediction"] for r in served.examples["heldout"]]
     assert answers == [r["prediction"] for r in local.examples["heldout"]]
     assert served.metrics == local.metrics
+    # All 12 prompts in flight at once (vLLM batches them) give, example for example and in the
+    # prompts' order, what one request at a time gives.
+    one_by_one = workbench.evaluate(endpoint=adapter.name, tasks=["heldout"], file=qa,
+                                    max_new_tokens=24, concurrency=1)
+    assert one_by_one.examples["heldout"] == served.examples["heldout"]
     # Not two empty lists agreeing: the tuned adapter gets the teaching answers right.
     right = sum(a.strip().lower() == r["output"].lower() for a, r in zip(answers, rows))
     assert right >= 6 and served.metrics["heldout.exact_match"] == right / len(rows)

@@ -18,6 +18,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
+# Requests in flight at a judge: often a hosted API with rate limits, so fewer than a scored
+# endpoint gets (sources.CONCURRENCY).
+CONCURRENCY = 8
+
 PROMPT = """You are an impartial judge. {rubric}
 
 [Question]
@@ -73,7 +77,7 @@ def run(judge: Any, questions: list[str], evaluated: list[str], baseline: list[s
     for q, ev, base, ref in zip(questions, evaluated, baseline, refs):
         jobs += [(q, ev, base, ref), (q, base, ev, ref)]  # evaluated first, then second
     _ = judge.model  # resolve the judge's model (and reachability) once, before the threads
-    with ThreadPoolExecutor(getattr(judge, "parallel", 4)) as pool:
+    with ThreadPoolExecutor(judge.concurrency) as pool:
         raw = list(pool.map(lambda j: ask(*j), jobs))
     counts = {"wins": 0, "losses": 0, "ties": 0, "unparseable": 0}
     rows, per_prompt, agree, both = [], [], 0, 0

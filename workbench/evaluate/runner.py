@@ -145,7 +145,8 @@ def _judge(source: Any, task: EvalTask, file: Any, base_id: str | None
     from workbench.evaluate.sources import open_endpoint
 
     assert task.judge is not None  # EvalTask's validator
-    judge_src = open_endpoint(task.judge, task.judge_model, task.api_key_env, label="judge")
+    judge_src = open_endpoint(task.judge, task.judge_model, task.api_key_env, label="judge",
+                              concurrency=judge.CONCURRENCY)
     _ = judge_src.model  # an unreachable judge fails here, before any answer is generated
     examples = heldout.load_examples(file, task.max_samples)
     prompts = [m for m, _ in examples]
@@ -176,11 +177,12 @@ def evaluate(model: Any = None, tasks: Any = ("heldout",), *, endpoint: str | No
              file: str | Path | None = None, max_samples: int | None = None,
              max_new_tokens: int | None = None, judge: str | None = None,
              run_dir: str | Path | None = None, phase: str = "manual", step: int = 0,
-             label: str | None = None) -> EvalReport:
+             label: str | None = None, concurrency: int | None = None) -> EvalReport:
     """Score a model id/folder (base, adapter, snapshot) or an ``endpoint`` (Workbench endpoint
     name or URL) on ``tasks`` (kinds, mappings or EvalTasks); ``file`` is the heldout/judge/
-    perplexity data. With ``run_dir`` the lines also go to that run's eval.jsonl."""
-    from workbench.evaluate.sources import open_endpoint, open_weights
+    perplexity data. With ``run_dir`` the lines also go to that run's eval.jsonl. An endpoint is
+    sent up to ``concurrency`` requests at once (default :data:`sources.CONCURRENCY`)."""
+    from workbench.evaluate.sources import CONCURRENCY, open_endpoint, open_weights
 
     if (model is None) == (endpoint is None):
         raise EvalError("give a model (id, folder, adapter or snapshot) or endpoint=NAME_OR_URL")
@@ -188,7 +190,8 @@ def evaluate(model: Any = None, tasks: Any = ("heldout",), *, endpoint: str | No
                       file=str(file) if file else None, max_samples=max_samples,
                       max_new_tokens=max_new_tokens, judge=judge)
     _reach_judges(parsed)
-    source: Any = (open_endpoint(endpoint, label=label) if endpoint is not None
+    source: Any = (open_endpoint(endpoint, label=label, concurrency=concurrency or CONCURRENCY)
+                   if endpoint is not None
                    else open_weights(model, label=label or "run"))
     return score(source, parsed, phase=phase, step=step, run_dir=run_dir)
 

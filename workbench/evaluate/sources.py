@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,10 @@ from typing import Any
 from workbench.errors import EvalError, JudgeError
 
 Messages = list[dict[str, str]]
+# Requests an EndpointSource keeps in flight. vLLM batches the requests it holds (continuous
+# batching), so an evaluation's prompts go out together: 64 is heldout's default max_samples, one
+# batch. A hosted API with tight rate limits may want fewer (``concurrency=``).
+CONCURRENCY = 64
 
 
 class TransformersSource:
@@ -97,7 +101,8 @@ class EndpointSource:
     kind = "endpoint"
 
     def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None,
-                 label: str = "endpoint", parallel: int = 8, timeout: float = 120.0) -> None:
+                 label: str = "endpoint", concurrency: int = CONCURRENCY,
+                 timeout: float = 120.0) -> None:
         from openai import OpenAI
 
         self.base_url = base_url.rstrip("/")
@@ -107,7 +112,9 @@ class EndpointSource:
         self.client = OpenAI(base_url=self.base_url, api_key=api_key or "none", max_retries=1,
                              timeout=timeout)
         self._model = model
-        self.parallel = parallel
+        if concurrency < 1:
+            raise EvalError(f"concurrency {concurrency}: give at least 1 request in flight")
+        self.concurrency = concurrency
 
     def __repr__(self) -> str:
         return f"EndpointSource({self.label} {self.base_url})"
@@ -131,17 +138,38 @@ class EndpointSource:
                              f"{str(exc)[:300]}; check the model name and the API key") from None
 
     def chat(self, messages: Messages, max_new_tokens: int = 32) -> str:
-        def ask() -> str:
-            r = self.client.chat.completions.create(model=self.model, messages=messages,  # type: ignore[arg-type]
-                                                    temperature=0.0, max_tokens=max_new_tokens)
-            return (r.choices[0].message.content or "").strip() if r.choices else ""
+        def ask() -> Any:
+            return self.client.chat.completions.create(model=self.model, messages=messages,  # type: ignore[arg-type]
+                                                       temperature=0.0, max_tokens=max_new_tokens)
 
-        return str(self._call(ask))
+        reply = self._call(ask)
+        try:
+            content = reply.choices[0].message.content if reply.choices else ""
+        except (AttributeError, TypeError, IndexError, KeyError):
+            content = None  # a body that is not a chat completion (an HTML page, other JSON)
+        else:
+            if content is None or isinstance(content, str):
+                return (content or "").strip()
+        raise JudgeError(f"{self.base_url} answered with something that is not an OpenAI chat "
+                         f"completion ({str(reply)[:200]!r}); give the base URL of an "
+                         "OpenAI-compatible server, ending in /v1")
 
     def generate(self, prompts: Sequence[Messages], max_new_tokens: int = 32) -> list[str]:
+        """Greedy answers, in the order of ``prompts``, with up to ``concurrency`` requests in
+        flight (the server batches them); the first failure is raised and no more are sent."""
         _ = self.model  # resolve the model name (and reachability) once, before the threads
-        with ThreadPoolExecutor(self.parallel) as pool:
-            return list(pool.map(lambda m: self.chat(m, max_new_tokens), prompts))
+        pool = ThreadPoolExecutor(max(1, min(self.concurrency, len(prompts))))
+        futures = [pool.submit(self.chat, m, max_new_tokens) for m in prompts]
+        try:
+            # Whichever request fails first, not the first prompt's: the error comes now, not
+            # after the requests in flight (a hung server holds each for the whole timeout).
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            for f in futures:
+                if f in done and (exc := f.exception()) is not None:
+                    raise exc
+            return [f.result() for f in futures]
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)  # those not sent yet never are
 
     def baseline(self) -> None:
         return None  # an endpoint's base is not known here: a judge compares with references
@@ -183,8 +211,9 @@ def _meta(path: Path) -> dict[str, Any]:
 
 
 def open_endpoint(name_or_url: str, model: str | None = None, api_key_env: str | None = None,
-                  label: str | None = None) -> EndpointSource:
-    """An endpoint by Workbench name (its URL, key and fine-tuned model) or by base URL."""
+                  label: str | None = None, concurrency: int = CONCURRENCY) -> EndpointSource:
+    """An endpoint by Workbench name (its URL, key and fine-tuned model) or by base URL, asked
+    with up to ``concurrency`` requests in flight."""
     key = None
     if api_key_env:
         key = os.environ.get(api_key_env)
@@ -192,11 +221,12 @@ def open_endpoint(name_or_url: str, model: str | None = None, api_key_env: str |
             raise EvalError(f"environment variable {api_key_env} (api_key_env) is not set; "
                             f"export it with the API key of {name_or_url}")
     if name_or_url.startswith(("http://", "https://")):
-        return EndpointSource(name_or_url, model, key, label or f"endpoint:{name_or_url}")
+        return EndpointSource(name_or_url, model, key, label or f"endpoint:{name_or_url}",
+                              concurrency)
     from workbench.registry import Registry
     from workbench.serve.endpoint import Endpoint
 
     reg = Registry()
     ep = Endpoint(reg.get_endpoint(name_or_url), reg)
     return EndpointSource(ep.api_base, model or ep.model, key or ep.api_key,
-                          label or f"endpoint:{name_or_url}")
+                          label or f"endpoint:{name_or_url}", concurrency)
