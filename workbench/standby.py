@@ -195,8 +195,9 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 
 def _start_ranks(folder: Path, nproc: int, me: procs.ProcessIdentity) -> Ranks:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           "--standalone", "-m", "workbench.train", "--standby", str(folder)]
+    from workbench.supervise import launcher_command
+
+    cmd = launcher_command(nproc, ["--standby", str(folder)])
     env = {**os.environ, "PYTHONUNBUFFERED": "1", procs.SUPERVISOR_ENV: me.token,
            "TORCHELASTIC_ERROR_FILE": str(folder / ERROR_FILE),
            # torch.cuda.is_available() without initialising CUDA, which would fix the visible
