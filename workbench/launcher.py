@@ -96,7 +96,7 @@ def run(nproc: int, argv: list[str]) -> int:
         for p in ranks:
             _send(p, signal.SIGTERM)
     failed = False
-    while any(p.poll() is None for p in ranks):
+    while None in [p.poll() for p in ranks]:  # a list: every rank polled, so every exit is seen
         if not failed and any(p.returncode not in (None, 0) for p in ranks):
             failed = True
             stop.append(time.time())

@@ -264,6 +264,11 @@ def await_go(folder: str) -> str:
     import workbench.train.run  # noqa: F401
     from workbench.train import callbacks  # noqa: F401
 
+    try:  # the Trainer's TensorBoard callback imports it (tracking.tensorboard, on by default)
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError:
+        pass
+
     go = Path(folder) / GO_FILE
     while not go.is_file():
         time.sleep(_POLL_S)
