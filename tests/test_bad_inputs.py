@@ -1,7 +1,8 @@
 """Bad inputs and rough handling a user really gives, each through the entry point they use.
 
 A negative budget (spec, resume, CLI), two launches of one name at the same moment while the
-usual rendezvous ports are taken, and torchrun killed with -9 mid-run. Real runs: the built-in
+usual rendezvous ports are taken, and the ranks' launcher (workbench.launcher, torchrun's stand-in on
+one node) killed with -9 mid-run. Real runs: the built-in
 tiny model in 2 gloo processes.
 """
 
@@ -120,7 +121,7 @@ def test_two_launches_of_one_name_at_once_get_their_own_run_directories(monkeypa
     assert workbench.get_job("twin").id in {j.id for j in jobs}  # the newest of that name
 
 
-# -- torchrun killed with -9 -----------------------------------------------------------------------
+# -- the ranks' launcher killed with -9 --------------------------------------------------------------
 def _rank_pids(job) -> dict[int, int]:
     pids = {}
     for rank in (0, 1):
@@ -132,17 +133,18 @@ def _rank_pids(job) -> dict[int, int]:
 
 
 @pytest.mark.slow
-def test_torchrun_killed_with_sigkill_restarts_from_the_snapshot_and_says_why():
+def test_launcher_killed_with_sigkill_restarts_from_the_snapshot_and_says_why():
     # 40 steps: the kill lands right after the first snapshot, well before the end even on an
     # idle machine (a kill after the last snapshot resumes at the final step: see the note).
-    job = workbench.launch({"name": "kill-torchrun", "train": {"max_steps": 40, "log_every": 1},
+    job = workbench.launch({"name": "kill-launcher", "train": {"max_steps": 40, "log_every": 1},
                             "data": {"validation_fraction": 0.0},
                             "checkpoint": {"every_steps": 2}})
     _wait_for(lambda: (job.status().get("snapshot") or {}).get("step"), 300, "a first snapshot")
     status = job.status()
     launcher = psutil.Process(status["launcher_pid"])
-    assert "torch.distributed.run" in " ".join(launcher.cmdline())
-    # This run's torchrun by identity, not a reused pid: the one its attempt recorded. (Its
+    # The process that spawns the ranks on one node (it replaced torchrun there).
+    assert "workbench.launcher" in " ".join(launcher.cmdline())
+    # This run's launcher by identity, not a reused pid: the one its attempt recorded. (Its
     # command line names a standby folder, not the run dir, when the standby started it.)
     recorded = [p for p in status["processes"] if p["role"] == "launcher"]
     assert [(p["pid"], p["create_time"]) for p in recorded] == [
@@ -150,14 +152,14 @@ def test_torchrun_killed_with_sigkill_restarts_from_the_snapshot_and_says_why():
     old = {r: psutil.Process(p) for r, p in _rank_pids(job).items()}
     assert len(old) == 2
     launcher.send_signal(signal.SIGKILL)
-    # The ranks of the killed launcher are stopped (they run in sessions of their own and
-    # would otherwise train on beside the restarted ones).
+    # The ranks of the killed launcher are stopped (they would otherwise train on beside the
+    # restarted ones).
     _wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE
                               for p in old.values()), 120, "the old ranks to end")
     assert job.wait(timeout=600, progress=False) == "succeeded", job.logs(tail=30)
     final = job.status()
     assert final["restarts"] == 1 and final["step"] == 40
-    assert "torchrun (the launcher) was killed by SIGKILL" in final["last_error"], final
+    assert "the launcher of the ranks was killed by SIGKILL" in final["last_error"], final
     assert set(_rank_pids(job).values()).isdisjoint(p.pid for p in old.values())
     steps = [m["step"] for m in job.metrics() if "loss" in m]
     assert steps[-1] == 40 and steps == sorted(steps)

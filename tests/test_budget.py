@@ -297,7 +297,7 @@ def test_a_cancel_mid_run_ends_every_process_and_a_limit_it_already_spent_is_ref
     _wait_for(lambda: (job.status().get("step") or 0) >= 2, 300, "two steps")
     assert job.state == "running"
     markers = _markers(job)
-    assert len(_processes_of(markers)) >= 3  # supervisor, torchrun, 2 ranks
+    assert len(_processes_of(markers)) >= 3  # supervisor, launcher, 2 ranks
     assert job.cancel(timeout=60) == "cancelled"
     assert Registry().get_run(job.id).state == "cancelled"
     _wait_for(lambda: not _processes_of(markers), 30, "every process of the run ended")

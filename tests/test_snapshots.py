@@ -12,6 +12,8 @@ import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import time
 import zipfile
 
@@ -20,7 +22,7 @@ import pytest
 
 import workbench
 from workbench.procs import of_attempt
-from workbench.reproduce import compare_bundle, scrub, write_bundle
+from workbench.reproduce import compare_bundle, pip_freeze, scrub, write_bundle
 from workbench.rundir import RunDir
 from workbench.snapshots import MANIFEST, newest_verified, snapshots, verify
 
@@ -149,6 +151,20 @@ def test_upload_to_s3_then_resume_into_an_empty_run_directory(s3_endpoint):
     assert "fetched step-20" in job.logs(tail=None, name="supervisor.log")
     assert "resuming from step-20" in job.logs(tail=None, name="rank-0.log")
     assert job.status()["step"] == 30
+
+
+def test_the_bundled_package_list_is_what_pip_freeze_prints():
+    # The bundle reads package metadata in-process (pip's own start-up was ~1.5 s at the end of
+    # every run); pip itself is the reference. Only pip's wording of an editable install's
+    # comment line may differ (it asks git about the checkout).
+    real = subprocess.run([sys.executable, "-m", "pip", "freeze", "--all"], capture_output=True,
+                          text=True, check=True, timeout=300).stdout
+    assert real.strip()
+
+    def lines(text: str) -> list[str]:
+        return [line for line in text.splitlines() if not line.startswith("#")]
+
+    assert lines(pip_freeze()) == lines(real)
 
 
 def test_reproduce_bundle_recreates_the_spec_and_holds_no_secret(uninterrupted, tmp_path):

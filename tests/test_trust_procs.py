@@ -68,7 +68,7 @@ def _no_process_left_behind():
     """A failing test (or the old code, which left ranks training) must not load the machine."""
     before = {p.pid for p in psutil.process_iter()}
     yield
-    roles = ("workbench.train", "workbench.supervise", "torch.distributed.run")
+    roles = ("workbench.train", "workbench.supervise", "workbench.launcher", "torch.distributed.run")
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
         # Only runs under this session's WORKBENCH_HOME: other sessions' runs are not ours.
@@ -177,11 +177,11 @@ def test_a_stale_handle_and_a_kill_9_of_the_supervisor_keep_the_state_true_and_r
         stale.resume()
     assert len(_supervisors(job.run_dir.path)) == 1
 
-    # kill -9 of the supervisor: torchrun and both ranks end with it.
+    # kill -9 of the supervisor: the launcher and both ranks end with it.
     second = _attempt(job)
     supervisor = next(p for p in second if p.role == "supervisor")
     os.kill(supervisor.pid, signal.SIGKILL)
-    _wait_for(lambda: not _live(second), 30, "torchrun and both ranks ended with the supervisor")
+    _wait_for(lambda: not _live(second), 30, "the launcher and both ranks ended with the supervisor")
     status = job.status()
     assert status["state"] == "failed", status
     assert "supervisor" in status["error"] and "died" in status["error"]

@@ -33,6 +33,7 @@ from workbench.spec import RunSpec
 # How long wait() gives a supervisor that has recorded its outcome to write the bundle and the
 # final bill. A supervisor killed in between never marks ``released``: wait() does not hang on it.
 RELEASE_WAIT_S = 60.0
+_WRITE_POLL_S = 0.05  # how often Job.wait looks whether status.json was rewritten
 
 
 def get_job(id_or_name: str, registry: Registry | None = None) -> Job:
@@ -176,7 +177,7 @@ class Job:
                     break
                 if deadline is not None and time.time() > deadline:
                     return state
-                time.sleep(poll)
+                self._sleep_until_written(poll)
         finally:
             if bar is not None:
                 bar.close()
@@ -186,12 +187,29 @@ class Job:
         if deadline is not None:
             settle = min(settle, deadline)
         while "exit_code" in status and "released" not in status and time.time() < settle:
-            time.sleep(poll)
+            self._sleep_until_written(poll)
             status = self.status()
         if raise_on_failure and state != "succeeded":
             raise JobFailedError(f"run {self.id} ended {state}: "
                                  f"{status.get('error') or status.get('note') or ''}")
         return state
+
+    def _sleep_until_written(self, poll: float) -> None:
+        """Sleep ``poll`` seconds, or less once status.json is rewritten: the end of a run is
+        noticed within ~50 ms of its write, not up to a whole poll later (the backend's own
+        look, which may ask whether processes live, stays at one per poll)."""
+        def stamp() -> tuple[int, int] | None:
+            try:
+                st = self.run_dir.status_file.stat()
+            except OSError:
+                return None
+            return st.st_ino, st.st_mtime_ns  # written atomically: a new inode each time
+
+        before, until = stamp(), time.time() + poll
+        while time.time() < until:
+            time.sleep(min(_WRITE_POLL_S, max(0.0, until - time.time())))
+            if stamp() != before:
+                return
 
     def resume(self, **changes: Any) -> Job:
         """Start the run again from its newest verified snapshot (local, else from storage).

@@ -195,8 +195,9 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 
 def _start_ranks(folder: Path, nproc: int, me: procs.ProcessIdentity) -> Ranks:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           "--standalone", "-m", "workbench.train", "--standby", str(folder)]
+    from workbench.supervise import launcher_command
+
+    cmd = launcher_command(nproc, ["--standby", str(folder)])
     env = {**os.environ, "PYTHONUNBUFFERED": "1", procs.SUPERVISOR_ENV: me.token,
            "TORCHELASTIC_ERROR_FILE": str(folder / ERROR_FILE),
            # torch.cuda.is_available() without initialising CUDA, which would fix the visible
@@ -262,6 +263,11 @@ def await_go(folder: str) -> str:
 
     import workbench.train.run  # noqa: F401
     from workbench.train import callbacks  # noqa: F401
+
+    try:  # the Trainer's TensorBoard callback imports it (tracking.tensorboard, on by default)
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError:
+        pass
 
     go = Path(folder) / GO_FILE
     while not go.is_file():

@@ -1,12 +1,12 @@
 """``python -m workbench.supervise RUN_DIR``: start the ranks of one node and record how they ended.
 
 The supervisor is the one process per run (per node) that outlives the notebook kernel: the local
-backend starts it in a new session, so a kernel restart does not kill training. It starts
-torchrun, forwards a cancel (SIGTERM) to every rank, kills stragglers, and writes the terminal
-state to status.json: succeeded, failed (with the root cause a rank recorded) or cancelled.
-It records itself and torchrun in status.json's ``processes`` (:mod:`workbench.procs`); torchrun
-dies with it (PR_SET_PDEATHSIG) and each rank watches it, so a supervisor killed -9 leaves
-nothing training.
+backend starts it in a new session, so a kernel restart does not kill training. It starts the
+node's launcher (:mod:`workbench.launcher` on one node, torchrun across nodes), forwards a cancel
+(SIGTERM) to every rank, kills stragglers, and writes the terminal state to status.json:
+succeeded, failed (with the root cause a rank recorded) or cancelled. It records itself and the
+launcher in status.json's ``processes`` (:mod:`workbench.procs`); the launcher dies with it
+(PR_SET_PDEATHSIG) and each rank watches it, so a supervisor killed -9 leaves nothing training.
 """
 
 from __future__ import annotations
@@ -68,18 +68,25 @@ class NodeRole:
         return "launcher.log" if self.nnodes == 1 else f"launcher-node{self.node_rank}.log"
 
 
+def launcher_command(nproc: int, train_args: list[str]) -> list[str]:
+    """One node's ranks without torchrun (:mod:`workbench.launcher`): no torch import first."""
+    return [sys.executable, "-m", "workbench.launcher", str(nproc), "-m", "workbench.train",
+            *train_args]
+
+
 def torchrun_command(run_dir: Path, nproc: int, role: NodeRole = NodeRole()) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
+    """The launcher of this node's ranks: :mod:`workbench.launcher` on a single node, torchrun
+    with a static rendezvous across nodes."""
     if role.nnodes == 1:
-        cmd.append("--standalone")
-    else:
-        # A static rendezvous: torchrun honours --node_rank only with it (c10d hands out ranks
-        # in arrival order), so global rank 0 -- the writer of metrics, snapshots and the
-        # adapter -- runs on node 0, whose run directory is the one of record.
-        addr, _, port = (role.rdzv_endpoint or "").rpartition(":")
-        cmd += [f"--nnodes={role.nnodes}", f"--node_rank={role.node_rank}",
-                "--rdzv_backend=static", f"--master_addr={addr}", f"--master_port={port}",
-                f"--rdzv_id={role.rdzv_id or run_dir.name}"]
+        return launcher_command(nproc, [str(run_dir)])
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
+    # A static rendezvous: torchrun honours --node_rank only with it (c10d hands out ranks in
+    # arrival order), so global rank 0 -- the writer of metrics, snapshots and the adapter --
+    # runs on node 0, whose run directory is the one of record.
+    addr, _, port = (role.rdzv_endpoint or "").rpartition(":")
+    cmd += [f"--nnodes={role.nnodes}", f"--node_rank={role.node_rank}",
+            "--rdzv_backend=static", f"--master_addr={addr}", f"--master_port={port}",
+            f"--rdzv_id={role.rdzv_id or run_dir.name}"]
     return cmd + ["-m", "workbench.train", str(run_dir)]
 
 
@@ -149,15 +156,16 @@ MAX_RESTARTS = 3  # automatic resumes after a rank dies, each needing a newer sn
 
 
 def launcher_killed(rc: int | None) -> str:
-    """What the ranks' logs cannot say: torchrun itself was killed by a signal (it would report
-    a rank's death with an exit code), so the tail of a log is no cause."""
+    """What the ranks' logs cannot say: the launcher itself (:mod:`workbench.launcher`, or torchrun
+    across nodes) was killed by a signal (it would report a rank's death with an exit code), so
+    the tail of a log is no cause."""
     if rc is None or rc >= 0:
         return ""
     try:
         name = signal.Signals(-rc).name
     except ValueError:
         name = f"signal {-rc}"
-    return (f"torchrun (the launcher) was killed by {name} from outside the run (the OOM killer, "
+    return (f"the launcher of the ranks was killed by {name} from outside the run (the OOM killer, "
             "a user, the machine's scheduler); its ranks were stopped. job.resume() continues "
             "from the newest snapshot.\n")
 
