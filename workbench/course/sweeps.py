@@ -72,6 +72,11 @@ class CourseSweeps:
             if p.path.startswith(COURSE_SET):
                 raise CourseError(f"space[{p.path!r}]: the course sets {p.path} for every run; "
                                   "sweep training or method fields instead")
+        budget = options.get("budget")
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
+                                   or budget <= 0):
+            raise CourseError(f"budget must be a positive amount in {self.course.currency} "
+                              f"(the whole sweep's), not {budget!r}")
         discrete = all(p.choices is not None or p.step is not None for p in params)
         size = grid_size(params) if discrete else None
         trials = options.get("trials") or size
@@ -82,11 +87,7 @@ class CourseSweeps:
                 changes = [{**c, p.path: v} for c in changes for v in p.grid_values()]
             # Each trial's caps are checked as its launch's would be (a CourseError says which).
             quotes = [self.desk.quote(student, base.updated(**c))["hold"] for c in changes]
-        budget = options.get("budget")
         if budget is not None:
-            if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:
-                raise CourseError(f"budget must be a positive amount in {self.course.currency} "
-                                  f"(the whole sweep's), not {budget!r}")
             return self.course.minor(float(budget))
         if not quotes or not isinstance(trials, int):
             raise CourseError("this sweep's trials cannot all be quoted before it starts (ranges,"
