@@ -101,6 +101,21 @@ def test_a_sweep_the_course_cannot_hold_is_refused_before_anything_is_written(
 def test_a_budget_past_the_credit_is_refused_before_anything_is_written(
         sweeps: CourseSweeps, tmp_path: Path) -> None:
     with pytest.raises(InsufficientCreditError, match="nothing was started"):
-        sweeps.start("ana", {"train": {"max_steps": 2}}, {"train.lr": [1e-3]}, {"budget": 10.01})
+        # A range: nothing to quote, so the budget asked is what would be held.
+        sweeps.start("ana", {"train": {"max_steps": 2}}, {"train.lr": {"low": 1e-4, "high": 1e-3}},
+                     {"strategy": "random", "trials": 2, "budget": 10.01})
     assert [e["kind"] for e in sweeps.ledger.entries("ana")] == ["credit"]
     assert not (tmp_path / "home" / "sweeps").exists()
+
+
+def test_an_instructor_stops_a_students_sweep_and_the_rest_is_released(
+        sweeps: CourseSweeps, tmp_path: Path) -> None:
+    """A sweep whose controller is gone (none recorded here) before any trial ran: the
+    instructor's stop marks it cancelled, and the next settle releases the whole hold. (Trials
+    with runs are stopped by the sweep's own cancel, tests/test_sweep.py.)"""
+    _sweep(sweeps, tmp_path, 500)
+    assert sweeps.ledger.balance("ana") == 500
+    assert sweeps.stop("teacher", "s-1") == {"sweep": "s-1", "state": "cancelled"}
+    assert sweeps.settle() == ["s-1"]
+    account = sweeps.ledger.account("ana")
+    assert (account.charges, account.held, account.balance) == (0, 0, 1000)
