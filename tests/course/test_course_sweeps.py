@@ -58,6 +58,8 @@ def test_trials_are_charged_as_they_end_and_the_rest_released_at_the_end(
     view = sweeps.view("ana", "s-1")
     assert view["settled"] and view["charged"] == 174 and view["state"] == "cancelled"
     assert [t["charge"] for t in view["trials"]] == [124, 50]
+    [own] = sweeps.desk.me("ana")["runs"]  # what the lab panel lists: the trials' charges
+    assert (own["kind"], own["run"], own["hold"], own["charge"]) == ("sweep", "s-1", 600, 174)
 
 
 def test_a_trial_that_never_started_costs_nothing(sweeps: CourseSweeps, tmp_path: Path) -> None:

@@ -246,6 +246,9 @@ class CourseDesk:
             view.update({k: status.get(k) for k in ("state", "step", "total_steps", "last_loss",
                                                     "cost", "error", "note", "stop_reason")})
             view["released"] = "released" in status
+        elif h.kind == "sweep" and h.charge is not None:
+            # A sweep's own charge is nothing more: what it cost is its trials' charges.
+            view["charge"] = sum(self.ledger.charged_trials(h.hold_id).values())
         return view
 
     def me(self, user: str) -> dict[str, Any]:

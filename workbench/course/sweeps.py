@@ -148,7 +148,10 @@ class CourseSweeps:
         for h in self.ledger.holds(open_only=True):
             if h.kind != "sweep" or not h.run_dir:
                 continue
-            data = SweepRecord(h.run_dir).read()
+            try:
+                data = SweepRecord(h.run_dir).read()
+            except (OSError, ValueError):  # its folder is gone or half-written: the next pass
+                continue
             for t in data["trials"]:
                 # released: the trial's bill is final (or, its supervisor dead, its whole limit).
                 if t.get("released") and t.get("run_id"):
