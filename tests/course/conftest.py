@@ -121,7 +121,8 @@ def hub() -> Iterator[dict[str, Any]]:
         # 36 CNY a core-hour is 1 fen a second; an endpoint's first hour (1000 CNY) fits nobody.
         "credits": {users["b"]: 0.01}, "prices": {"cpu_core_hour": 36, "endpoint_hour": 1000},
         "hold_margin": 10,  # the shared 2-core machine runs far slower than planned
-        "caps": {"concurrent_runs": 1, "processes_per_run": 1, "hours_per_run": 1,
+        # Two at once: A's sweep runs its two trials side by side (half the wall time).
+        "caps": {"concurrent_runs": 2, "processes_per_run": 1, "hours_per_run": 1,
                  "eval_minutes": 5},  # held 3 CNY; a loaded machine took 140 s
         "idle_minutes": 1,  # the culler stops the browser test's servers once its pages close
         "state_dir": str(state),

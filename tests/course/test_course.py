@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import pwd
-import re
 import shutil
 import signal
 import subprocess
@@ -126,6 +125,11 @@ def test_a_students_evaluate_resume_and_deploy_go_through_the_service(
     assert a.me()["balance"] == me["balance"] - view["charge"]  # neither held nor charged
 
 
+def _sweeps_on_disk(hub: dict[str, Any]) -> list[str]:
+    sweeps = hub["state"] / "home" / "sweeps"
+    return sorted(p.name for p in sweeps.iterdir()) if sweeps.exists() else []
+
+
 def test_a_run_or_sweep_over_credit_is_refused_before_it_starts(
         hub: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     import workbench
@@ -136,22 +140,61 @@ def test_a_run_or_sweep_over_credit_is_refused_before_it_starts(
         b.launch(SMALL_RUN)
     message = str(err.value)
     assert "0.01 CNY" in message and "nothing was started" in message and "instructor" in message
-    # A sweep is refused too, and the answer is the trials to launch instead, each quoted.
+    # B's kernel: workbench.sweep() asks the service to hold the whole sweep, which B's credit
+    # cannot take: refused before any trial or sweep directory exists.
     monkeypatch.setenv("WORKBENCH_COURSE_URL", hub["service"])
     monkeypatch.setenv("JUPYTERHUB_API_TOKEN", hub["tokens"]["b"])
-    with pytest.raises(CourseError) as refused:
-        workbench.sweep(SMALL_RUN, space={"train.lr": [1e-3, 2e-3], "train.max_steps": [6]})
-    answer = str(refused.value)
-    assert "(400)" in answer and "sweeps are not available in a course" in answer
-    assert "for change in [{'train.lr': 0.001, 'train.max_steps': 6}, " \
-           "{'train.lr': 0.002, 'train.max_steps': 6}]:" in answer
-    assert "job = workbench.launch(base.updated(**change))" in answer
-    assert re.search(r"Each holds (\d+\.\d\d) CNY \+ (\d+\.\d\d) CNY while it runs \(you have "
-                     r"0\.01 CNY left\)", answer), answer
-    assert "ask an instructor for a grant" in answer
-    assert _runs_on_disk(hub) == before
+    sweeps_before = _sweeps_on_disk(hub)
+    with pytest.raises(InsufficientCreditError) as refused:
+        workbench.sweep(SMALL_RUN, space={"train.lr": [1e-3, 2e-3]})
+    assert "0.01 CNY" in str(refused.value) and "nothing was started" in str(refused.value)
+    assert _runs_on_disk(hub) == before and _sweeps_on_disk(hub) == sweeps_before
     ledger = Ledger(f"sqlite:///{hub['state'] / 'ledger.sqlite'}")
     assert [e["kind"] for e in ledger.entries(hub["users"]["b"])] == ["credit"]
+
+
+def test_a_students_sweep_is_held_whole_and_charged_per_trial(
+        hub: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A's kernel: workbench.sweep() over two learning rates runs through the service: one hold
+    for the sweep, one charge per trial (its run's final bill, in whole fen up), the rest of the
+    hold released at the end; B cannot see it, the instructor can."""
+    import workbench
+
+    a, user_a = hub["client"]["a"], hub["users"]["a"]
+    monkeypatch.setenv("WORKBENCH_COURSE_URL", hub["service"])
+    monkeypatch.setenv("JUPYTERHUB_API_TOKEN", hub["tokens"]["a"])
+    ledger = Ledger(f"sqlite:///{hub['state'] / 'ledger.sqlite'}")
+    rows_before = len(ledger.entries(user_a))
+    balance = a.me()["balance"]
+    spec = {**SMALL_RUN, "name": "lr-sweep", "train": {"max_steps": 2, "eval_every": 0}}
+    s = workbench.sweep(spec, space={"train.lr": [1e-3, 2e-3]}, concurrent=2)
+    assert type(s).__name__ == "CourseSweep"
+    hold = s.started["hold"]
+    assert 0 < hold <= balance and a.me()["held"] == hold
+    assert http("GET", f"{hub['service']}sweeps/{s.id}", hub["tokens"]["b"])[0] == 403
+    assert hub["client"]["b"].sweeps() == []
+    assert s.id in [x["sweep"] for x in hub["client"]["teacher"].sweeps()]
+    wait_until("A's sweep to end and settle", lambda: s.status()["settled"], 300, hub["log"])
+    view = s.status()
+    assert view["state"] == "succeeded", view
+    trials = view["trials"]
+    assert sorted(t["params"]["train.lr"] for t in trials) == [1e-3, 2e-3]
+    for t in trials:
+        status = json.loads((hub["state"] / "home" / "runs" / t["run_id"] / "status.json")
+                            .read_text())
+        assert status["sweep"]["id"] == s.id and status["state"] == "succeeded"
+        assert status["cost"] * 100 <= t["charge"] < status["cost"] * 100 + 1, t
+    rows = ledger.entries(user_a)[rows_before:]
+    assert [r["kind"] for r in rows] == ["hold", "charge", "charge", "charge", "release"], rows
+    assert rows[0]["amount"] == rows[-1]["amount"] == hold
+    charged = sum(t["charge"] for t in trials)
+    # The trials' charges in the order they ended, then the hold's own (nothing more) and the
+    # release of the whole hold.
+    assert sorted(r["amount"] for r in rows[1:3]) == sorted(t["charge"] for t in trials)
+    assert rows[3]["amount"] == 0
+    assert view["charged"] == charged <= hold
+    me = a.me()
+    assert me["held"] == 0 and me["balance"] == balance - charged
 
 
 def test_a_student_cannot_see_others_runs_or_raise_their_credit(hub: dict[str, Any]) -> None:

@@ -151,3 +151,33 @@ def test_concurrent_holds_from_threads_cannot_both_pass(ledger: Ledger,
         t.join(timeout=60)
     assert sorted(outcomes) == ["held"] * 3 + ["refused"] * 5  # 3 x 300 fit in 1000
     assert ledger.balance("ana") == 100
+
+
+def test_a_sweep_hold_is_drawn_down_by_its_trials_and_its_rest_released(ledger: Ledger) -> None:
+    """One hold for a whole sweep: each trial charged against it once, never past it; the rest
+    comes back with the release; every fen counted once throughout."""
+    hold = ledger.hold("ana", 600, actor="ana")
+    ledger.attach_run(hold, "sweep-1", "/sweeps/sweep-1", kind="sweep")
+    assert ledger.charge_trial(hold, "run-a", 250, actor="svc") == 250
+    assert ledger.charge_trial(hold, "run-a", 250, actor="svc") is None  # once per trial
+    account = ledger.account("ana")
+    assert (account.charges, account.held, account.balance) == (250, 350, 400)
+    assert ledger.hold_left(hold) == 350
+    # A trial billed past what is left of the hold is charged what is left, no more.
+    assert ledger.charge_trial(hold, "run-b", 400, actor="svc") == 350
+    assert ledger.balance("ana") == 400 and ledger.account("ana").held == 0
+    assert ledger.settle(hold, 0, actor="svc", note="sweep ended")
+    assert ledger.charge_trial(hold, "run-c", 10, actor="svc") is None  # settled: no more
+    account = ledger.account("ana")
+    assert (account.charges, account.held, account.balance) == (600, 0, 400)
+    assert ledger.charged_trials(hold) == {"run-a": 250, "run-b": 350}
+    assert [e["kind"] for e in ledger.entries("ana")] == ["credit", "hold", "charge", "charge",
+                                                          "charge", "release"]
+
+
+def test_a_sweep_that_ends_early_gives_back_the_rest(ledger: Ledger) -> None:
+    hold = ledger.hold("ana", 600, actor="ana")
+    ledger.charge_trial(hold, "run-a", 120, actor="svc")
+    assert ledger.balance("ana") == 400
+    ledger.settle(hold, 0, actor="svc")
+    assert ledger.balance("ana") == 880 and ledger.account("ana").held == 0

@@ -96,6 +96,20 @@ class CourseClient:
     def undeploy(self, name: str) -> dict[str, Any]:
         return dict(self.request("POST", f"undeploy/{name}"))
 
+    def sweep(self, spec: Any, space: Any, **options: Any) -> CourseSweep:
+        answer = self.request("POST", "sweep", {"spec": _spec_body(spec), "space": space,
+                                                "options": options})
+        return CourseSweep(self, answer["sweep"], answer)
+
+    def sweeps(self) -> list[dict[str, Any]]:
+        return list(self.request("GET", "sweeps")["sweeps"])
+
+    def sweep_view(self, sweep_id: str) -> dict[str, Any]:
+        return dict(self.request("GET", f"sweeps/{sweep_id}"))
+
+    def stop_sweep(self, sweep_id: str) -> str:
+        return str(self.request("POST", f"sweeps/{sweep_id}/stop")["state"])
+
     def students(self) -> dict[str, Any]:
         return dict(self.request("GET", "students"))
 
@@ -152,6 +166,40 @@ class CourseJob:
 
     def deploy(self, *more: Any, name: str | None = None, **options: Any) -> CourseEndpoint:
         return deploy_via_course(self, *more, name=name, **options)
+
+
+class CourseSweep:
+    """A sweep the course service runs on one hold of the student's credit."""
+
+    def __init__(self, client: CourseClient, sweep_id: str, started: dict[str, Any]) -> None:
+        self.client, self.id, self.started = client, sweep_id, started
+
+    def __repr__(self) -> str:
+        return f"<CourseSweep {self.id} {self.state}>"
+
+    def status(self) -> dict[str, Any]:
+        """State, trials (each with its charge), what is left of the hold, what was charged."""
+        return self.client.sweep_view(self.id)
+
+    @property
+    def state(self) -> str:
+        return str(self.status().get("state") or "running")
+
+    @property
+    def trials(self) -> list[dict[str, Any]]:
+        return list(self.status()["trials"])
+
+    def wait(self, timeout: float | None = None, poll: float = 2.0) -> str:
+        """Until the sweep ends and its hold is settled (or ``timeout``); the state."""
+        deadline = None if timeout is None else time.time() + timeout
+        while True:
+            s = self.status()
+            if s.get("settled") or (deadline is not None and time.time() > deadline):
+                return str(s.get("state"))
+            time.sleep(poll)
+
+    def cancel(self) -> str:
+        return self.client.stop_sweep(self.id)
 
 
 class CourseEndpoint:
@@ -215,11 +263,17 @@ def deploy_via_course(source: Any, *more: Any, name: str | None = None,
     return CourseClient().deploy(runs, name=name, **options)
 
 
-def sweep_via_course(spec: Any, space: Any) -> None:
-    """What ``workbench.sweep`` does under a course hub: the service refuses it and answers with
-    the trials to launch one by one, each quoted against the student's credit."""
-    CourseClient().request("POST", "sweep", {"spec": _spec_body(spec), "space": space})
-    raise CourseError("sweeps are not available in a course: launch the trials one by one")
+def sweep_via_course(spec: Any, space: Any, target: str | None = None,
+                     **options: Any) -> CourseSweep:
+    """What ``workbench.sweep`` does under a course hub: the service holds the sweep's whole
+    budget (``budget=``, or its trials' quotes) against the student's credit (402 when short,
+    before anything starts), runs it, charges each trial and releases the rest at the end."""
+    from workbench.spec import RunSpec
+
+    base = RunSpec.coerce(spec)
+    if target is not None:
+        base = base.updated(target=target)
+    return CourseClient().sweep(base, space, **options)
 
 
 def _spec_body(spec: Any) -> dict[str, Any]:

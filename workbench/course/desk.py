@@ -30,7 +30,7 @@ SERVICE_ACTOR = "course-service"
 # A run that ended without its supervisor marking ``released`` (the supervisor was killed) is
 # settled with what status.json last billed once it has been over this long.
 UNRELEASED_SETTLE_S = 120.0
-# A refused sweep is answered with each trial's quote (a plan each): at most this many.
+# A sweep without a budget holds its trials' quotes (a plan each): at most this many.
 SWEEP_QUOTES = 12
 
 
@@ -102,13 +102,22 @@ class CourseDesk:
         return {"run": job.id, "student": student, "hold": q["hold"], "hold_text": q["hold_text"],
                 "planned_cost": q["planned_cost"], "currency": self.course.currency}
 
-    def _check_concurrent(self, student: str) -> None:
-        open_runs = [h for h in self.ledger.holds(student, open_only=True)
-                     if h.kind in (None, "launch", "resume")]
-        if len(open_runs) >= self.course.caps.concurrent_runs:
-            raise CourseError(f"{student} already has {len(open_runs)} run(s) going; this course "
-                              f"allows {self.course.caps.concurrent_runs} at once: wait for one "
-                              "to end or stop it")
+    def _check_concurrent(self, student: str, more: int = 1) -> None:
+        """Refuse ``more`` runs when the student's runs going, an open sweep counting as its
+        ``concurrent`` trials, would pass the course's cap."""
+        from workbench.sweep.record import SweepRecord
+
+        going = 0
+        for h in self.ledger.holds(student, open_only=True):
+            if h.kind in (None, "launch", "resume"):
+                going += 1
+            elif h.kind == "sweep" and h.run_dir:
+                going += int(SweepRecord(h.run_dir).read().get("concurrent") or 1)
+        cap = self.course.caps.concurrent_runs
+        if going + more > cap:
+            raise CourseError(f"{student} already has {going} run(s) going and asks for {more} "
+                              f"more; this course allows {cap} at once: wait for one to end or "
+                              "stop it")
 
     def _hold(self, student: str, amount: int, note: str) -> int:
         try:
@@ -185,49 +194,6 @@ class CourseDesk:
         return {"run": run_id, "table": proc.stdout.strip(), "charge": used,
                 "charge_text": self.course.money(used), "hold": amount}
 
-    # -- sweeps ----------------------------------------------------------------------------------
-    def sweep_answer(self, user: str, spec: Any, space: Any) -> str:
-        """Why a sweep is refused and exactly what to run instead: the trials as launches, one
-        after another, each quoted (nothing is held). Sweeps stay refused because a sweep's
-        controller runs trials on its own, outside the hold/settle of each launch."""
-        from workbench.spec import RunSpec
-        from workbench.sweep.space import parse_space
-
-        student = self._student(user)
-        base = RunSpec.coerce(spec)
-        params = parse_space(space, base)  # a bad space: SweepError, which says what to fix
-        changes: list[dict[str, Any]] = [{}]
-        ranges = [p.path for p in params if p.choices is None and p.step is None]
-        for p in params:
-            if p.path in ranges:
-                continue
-            changes = [{**c, p.path: v} for c in changes for v in p.grid_values()]
-        if len(changes) > SWEEP_QUOTES:
-            raise CourseError(f"sweeps are not available in a course, and this one has "
-                              f"{len(changes)} trials: launch at most a few trials by hand "
-                              f"(workbench.launch, one at a time); pick {SWEEP_QUOTES} or fewer")
-        holds = [self.quote(student, base.updated(**c) if c else base)["hold"] for c in changes]
-        balance = self.ledger.balance(student)
-        pick = (f" (pick values for {', '.join(ranges)} in place of ...; the course does not "
-                "draw them for you)") if ranges else ""
-        loop = "[" + ", ".join("{" + ", ".join([*(f"{k!r}: {v!r}" for k, v in c.items()),
-                                                 *(f"{k!r}: ..." for k in ranges)]) + "}"
-                               for c in changes) + "]"
-        afford = ("" if sum(holds) <= balance else
-                  " That is more than you have: run fewer trials or ask an instructor for a "
-                  "grant.")
-        return (
-            "sweeps are not available in a course (each run is priced and held against your "
-            f"credit, {self.course.caps.concurrent_runs} at a time). Launch the "
-            f"{len(changes)} trial(s) one after another instead{pick}:\n"
-            f"    base = workbench.RunSpec.coerce(spec)\n"
-            f"    for change in {loop}:\n"
-            "        job = workbench.launch(base.updated(**change))\n"
-            "        print(change, job.wait(), job.status()['last_loss'])\n"
-            f"Each holds {' + '.join(self.course.money(h) for h in holds)} while it runs "
-            f"(you have {self.course.money(balance)} left) and is charged what it used."
-            + afford)
-
     # -- settling --------------------------------------------------------------------------------
     def settle_ended(self) -> list[str]:
         """Charge and release every open hold whose run has ended and released; the run ids."""
@@ -280,6 +246,9 @@ class CourseDesk:
             view.update({k: status.get(k) for k in ("state", "step", "total_steps", "last_loss",
                                                     "cost", "error", "note", "stop_reason")})
             view["released"] = "released" in status
+        elif h.kind == "sweep" and h.charge is not None:
+            # A sweep's own charge is nothing more: what it cost is its trials' charges.
+            view["charge"] = sum(self.ledger.charged_trials(h.hold_id).values())
         return view
 
     def me(self, user: str) -> dict[str, Any]:

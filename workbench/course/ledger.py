@@ -7,6 +7,9 @@ integers in the currency's minor units (fen, cents), never floats, so sums are e
 
     balance = credits + grants - charges - open holds      (an open hold has no release row)
 
+A sweep's hold is drawn down by its trials' charges (:meth:`Ledger.charge_trial`); what an open
+hold still holds is its amount less those charges, so the balance counts each fen once.
+
 A hold that would take the balance below zero is refused inside the same write transaction that
 reads the balance (SQLite: ``BEGIN IMMEDIATE``; other databases: the student's row is locked
 ``FOR UPDATE``), so two concurrent holds can never both pass. The ledger also keeps which run a
@@ -71,7 +74,18 @@ runs = sa.Table(
     sa.Column("created", sa.Float, nullable=False),
 )
 sa.Index("runs_run_id", runs.c.run_id)
-HOLD_FOR = ("launch", "resume", "evaluate", "endpoint")
+# A sweep holds its whole budget once (``runs`` kind "sweep", run_id the sweep's id) and each of
+# its trials is charged against that hold as it ends: a ``charge`` row (no hold_id: the hold's own
+# charge is its final one) tied to the hold here, once per trial run. Until the hold's release,
+# what those charges took is no longer held (Account.held).
+trial_charges = sa.Table(
+    "trial_charges", _meta,
+    sa.Column("charge_id", sa.Integer, primary_key=True),  # the charge row in entries
+    sa.Column("hold_id", sa.Integer, nullable=False),
+    sa.Column("run_id", sa.String(200), nullable=False),
+    sa.UniqueConstraint("hold_id", "run_id", name="trial_charged_once"),
+)
+HOLD_FOR = ("launch", "resume", "evaluate", "endpoint", "sweep")
 
 
 def to_minor(amount: float | Decimal | str, minor_per_unit: int = 100) -> int:
@@ -199,6 +213,45 @@ class Ledger:
             self._add(db, hold.student, "release", hold.amount, actor, note, hold_id=hold_id)
             return True
 
+    def charge_trial(self, hold_id: int, run_id: str, amount: int, actor: str,
+                     note: str = "") -> int | None:
+        """Charge one trial of a sweep against the sweep's open hold; the amount charged (at most
+        what is left of the hold: a student never passes it), or None when this trial was
+        charged already or the hold is settled."""
+        with self.engine.begin() as db:
+            hold = self._hold_row(db, hold_id)
+        with self._write(hold.student) as db:
+            released = db.execute(sa.select(entries.c.id).where(
+                entries.c.hold_id == hold_id, entries.c.kind == "release")).first()
+            done = db.execute(sa.select(trial_charges.c.charge_id).where(
+                trial_charges.c.hold_id == hold_id, trial_charges.c.run_id == run_id)).first()
+            if released or done:
+                return None
+            charged = min(amount, hold.amount - self._trial_charged(db, hold_id))
+            charge_id = self._add(db, hold.student, "charge", charged, actor, note)
+            db.execute(trial_charges.insert().values(charge_id=charge_id, hold_id=hold_id,
+                                                     run_id=run_id))
+            return charged
+
+    def _trial_charged(self, db: Connection, hold_id: int) -> int:
+        q = (sa.select(sa.func.sum(entries.c.amount))
+             .select_from(trial_charges.join(entries, entries.c.id == trial_charges.c.charge_id))
+             .where(trial_charges.c.hold_id == hold_id))
+        return int(db.execute(q).scalar() or 0)
+
+    def hold_left(self, hold_id: int) -> int:
+        """What an open hold still holds: its amount less its trials' charges."""
+        with self.engine.connect() as db:
+            return int(self._hold_row(db, hold_id).amount) - self._trial_charged(db, hold_id)
+
+    def charged_trials(self, hold_id: int) -> dict[str, int]:
+        """Each charged trial run of a sweep's hold: run id -> amount."""
+        q = (sa.select(trial_charges.c.run_id, entries.c.amount)
+             .select_from(trial_charges.join(entries, entries.c.id == trial_charges.c.charge_id))
+             .where(trial_charges.c.hold_id == hold_id))
+        with self.engine.connect() as db:
+            return {r.run_id: int(r.amount) for r in db.execute(q)}
+
     # -- reads -----------------------------------------------------------------------------------
     def _hold_row(self, db: Connection, hold_id: int) -> Any:
         row = db.execute(sa.select(entries).where(entries.c.id == hold_id,
@@ -213,8 +266,15 @@ class Ledger:
              .where(entries.c.student == student).group_by(entries.c.kind))
         for kind, total in db.execute(q):
             sums[kind] = int(total or 0)
-        return Account(student, sums["credit"], sums["grant"], sums["charge"],
-                       sums["hold"] - sums["release"])
+        # Trial charges against a sweep's hold that is still open: taken from the hold already.
+        released = sa.select(entries.c.hold_id).where(entries.c.kind == "release",
+                                                      entries.c.hold_id.is_not(None))
+        drawn = (sa.select(sa.func.sum(entries.c.amount))
+                 .select_from(trial_charges.join(entries,
+                                                 entries.c.id == trial_charges.c.charge_id))
+                 .where(entries.c.student == student, trial_charges.c.hold_id.not_in(released)))
+        held = sums["hold"] - sums["release"] - int(db.execute(drawn).scalar() or 0)
+        return Account(student, sums["credit"], sums["grant"], sums["charge"], held)
 
     def account(self, student: str) -> Account:
         with self.engine.connect() as db:

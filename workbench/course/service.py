@@ -14,15 +14,17 @@ adapter over :class:`~workbench.course.desk.CourseDesk`:
     POST /evaluate/RUN  score an ended run, held at one core for eval_minutes (body: tasks)
     POST /deploy        hold an endpoint's first block, then serve (body: runs, name)
     GET  /endpoints     own endpoints (instructors: all);  POST /undeploy/NAME
-    POST /sweep         refused (400): the answer is the trials as launches to run one by one,
-                        each quoted (body: {"spec", "space"})
+    POST /sweep         hold the sweep's whole budget, then start it (body: {"spec", "space",
+                        "options": sweep()'s keywords}); 402 when the credit is short
+    GET  /sweeps        own sweeps (instructors: all);  GET /sweeps/ID  one, with its trials
+    POST /sweeps/ID/stop  students their own sweeps, instructors any
     POST /grant         instructors: {"student", "amount", "note"}
     GET  /students      instructors: each student's credit, held, spent and runs
     GET  /export.csv    instructors: spend per student
 
-Every ``SETTLE_EVERY_S`` the service settles ended runs, including those that ended while it was
-down (the holds and their runs are in the ledger, not in this process), and meters endpoints
-(:class:`~workbench.course.endpoints.EndpointMeter`).
+Every ``SETTLE_EVERY_S`` the service settles ended runs and sweeps' ended trials, including those
+that ended while it was down (the holds and their runs are in the ledger, not in this process),
+and meters endpoints (:class:`~workbench.course.endpoints.EndpointMeter`).
 
     python -m workbench.course.service STATE_DIR/course.json
 """
@@ -44,6 +46,7 @@ from tornado import web
 from workbench.course.config import SERVICE_NAME, load_course
 from workbench.course.desk import CourseDesk, Forbidden
 from workbench.course.endpoints import EndpointMeter
+from workbench.course.sweeps import CourseSweeps
 from workbench.errors import InsufficientCreditError, RunNotFoundError, WorkbenchError
 
 SETTLE_EVERY_S = 2.0
@@ -52,8 +55,8 @@ log = logging.getLogger("workbench.course")
 
 class _Handler(HubAuthenticated, web.RequestHandler):
     def initialize(self, desk: CourseDesk, pool: ThreadPoolExecutor,
-                   meter: EndpointMeter) -> None:
-        self.desk, self.pool, self.meter = desk, pool, meter
+                   meter: EndpointMeter, sweeps: CourseSweeps) -> None:
+        self.desk, self.pool, self.meter, self.sweeps = desk, pool, meter, sweeps
 
     def user(self) -> str:
         model = self.get_current_user()
@@ -183,9 +186,26 @@ class Undeploy(_Handler):
 class Sweep(_Handler):
     async def post(self) -> None:
         body = self.body()
-        answer = await self.call(self.desk.sweep_answer, self.user(), body.get("spec"),
-                                 body.get("space"))
-        raise _Refused(400, answer)
+        options = body.get("options") or {}
+        if not isinstance(options, dict):
+            raise _Refused(400, 'give {"spec": {...}, "space": {...}, "options": {"budget": N}}')
+        self.set_status(201)
+        self.finish(await self.call(self.sweeps.start, self.user(), body.get("spec"),
+                                    body.get("space"), options))
+
+
+class Sweeps(_Handler):
+    async def get(self, sweep_id: str | None = None) -> None:
+        user = self.user()
+        if sweep_id:
+            self.finish(await self.call(self.sweeps.view, user, sweep_id))
+        else:
+            self.finish({"sweeps": await self.call(self.sweeps.sweeps, user)})
+
+
+class StopSweep(_Handler):
+    async def post(self, sweep_id: str) -> None:
+        self.finish(await self.call(self.sweeps.stop, self.user(), sweep_id))
 
 
 class Students(_Handler):
@@ -217,7 +237,7 @@ class Export(_Handler):
 def make_app(desk: CourseDesk, meter: EndpointMeter, prefix: str = "/") -> web.Application:
     # Deploys and evaluations hold a worker for a minute or more: enough for the rest.
     pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="course")
-    args = {"desk": desk, "pool": pool, "meter": meter}
+    args = {"desk": desk, "pool": pool, "meter": meter, "sweeps": CourseSweeps(desk)}
     p = prefix.rstrip("/")
     return web.Application([
         (f"{p}/me", Me, args), (f"{p}/quote", Quote, args), (f"{p}/launch", Launch, args),
@@ -225,15 +245,18 @@ def make_app(desk: CourseDesk, meter: EndpointMeter, prefix: str = "/") -> web.A
         (f"{p}/stop/([^/]+)", Stop, args), (f"{p}/resume/([^/]+)", Resume, args),
         (f"{p}/evaluate/([^/]+)", Evaluate, args), (f"{p}/deploy", Deploy, args),
         (f"{p}/endpoints", Endpoints, args), (f"{p}/undeploy/([^/]+)", Undeploy, args),
-        (f"{p}/sweep", Sweep, args), (f"{p}/grant", Grant, args),
+        (f"{p}/sweep", Sweep, args), (f"{p}/sweeps", Sweeps, args),
+        (f"{p}/sweeps/([^/]+)", Sweeps, args), (f"{p}/sweeps/([^/]+)/stop", StopSweep, args),
+        (f"{p}/grant", Grant, args),
         (f"{p}/students", Students, args), (f"{p}/export.csv", Export, args),
     ])
 
 
 async def _settle_forever(desk: CourseDesk, meter: EndpointMeter) -> None:
     loop = asyncio.get_running_loop()
+    sweeps = CourseSweeps(desk)
     while True:
-        for job in (desk.settle_ended, meter.tick):
+        for job in (desk.settle_ended, meter.tick, sweeps.settle):
             try:
                 for name in await loop.run_in_executor(None, job):
                     log.info("settled %s", name)

@@ -74,10 +74,13 @@ def sweep(spec: RunSpec | dict | str | Path | None = None, *, space: dict[str, A
     running at once. ``pruner``: "median" (stop a trial whose objective is worse than the median
     of completed trials at the same step, once ``prune_after`` trials completed) or "none".
     """
-    if os.environ.get("WORKBENCH_COURSE_URL"):  # a course hub's kernel: the service refuses
-        from workbench.course.client import sweep_via_course  # and says which launches to run
+    if os.environ.get("WORKBENCH_COURSE_URL"):  # a course hub's kernel: the course service
+        from workbench.course.client import sweep_via_course  # holds, runs and charges it
 
-        sweep_via_course(spec, space)
+        return sweep_via_course(  # type: ignore[return-value]  # a CourseSweep, Sweep-alike
+            spec, space, target, strategy=strategy, trials=trials, objective=objective,
+            direction=direction, budget=budget, concurrent=concurrent, seed=seed, pruner=pruner,
+            prune_after=prune_after)
     base = RunSpec.coerce(spec)
     if target is not None:
         try:
