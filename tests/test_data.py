@@ -431,3 +431,29 @@ def test_run_form_preview_shows_token_lengths_against_max_length(tmp_path):
         marker, heights = fig.layout.shapes[0].x0, list(fig.data[0].y)
     assert marker == 64  # the max_length marker
     assert sum(heights) == 21
+
+
+def test_tokenised_split_keeps_every_row_in_order_across_batches(tmp_path, tokenizer):
+    """Tokenising overlaps one batch's encode with the next one's render (1,000 rows a batch):
+    every row must come out once, in file order, trained on its own answer, with the rows that
+    lose their whole answer counted, not kept."""
+    from workbench.data.tokenized import tokenize_split
+
+    rows, expected, lost = [], [], 0
+    for i in range(2300):  # three batches, the last one short
+        long = i % 500 == 7  # a prompt far past max_length: "right" truncation cuts its answer
+        prompt = "word " * 80 if long else f"Say {i}."
+        rows.append({"messages": [{"role": "user", "content": prompt},
+                                  {"role": "assistant", "content": f"ans{i}"}]})
+        if long:
+            lost += 1
+        else:
+            expected.append(f"ans{i}<|end|>")
+    path = _write_jsonl(tmp_path / "train.jsonl", rows)
+    spec = RunSpec.coerce({"data": {"max_length": 48, "truncation": "right",
+                                    "max_dropped_fraction": 1.0}})
+    table, stats = tokenize_split(path, spec, tokenizer)
+    trained = [tokenizer.decode([t for t in labels if t != IGNORE])
+               for labels in table.column("labels").to_pylist()]
+    assert trained == expected
+    assert (stats.examples, stats.dropped, stats.kept) == (2300, lost, 2300 - lost)

@@ -165,26 +165,57 @@ def encode_batch(examples: Sequence[dict[str, Any]], tokenizer: Any, max_length:
                  renderer: ChatRenderer | None = None) -> list[Encoded]:
     """Tokenise a batch (one call into the Rust tokenizer per batch) and truncate each example."""
     renderer = renderer or ChatRenderer(tokenizer)
-    out: list[Encoded | None] = [None] * len(examples)
+    rendered = render_batch(examples, tokenizer, renderer)
+    return finish_batch(rendered, encode_rendered(tokenizer, rendered), tokenizer, max_length,
+                        truncation, renderer)
+
+
+@dataclass
+class Rendered:
+    """A batch's texts, ready for the tokenizer: chats (index, text, assistant spans) and plain
+    texts (index, text). The three stages are apart so the Rust encode of one batch, which
+    releases the GIL, can run while Python finishes the previous one (workbench.data.tokenized).
+    """
+
+    examples: Sequence[dict[str, Any]]
+    chats: list[tuple[int, str, list[tuple[int, int]]]]
+    texts: list[tuple[int, str]]
+
+
+def render_batch(examples: Sequence[dict[str, Any]], tokenizer: Any,
+                 renderer: ChatRenderer) -> Rendered:
     chats = [(i, *renderer.render(ex["messages"])) for i, ex in enumerate(examples)
              if "text" not in ex]
     texts = [(i, ex["text"] + tokenizer.eos_token) for i, ex in enumerate(examples) if "text" in ex]
-    if texts:
-        for (i, _), tokens in zip(texts, _encode(tokenizer, [t for _, t in texts], True)):
-            ids = tokens.ids
-            out[i] = _truncate(ids, list(ids), 0, max_length, truncation, None)
+    return Rendered(examples, chats, texts)
+
+
+def encode_rendered(tokenizer: Any, rendered: Rendered) -> tuple[list[_Tokens], list[_Tokens]]:
+    """The Rust tokenizer's encodings of a rendered batch: (chats, texts)."""
+    # The template already carries BOS where the model wants it: no special tokens for chats.
+    chats = _encode(tokenizer, [t for _, t, _ in rendered.chats], False) if rendered.chats else []
+    texts = _encode(tokenizer, [t for _, t in rendered.texts], True) if rendered.texts else []
+    return chats, texts
+
+
+def finish_batch(rendered: Rendered, encoded: tuple[list[_Tokens], list[_Tokens]],
+                 tokenizer: Any, max_length: int, truncation: str,
+                 renderer: ChatRenderer) -> list[Encoded]:
+    """Labels and truncation for an encoded batch, in the batch's order."""
+    examples = rendered.examples
+    out: list[Encoded | None] = [None] * len(examples)
+    for (i, _), tokens in zip(rendered.texts, encoded[1]):
+        ids = tokens.ids
+        out[i] = _truncate(ids, list(ids), 0, max_length, truncation, None)
     bos = tokenizer.bos_token_id
-    if chats:
-        # The template already carries BOS where the model wants it.
-        encoded = _encode(tokenizer, [t for _, t, _ in chats], False)
-        for (i, text, spans), tokens in zip(chats, encoded):
-            ids = tokens.ids
-            labels = _labels(ids, tokens, text, spans)
-            if len(ids) > max_length and truncation == "keep_response" and len(spans) > 1:
-                out[i] = _drop_old_turns(examples[i]["messages"], ids, labels, tokenizer,
-                                         renderer, max_length, bos)
-                continue
-            out[i] = _truncate(ids, labels, _first_trained(labels), max_length, truncation, bos)
+    for (i, text, spans), tokens in zip(rendered.chats, encoded[0]):
+        ids = tokens.ids
+        labels = _labels(ids, tokens, text, spans)
+        if len(ids) > max_length and truncation == "keep_response" and len(spans) > 1:
+            out[i] = _drop_old_turns(examples[i]["messages"], ids, labels, tokenizer,
+                                     renderer, max_length, bos)
+            continue
+        out[i] = _truncate(ids, labels, _first_trained(labels), max_length, truncation, bos)
     return [e for e in out if e is not None]
 
 

@@ -25,12 +25,20 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from workbench.data.stats import SplitStats, TokenStats
-from workbench.data.tokenize import ChatRenderer, encode_batch, pack
+from workbench.data.tokenize import (
+    ChatRenderer,
+    Rendered,
+    encode_rendered,
+    finish_batch,
+    pack,
+    render_batch,
+)
 from workbench.errors import DataTruncationError
 from workbench.spec import RunSpec
 
@@ -158,6 +166,23 @@ def tokenize_split(path: Path, spec: RunSpec, tokenizer: Any,
             gc.enable()
 
 
+def _chunks(fh: Any, total: int) -> Iterator[list[dict[str, Any]]]:
+    """The first ``total`` non-blank rows of a jsonl file, parsed, ``_BATCH`` at a time."""
+    chunk: list[dict[str, Any]] = []
+    read = 0
+    for line in fh:
+        if read >= total:
+            break
+        if line.strip():
+            chunk.append(json.loads(line))
+            read += 1
+            if len(chunk) >= _BATCH:
+                yield chunk
+                chunk = []
+    if chunk:
+        yield chunk
+
+
 def _tokenize_split(path: Path, spec: RunSpec, tokenizer: Any, progress: Progress | None,
                     split: str, limit: int | None, stats: SplitStats) -> tuple[Any, SplitStats]:
     import pyarrow as pa
@@ -175,29 +200,45 @@ def _tokenize_split(path: Path, spec: RunSpec, tokenizer: Any, progress: Progres
     offsets = [0]
     bar = tqdm(total=total, desc=f"tokenising {split}", unit="ex", disable=total < 2 * _BATCH)
     done = 0
-    with (path.open(encoding="utf-8") if path.is_file() else open(os.devnull)) as fh:
-        while done < total:
-            chunk = []
-            for line in fh:
-                if line.strip():
-                    chunk.append(json.loads(line))
-                    if len(chunk) >= min(_BATCH, total - done):
-                        break
-            if not chunk:
-                break
-            for enc in encode_batch(chunk, tokenizer, d.max_length, d.truncation, renderer):
-                if not stats.add(enc):
-                    continue
-                if d.packing:
-                    kept.append({"input_ids": enc.input_ids, "labels": enc.labels})
-                else:
-                    ids += enc.input_ids
-                    labels += enc.labels
-                    offsets.append(len(ids))
-            done += len(chunk)
-            bar.update(len(chunk))
-            if progress is not None:
-                progress(split, done, total)
+
+    def finish(rendered: Rendered, encoding: Future[Any]) -> None:
+        nonlocal done
+        encs = finish_batch(rendered, encoding.result(), tokenizer, d.max_length, d.truncation,
+                            renderer)
+        for enc in encs:
+            if not stats.add(enc):
+                continue
+            if d.packing:
+                kept.append({"input_ids": enc.input_ids, "labels": enc.labels})
+            else:
+                ids.extend(enc.input_ids)
+                labels.extend(enc.labels)
+                offsets.append(len(ids))
+        done += len(rendered.examples)
+        bar.update(len(rendered.examples))
+        if progress is not None:
+            progress(split, done, total)
+
+    # The Rust encode of a batch releases the GIL: it runs in a thread while this one renders
+    # the next batch and labels the previous one, so neither core waits on the other's part.
+    # Batches are finished in order, so the result is the plain loop's, token for token. A
+    # tokenizer without a Rust backend encodes in Python, holding the GIL: nothing to overlap.
+    threaded = getattr(tokenizer, "backend_tokenizer", None) is not None
+    pending: tuple[Rendered, Future[Any]] | None = None
+    with (path.open(encoding="utf-8") if path.is_file() else open(os.devnull)) as fh, \
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="wb-tokenise") as pool:
+        for chunk in _chunks(fh, total):
+            rendered = render_batch(chunk, tokenizer, renderer)
+            if threaded:
+                encoding = pool.submit(encode_rendered, tokenizer, rendered)
+            else:
+                encoding = Future()
+                encoding.set_result(encode_rendered(tokenizer, rendered))
+            if pending is not None:
+                finish(*pending)
+            pending = rendered, encoding
+        if pending is not None:
+            finish(*pending)
     bar.close()
     stats.summarised()
     if d.packing:
