@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 import workbench
+from workbench.evaluate import results
 from workbench.procs import of_attempt
 from workbench.reproduce import compare_bundle, pip_freeze, scrub, write_bundle
 from workbench.rundir import RunDir
@@ -137,8 +138,12 @@ def s3_endpoint():
 def test_upload_to_s3_then_resume_into_an_empty_run_directory(s3_endpoint):
     import s3fs
 
+    # Evaluation off: nothing here reads scores, and each end-of-run scoring (twice: both
+    # attempts) cost the suite time. It also makes this the run that checks "eval off" (it has
+    # a validation split, so the default would have scored it): nothing scored, ever.
     job = workbench.launch({"name": "s3", "train": {"max_steps": 20, "lr": 3e-3},
-                            "checkpoint": {"every_steps": 10, "storage": "s3://runs/wb"}})
+                            "checkpoint": {"every_steps": 10, "storage": "s3://runs/wb"},
+                            "eval": {"before": False, "after": False}})
     assert job.wait(timeout=600, progress=False) == "succeeded", job.logs(tail=30)
     assert job.status()["upload"]["state"] == "uploaded"
     fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_endpoint["AWS_ENDPOINT_URL"]})
@@ -150,6 +155,7 @@ def test_upload_to_s3_then_resume_into_an_empty_run_directory(s3_endpoint):
     assert job.wait(timeout=600, progress=False) == "succeeded", job.logs(tail=30)
     assert "fetched step-20" in job.logs(tail=None, name="supervisor.log")
     assert "resuming from step-20" in job.logs(tail=None, name="rank-0.log")
+    assert not (job.run_dir.path / results.FILE).exists()  # eval off: nothing scored
     assert job.status()["step"] == 30
 
 
