@@ -129,6 +129,9 @@ def load_split(rd: RunDir, split: str, tokenizer: Any, spec: RunSpec) -> Any:
     return rows
 
 
+_DIST_ENV = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def training_arguments(spec: RunSpec, rd: RunDir, has_eval: bool, args_class: type | None = None,
                        **extra: Any) -> Any:
     """The Trainer's arguments (``args_class``: a TRL config, with its ``extra`` knobs)."""
@@ -148,6 +151,13 @@ def training_arguments(spec: RunSpec, rd: RunDir, has_eval: bool, args_class: ty
     if ds_config is not None:
         clear_stale_extension_locks()
         install_cpu_deepspeed_shim()
+    single = ds_config is None and os.environ.get("WORLD_SIZE", "1") == "1"
+    if single:
+        # One process without DeepSpeed: train as a plain script does. With LOCAL_RANK set the
+        # Trainer would join a process group of one and wrap the model in DDP, which costs
+        # start-up and a gloo all-reduce per step for nothing.
+        for key in _DIST_ENV:
+            os.environ.pop(key, None)
     print(f"strategy: {spec.method.kind} + {parallel.strategy}"
           f"{' (offload optimizer)' if parallel.offload_optimizer else ''}"
           f"{' (offload params)' if parallel.offload_params else ''}", flush=True)
@@ -190,7 +200,7 @@ def training_arguments(spec: RunSpec, rd: RunDir, has_eval: bool, args_class: ty
         save_strategy="no",
         report_to=report_to,
         use_cpu=not cuda,
-        ddp_backend=None if cuda else "gloo",
+        ddp_backend=None if cuda or single else "gloo",
         ddp_find_unused_parameters=False,
         bf16=precision.amp == "bf16",
         fp16=precision.amp == "fp16",
