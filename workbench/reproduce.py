@@ -94,13 +94,38 @@ def _freeze_line(dist: Any, name: str, version: str) -> str:
         return f"{name}=={version}"
     url = str(direct["url"])
     if (direct.get("dir_info") or {}).get("editable"):
-        path = url.removeprefix("file://")
-        return (f"# Editable install with no version control ({name}=={version})\n"
-                f"-e {path}")
+        return _editable_line(url.removeprefix("file://"), name, version)
     vcs = direct.get("vcs_info")
     if isinstance(vcs, dict) and vcs.get("vcs"):
         url = f"{vcs['vcs']}+{url}@{vcs.get('commit_id', '')}"
     return f"{name} @ {url}"
+
+
+def _editable_line(path: str, name: str, version: str) -> str:
+    """An editable install as pip freeze names it: from a git checkout with a remote, that
+    remote at the checkout's commit (what a reproduction needs); else the folder, with pip's
+    comment saying why."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        try:
+            done = subprocess.run(["git", "-C", path, *args], capture_output=True, text=True,
+                                  timeout=10, check=False)
+        except (OSError, subprocess.SubprocessError):
+            return ""
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    if not git("rev-parse", "--is-inside-work-tree"):
+        return f"# Editable install with no version control ({name}=={version})\n-e {path}"
+    remote, commit = git("config", "--get", "remote.origin.url"), git("rev-parse", "HEAD")
+    if not remote or not commit:
+        return f"# Editable Git install with no remote ({name}=={version})\n-e {path}"
+    if remote.startswith("/"):
+        remote = f"file://{remote}"
+    elif "://" not in remote and ":" in remote:  # scp-like user@host:path, as pip rewrites it
+        host, _, where = remote.partition(":")
+        remote = f"ssh://{host}/{where}"
+    return f"-e git+{remote}@{commit}#egg={name}"
 
 
 def write_bundle(rd: RunDir, final_status: dict[str, Any] | None = None) -> Path:

@@ -216,6 +216,10 @@ def supervise(run_dir: str, role: NodeRole = NodeRole(), standby: Ranks | None =
     write = rd.write_status if role.writes_status else _node_log
     bill = AttemptBill(rd, spec, role.writes_status)  # the resources are held from now on
     me = procs.ProcessIdentity.me("supervisor")
+    # Still budget_stopped: nothing resumed it (job.resume() queues it first), so this is a
+    # requeue or a rerun of the batch script. Its budget is spent, however little of the limit
+    # the stop left unbilled: starting the ranks would only bill their start-up.
+    stopped_before = rd.status().get("state") == BUDGET_STOPPED
     if role.writes_status:
         procs.start_attempt(rd, me)  # unless the backend that started us recorded it already
     write(state=RUNNING, supervisor_pid=os.getpid(), host=socket.gethostname(), command=cmd,
@@ -251,7 +255,7 @@ def supervise(run_dir: str, role: NodeRole = NodeRole(), standby: Ranks | None =
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_signal)
     restarts, resumed_from = 0, _newest_committed_step(rd)
-    bill.stopped = bill.spent()  # a budget spent already: no start-up, no step
+    bill.stopped = stopped_before or bill.spent()  # spent already: no start-up, no step
     rc: int | None = None
     since = log_sizes(rd)
     while not bill.stopped:
