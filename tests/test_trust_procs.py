@@ -102,6 +102,28 @@ def test_a_reused_pid_is_judged_dead_and_never_signalled(tmp_path):
     assert not real.alive()  # ended (and reaped): the same identity is now dead
 
 
+def test_a_wall_clock_adjustment_does_not_make_a_live_process_look_gone(monkeypatch):
+    # psutil reports a create time as the boot time from /proc/stat (whole seconds, read again at
+    # every call) plus the process's start ticks. An NTP adjustment moves that boot time by a
+    # second: a rank then judged its live supervisor gone and stopped itself (a CI run's
+    # in-training evaluation failed so, and a stopped endpoint's server was left running).
+    import psutil._pslinux as linux
+
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        recorded = ProcessIdentity.of(sleeper.pid, "supervisor")
+        boot = linux.boot_time()
+        monkeypatch.setattr(linux, "boot_time", lambda: boot + 1.0)  # the clock moved on
+        assert recorded.alive()
+        assert recorded.same(ProcessIdentity.of(sleeper.pid, "supervisor"))
+        # A start that differs by other than whole seconds is another process (a reused PID).
+        assert not dataclasses.replace(recorded, create_time=recorded.create_time + 0.5).alive()
+        assert not dataclasses.replace(recorded, create_time=recorded.create_time - 60.0).alive()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
 def test_a_process_on_another_host_is_reported_unknown_not_failed(tmp_path):
     rd = RunDir(tmp_path / "run").create(RunSpec())
     far = ProcessIdentity("gpu-node-7", 4242, 1.0e9, "supervisor")

@@ -35,6 +35,19 @@ if TYPE_CHECKING:
 
 SUPERVISOR_ENV = "WORKBENCH_SUPERVISOR"  # "PID:CREATE_TIME" of the supervisor, for its ranks
 _TIME_TOLERANCE_S = 0.01  # psutil derives create times from clock ticks: equal within a tick
+# psutil adds the boot time from /proc/stat (whole seconds, re-read at every call) to a process's
+# start ticks. When the wall clock is adjusted (NTP), that boot time moves by whole seconds, and
+# with it every create time seen from then on.
+_BOOT_TIME_SHIFT_S = 2
+
+
+def same_start(seen: float, recorded: float) -> bool:
+    """Do two create times (epoch seconds, as psutil reports them) name the same start? Equal
+    within a clock tick, or apart by the whole seconds a moved boot time adds."""
+    apart = abs(seen - recorded)
+    return apart < _TIME_TOLERANCE_S or (
+        apart <= _BOOT_TIME_SHIFT_S + _TIME_TOLERANCE_S
+        and abs(apart - round(apart)) < _TIME_TOLERANCE_S)
 
 
 def hostname() -> str:
@@ -78,8 +91,8 @@ class ProcessIdentity:
         return self.host == hostname()
 
     def same(self, other: ProcessIdentity) -> bool:
-        return (self.host, self.pid) == (other.host, other.pid) and abs(
-            self.create_time - other.create_time) < _TIME_TOLERANCE_S
+        return (self.host, self.pid) == (other.host, other.pid) and same_start(
+            self.create_time, other.create_time)
 
     def process(self) -> psutil.Process | None:
         """The live process this identity names, or None (ended, reused PID, zombie, elsewhere)."""
@@ -87,7 +100,7 @@ class ProcessIdentity:
             return None
         try:
             proc = psutil.Process(self.pid)
-            if abs(proc.create_time() - self.create_time) >= _TIME_TOLERANCE_S:
+            if not same_start(proc.create_time(), self.create_time):
                 return None  # the PID now belongs to another process
             if proc.status() == psutil.STATUS_ZOMBIE:
                 _reap(self.pid)
