@@ -20,6 +20,7 @@ import os
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from typing import Any
 
 from workbench.errors import CourseError, InsufficientCreditError, RunNotFoundError
@@ -121,6 +122,18 @@ class CourseClient:
         return str(self.request("GET", "export.csv"))
 
 
+def _poll_state(status: Callable[[], dict[str, Any]], done: Callable[[dict[str, Any]], bool],
+                timeout: float | None, poll: float) -> str:
+    """Read ``status`` every ``poll`` seconds until ``done`` says so (or ``timeout``); the state
+    the last read gave."""
+    deadline = None if timeout is None else time.time() + timeout
+    while True:
+        s = status()
+        if done(s) or (deadline is not None and time.time() > deadline):
+            return str(s.get("state"))
+        time.sleep(poll)
+
+
 class CourseJob:
     """A run the course service owns: state, wait and cancel, read through the service."""
 
@@ -139,14 +152,8 @@ class CourseJob:
 
     def wait(self, timeout: float | None = None, poll: float = 2.0) -> str:
         """Until the run ends and its charge is settled (or ``timeout``); the state."""
-        deadline = None if timeout is None else time.time() + timeout
-        while True:
-            s = self.status()
-            if s.get("state") in TERMINAL and s.get("charge") is not None:
-                return str(s["state"])
-            if deadline is not None and time.time() > deadline:
-                return str(s.get("state"))
-            time.sleep(poll)
+        return _poll_state(self.status, lambda s: s.get("state") in TERMINAL
+                           and s.get("charge") is not None, timeout, poll)
 
     def cancel(self) -> str:
         return self.client.stop(self.id)
@@ -191,12 +198,7 @@ class CourseSweep:
 
     def wait(self, timeout: float | None = None, poll: float = 2.0) -> str:
         """Until the sweep ends and its hold is settled (or ``timeout``); the state."""
-        deadline = None if timeout is None else time.time() + timeout
-        while True:
-            s = self.status()
-            if s.get("settled") or (deadline is not None and time.time() > deadline):
-                return str(s.get("state"))
-            time.sleep(poll)
+        return _poll_state(self.status, lambda s: bool(s.get("settled")), timeout, poll)
 
     def cancel(self) -> str:
         return self.client.stop_sweep(self.id)
