@@ -165,3 +165,35 @@ def test_a_sweep_whose_folder_is_gone_is_ended_and_its_hold_released(
     assert (account.charges, account.held, account.balance) == (25, 0, 975)
     view = sweeps.view("ana", "s-1")
     assert view["settled"] and "is gone" in view["note"] and view["charged"] == 25
+
+
+def _valid(space: dict[str, Any]) -> dict[str, Any]:
+    """A spec and space as workbench.sweep() records them."""
+    from workbench.spec import RunSpec
+    from workbench.sweep.space import parse_space
+
+    base = RunSpec.coerce({"name": "s"})
+    return {"spec": base.model_dump(mode="json"),
+            "space": {p.path: p.to_dict() for p in parse_space(space, base)}}
+
+
+def test_a_sweep_whose_controller_keeps_dying_is_ended_not_resumed_forever(
+        sweeps: CourseSweeps, tmp_path: Path) -> None:
+    hold, record = _sweep(sweeps, tmp_path, 300, controller=False, service_resumes=3,
+                          **_valid({"train.lr": [1e-3, 2e-3]}))
+    assert sweeps.settle() == ["s-1"]
+    data = record.read()
+    assert data["state"] == "failed" and "after 3 resumes" in data["error"]
+    assert "controller" not in data and sweeps.ledger.balance("ana") == 1000
+
+
+def test_a_sweep_being_stopped_when_its_controller_died_is_cancelled_not_resumed(
+        sweeps: CourseSweeps, tmp_path: Path) -> None:
+    hold, record = _sweep(sweeps, tmp_path, 300, controller=False,
+                          **_valid({"train.lr": [1e-3, 2e-3]}))
+    record.update_trial(0, run_id="r0", state="succeeded", cost=0.5, released=True)
+    record.write(stop_request="cancel")
+    assert sweeps.settle() == ["r0", "s-1"]
+    data = record.read()
+    assert data["state"] == "cancelled" and "controller" not in data
+    assert sweeps.ledger.balance("ana") == 1000 - 50

@@ -29,11 +29,17 @@ import logging
 import time
 from typing import Any
 
-from workbench.course.desk import SERVICE_ACTOR, SWEEP_QUOTES, CourseDesk, Forbidden
+from workbench.course.desk import (
+    SERVICE_ACTOR,
+    SWEEP_QUOTES,
+    UNRELEASED_SETTLE_S,
+    CourseDesk,
+    Forbidden,
+)
 from workbench.course.ledger import RunHold
 from workbench.errors import CourseError, WorkbenchError
 from workbench.sweep.handle import Sweep
-from workbench.sweep.record import ENDED, FAILED, SweepRecord, controller_alive
+from workbench.sweep.record import CANCELLED, ENDED, FAILED, SweepRecord, controller_alive
 
 # sweep()'s keyword arguments a student may give (target goes in the spec).
 OPTIONS = ("strategy", "trials", "objective", "direction", "budget", "concurrent", "seed",
@@ -172,13 +178,16 @@ class CourseSweeps:
                 if controller_alive(record):
                     continue
                 why = self._cannot_resume(data)
-                if why is None:
+                if data.get("stop_request") == "cancel":  # being stopped, or its stop died
+                    data = self._end(record, data, "it was stopped", state=CANCELLED)
+                elif why is None:
                     record.write(service_resumes=int(data.get("service_resumes") or 0) + 1)
                     Sweep(record).resume()  # its own budget is the hold: it stays within it
                     log.info("sweep %s: its controller was gone; resumed", h.run_id)
                     done.append(f"{h.run_id} resumed")
                     continue
-                data = self._end(record, data, why)
+                else:
+                    data = self._end(record, data, why)
             done += self._release_if_over(h, record, data)
         return done
 
@@ -213,7 +222,8 @@ class CourseSweeps:
             return f"its spec or space is no longer valid ({exc})"
         return None
 
-    def _end(self, record: Any, data: dict[str, Any], why: str) -> dict[str, Any]:
+    def _end(self, record: Any, data: dict[str, Any], why: str,
+             state: str = FAILED) -> dict[str, Any]:
         """End a sweep the service cannot resume: its running trials are cancelled (their bills
         are then charged from their runs) and its record says why."""
         from workbench.jobs import get_job
@@ -226,10 +236,12 @@ class CourseSweeps:
                         job.cancel()
                 except WorkbenchError:  # never registered: nothing ran under it
                     pass
+        if state == CANCELLED:
+            return record.write(state=CANCELLED, ended=time.time())
         error = (f"ended by the course service: {why}; the trials that ran are charged and the "
                  "rest of the hold is released")
         log.warning("sweep %s %s", record.id, error)
-        return record.write(state=FAILED, ended=time.time(), error=error)
+        return record.write(state=state, ended=time.time(), error=error)
 
     def _release_if_over(self, h: RunHold, record: Any, data: dict[str, Any]) -> list[str]:
         """Once the sweep has ended and every trial's bill is in, release the rest of its hold.
@@ -289,7 +301,8 @@ class CourseSweeps:
 
 def _final_cost(run_id: str) -> float | None:
     """A trial run's final bill; 0 for a run never registered (nothing ran); None while it has
-    not ended and released its resources yet."""
+    not ended and released its resources yet (a run whose supervisor died before releasing them:
+    what it last billed, once it has been over for UNRELEASED_SETTLE_S, as a launch's)."""
     from workbench.jobs import get_job
     from workbench.rundir import TERMINAL
 
@@ -297,6 +310,8 @@ def _final_cost(run_id: str) -> float | None:
         status = get_job(run_id).status()
     except WorkbenchError:
         return 0.0
-    if status.get("state") in TERMINAL and status.get("released"):
+    ended = status.get("state") in TERMINAL
+    stale = ended and time.time() - float(status.get("ended") or time.time()) > UNRELEASED_SETTLE_S
+    if ended and (status.get("released") or stale):
         return float(status.get("cost") or 0.0)
     return None
