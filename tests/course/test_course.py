@@ -100,6 +100,8 @@ def test_a_students_evaluate_resume_and_deploy_go_through_the_service(
     assert "heldout" in report["table"]
     # 36 CNY a core-hour is 1 fen a second: the charge is at most the seconds the call took.
     assert 0 < report["charge"] <= min(report["hold"], took + 1)
+    # A CPU run is scored on one core of the hub machine; the reply says at what rate.
+    assert report["rate_text"] == "36.00 CNY an hour (one CPU core on local)"
     manual = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()
               if json.loads(line).get("phase") == "manual"]
     assert manual and manual[-1]["task"] == "heldout"
@@ -155,9 +157,13 @@ def test_a_run_or_sweep_over_credit_is_refused_before_it_starts(
 
 
 def _running_trial(record: Path) -> dict[str, Any] | None:
+    """The record once every trial has been launched and one still runs: the controller is then
+    only watching (killed earlier, a trial's launch would wait for the new controller)."""
     data = json.loads(record.read_text())
-    live = [t for t in data["trials"] if t.get("run_id") and not t.get("released")]
-    return data if live and data.get("controller") else None
+    launched = len(data["trials"]) == data["trials_total"] and all(
+        t.get("run_id") for t in data["trials"])
+    live = [t for t in data["trials"] if not t.get("released")]
+    return data if launched and live and data.get("controller") else None
 
 
 def _resumed(record: Path, old_pid: int) -> dict[str, Any] | None:
@@ -190,10 +196,10 @@ def test_a_students_sweep_is_held_whole_and_charged_per_trial(
     assert http("GET", f"{hub['service']}sweeps/{s.id}", hub["tokens"]["b"])[0] == 403
     assert hub["client"]["b"].sweeps() == []
     assert s.id in [x["sweep"] for x in hub["client"]["teacher"].sweeps()]
-    # Its controller dies mid-sweep (a trial launched, not ended): the service resumes it (a new
+    # Its controller dies mid-sweep (its trials launched, not ended): the service resumes it (a new
     # controller process, against the same hold) and each trial is still charged once.
     record = hub["state"] / "home" / "sweeps" / s.id / "sweep.json"
-    first = wait_until("a trial of A's sweep to start", lambda: _running_trial(record), 240,
+    first = wait_until("A's trials to start", lambda: _running_trial(record), 240,
                        hub["log"])
     old = ProcessIdentity.from_dict(first["controller"])
     assert old.signal(signal.SIGKILL), "the recorded controller is not running"

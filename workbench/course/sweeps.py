@@ -165,31 +165,34 @@ class CourseSweeps:
         for h in self.ledger.holds(open_only=True):
             if h.kind != "sweep" or not h.run_dir:
                 continue
-            record = SweepRecord(h.run_dir)
-            if not record.path.exists():
-                done += self._end_without_folder(h)
-                continue
             try:
-                data = record.read()
-            except (OSError, ValueError):  # half-written: the next pass
-                continue
-            done += self._charge_released(h, data)
-            if data.get("state") not in ENDED:
-                if controller_alive(record):
-                    continue
-                why = self._cannot_resume(data)
-                if data.get("stop_request") == "cancel":  # being stopped, or its stop died
-                    data = self._end(record, data, "it was stopped", state=CANCELLED)
-                elif why is None:
-                    record.write(service_resumes=int(data.get("service_resumes") or 0) + 1)
-                    Sweep(record).resume()  # its own budget is the hold: it stays within it
-                    log.info("sweep %s: its controller was gone; resumed", h.run_id)
-                    done.append(f"{h.run_id} resumed")
-                    continue
-                else:
-                    data = self._end(record, data, why)
-            done += self._release_if_over(h, record, data)
+                done += self._settle_one(h, SweepRecord(h.run_dir))
+            except Exception:  # one broken sweep must not stop the others' settling
+                log.exception("settling sweep %s failed; the next pass retries", h.run_id)
         return done
+
+    def _settle_one(self, h: RunHold, record: SweepRecord) -> list[str]:
+        if not record.path.exists():
+            return self._end_without_folder(h)
+        try:
+            data = record.read()
+        except (OSError, ValueError):  # half-written: the next pass
+            return []
+        done = self._charge_released(h, data)
+        if data.get("state") not in ENDED:
+            if controller_alive(record):
+                return done
+            why = self._cannot_resume(data)
+            if data.get("stop_request") == "cancel":  # being stopped, or its stop died
+                data = self._end(record, data, "it was stopped", state=CANCELLED)
+            elif why is None:
+                record.write(service_resumes=int(data.get("service_resumes") or 0) + 1)
+                Sweep(record).resume()  # its own budget is the hold: it stays within it
+                log.info("sweep %s: its controller was gone; resumed", h.run_id)
+                return [*done, f"{h.run_id} resumed"]
+            else:
+                data = self._end(record, data, why)
+        return done + self._release_if_over(h, record, data)
 
     def _charge_released(self, h: RunHold, data: dict[str, Any]) -> list[str]:
         done = []
