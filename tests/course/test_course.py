@@ -31,6 +31,7 @@ from tests.lab.browser import shot
 from workbench.course.client import CourseClient
 from workbench.course.ledger import Ledger
 from workbench.errors import CourseError, InsufficientCreditError
+from workbench.procs import ProcessIdentity
 
 pytestmark = pytest.mark.slow
 # A short run: one CPU process, a few steps. The course prices a CPU core-hour at 36 CNY, so its
@@ -99,6 +100,8 @@ def test_a_students_evaluate_resume_and_deploy_go_through_the_service(
     assert "heldout" in report["table"]
     # 36 CNY a core-hour is 1 fen a second: the charge is at most the seconds the call took.
     assert 0 < report["charge"] <= min(report["hold"], took + 1)
+    # A CPU run is scored on one core of the hub machine; the reply says at what rate.
+    assert report["rate_text"] == "36.00 CNY an hour (one CPU core on local)"
     manual = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()
               if json.loads(line).get("phase") == "manual"]
     assert manual and manual[-1]["task"] == "heldout"
@@ -153,11 +156,30 @@ def test_a_run_or_sweep_over_credit_is_refused_before_it_starts(
     assert [e["kind"] for e in ledger.entries(hub["users"]["b"])] == ["credit"]
 
 
+def _running_trial(record: Path) -> dict[str, Any] | None:
+    """The record once every trial has been launched and one still runs: the controller is then
+    only watching (killed earlier, a trial's launch would wait for the new controller)."""
+    data = json.loads(record.read_text())
+    launched = len(data["trials"]) == data["trials_total"] and all(
+        t.get("run_id") for t in data["trials"])
+    live = [t for t in data["trials"] if not t.get("released")]
+    return data if launched and live and data.get("controller") else None
+
+
+def _resumed(record: Path, old_pid: int) -> dict[str, Any] | None:
+    data = json.loads(record.read_text())
+    ident = data.get("controller") or {}
+    if data.get("service_resumes") and ident.get("pid") not in (None, old_pid):
+        return data
+    return None
+
+
 def test_a_students_sweep_is_held_whole_and_charged_per_trial(
         hub: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """A's kernel: workbench.sweep() over two learning rates runs through the service: one hold
     for the sweep, one charge per trial (its run's final bill, in whole fen up), the rest of the
-    hold released at the end; B cannot see it, the instructor can."""
+    hold released at the end; B cannot see it, the instructor can. Its controller is killed
+    (SIGKILL) while a trial runs: the service resumes the sweep, and no trial is charged twice."""
     import workbench
 
     a, user_a = hub["client"]["a"], hub["users"]["a"]
@@ -174,6 +196,17 @@ def test_a_students_sweep_is_held_whole_and_charged_per_trial(
     assert http("GET", f"{hub['service']}sweeps/{s.id}", hub["tokens"]["b"])[0] == 403
     assert hub["client"]["b"].sweeps() == []
     assert s.id in [x["sweep"] for x in hub["client"]["teacher"].sweeps()]
+    # Its controller dies mid-sweep (its trials launched, not ended): the service resumes it (a new
+    # controller process, against the same hold) and each trial is still charged once.
+    record = hub["state"] / "home" / "sweeps" / s.id / "sweep.json"
+    first = wait_until("A's trials to start", lambda: _running_trial(record), 240,
+                       hub["log"])
+    old = ProcessIdentity.from_dict(first["controller"])
+    assert old.signal(signal.SIGKILL), "the recorded controller is not running"
+    wait_until("the killed controller to be gone", lambda: not old.alive(), 60, hub["log"])
+    resumed = wait_until("the service to resume A's sweep", lambda: _resumed(record, old.pid),
+                         180, hub["log"])
+    assert resumed["service_resumes"] == 1 and resumed["budget"] == first["budget"]
     wait_until("A's sweep to end and settle", lambda: s.status()["settled"], 300, hub["log"])
     view = s.status()
     assert view["state"] == "succeeded", view

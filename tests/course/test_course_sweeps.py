@@ -6,7 +6,9 @@ through the hub is tests/course/test_course.py's."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,6 +17,7 @@ from workbench.course.desk import CourseDesk
 from workbench.course.ledger import Ledger
 from workbench.course.sweeps import CourseSweeps
 from workbench.errors import CourseError, InsufficientCreditError, RunNotFoundError
+from workbench.procs import ProcessIdentity
 from workbench.sweep.record import SweepRecord
 
 
@@ -30,9 +33,14 @@ def sweeps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> CourseSweeps:
     return CourseSweeps(desk)
 
 
-def _sweep(sweeps: CourseSweeps, tmp_path: Path, amount: int) -> tuple[int, SweepRecord]:
+def _sweep(sweeps: CourseSweeps, tmp_path: Path, amount: int, controller: bool = True,
+           **data: Any) -> tuple[int, SweepRecord]:
+    """A sweep record as the runner writes it; ``controller``: this test process stands for its
+    live controller (so the service leaves it to run), else none was ever recorded."""
     record = SweepRecord(tmp_path / "home" / "sweeps" / "s-1").create(
-        {"name": "s", "concurrent": 1, "trials_total": 2, "budget": amount / 100})
+        {"name": "s", "concurrent": 1, "trials_total": 2, "budget": amount / 100, **data})
+    if controller:
+        record.write(controller=ProcessIdentity.me("sweep-controller").to_dict())
     hold = sweeps.ledger.hold("ana", amount, actor="ana")
     sweeps.ledger.attach_run(hold, record.id, str(record.path), kind="sweep")
     return hold, record
@@ -115,9 +123,77 @@ def test_an_instructor_stops_a_students_sweep_and_the_rest_is_released(
     """A sweep whose controller is gone (none recorded here) before any trial ran: the
     instructor's stop marks it cancelled, and the next settle releases the whole hold. (Trials
     with runs are stopped by the sweep's own cancel, tests/test_sweep.py.)"""
-    _sweep(sweeps, tmp_path, 500)
+    _sweep(sweeps, tmp_path, 500, controller=False)
     assert sweeps.ledger.balance("ana") == 500
     assert sweeps.stop("teacher", "s-1") == {"sweep": "s-1", "state": "cancelled"}
     assert sweeps.settle() == ["s-1"]
     account = sweeps.ledger.account("ana")
     assert (account.charges, account.held, account.balance) == (0, 0, 1000)
+
+
+def test_a_sweep_the_service_cannot_resume_is_ended_charged_and_released(
+        sweeps: CourseSweeps, tmp_path: Path) -> None:
+    """Its controller gone and its spec no longer valid (a field this version does not know):
+    the service does not start a controller that would die at once, it ends the sweep, charges
+    the trial that ran and releases the rest, and the sweep's status says why. (The resume of a
+    sweep that can go on is tests/course/test_course.py's, with a real killed controller.)"""
+    hold, record = _sweep(sweeps, tmp_path, 600, controller=False,
+                          spec={"name": "s", "train": {"no_such_knob": 1}},
+                          space={"train.lr": {"choices": [1e-3, 2e-3]}})
+    record.update_trial(0, run_id="r0", state="succeeded", cost=0.3, released=True)
+    record.update_trial(1, run_id="r-never-registered", state="launching", limit=3.0)
+    assert sweeps.settle() == ["r0", "r-never-registered", "s-1"]
+    data = record.read()
+    assert data["state"] == "failed" and "no longer valid" in data["error"]
+    assert "controller" not in data  # no controller was started for it
+    account = sweeps.ledger.account("ana")
+    assert (account.charges, account.held, account.balance) == (30, 0, 970)
+    view = sweeps.view("ana", "s-1")
+    assert view["settled"] and view["state"] == "failed"
+    assert "no_such_knob" in view["error"] and "ended by the course service" in view["error"]
+    assert sweeps.settle() == []
+
+
+def test_a_sweep_whose_folder_is_gone_is_ended_and_its_hold_released(
+        sweeps: CourseSweeps, tmp_path: Path) -> None:
+    hold, record = _sweep(sweeps, tmp_path, 400)
+    record.update_trial(0, run_id="r0", state="succeeded", cost=0.25, released=True)
+    assert sweeps.settle() == ["r0"]
+    shutil.rmtree(record.path)
+    assert sweeps.settle() == ["s-1"]
+    account = sweeps.ledger.account("ana")
+    assert (account.charges, account.held, account.balance) == (25, 0, 975)
+    view = sweeps.view("ana", "s-1")
+    assert view["settled"] and "is gone" in view["note"] and view["charged"] == 25
+
+
+def _valid(space: dict[str, Any]) -> dict[str, Any]:
+    """A spec and space as workbench.sweep() records them."""
+    from workbench.spec import RunSpec
+    from workbench.sweep.space import parse_space
+
+    base = RunSpec.coerce({"name": "s"})
+    return {"spec": base.model_dump(mode="json"),
+            "space": {p.path: p.to_dict() for p in parse_space(space, base)}}
+
+
+def test_a_sweep_whose_controller_keeps_dying_is_ended_not_resumed_forever(
+        sweeps: CourseSweeps, tmp_path: Path) -> None:
+    hold, record = _sweep(sweeps, tmp_path, 300, controller=False, service_resumes=3,
+                          **_valid({"train.lr": [1e-3, 2e-3]}))
+    assert sweeps.settle() == ["s-1"]
+    data = record.read()
+    assert data["state"] == "failed" and "after 3 resumes" in data["error"]
+    assert "controller" not in data and sweeps.ledger.balance("ana") == 1000
+
+
+def test_a_sweep_being_stopped_when_its_controller_died_is_cancelled_not_resumed(
+        sweeps: CourseSweeps, tmp_path: Path) -> None:
+    hold, record = _sweep(sweeps, tmp_path, 300, controller=False,
+                          **_valid({"train.lr": [1e-3, 2e-3]}))
+    record.update_trial(0, run_id="r0", state="succeeded", cost=0.5, released=True)
+    record.write(stop_request="cancel")
+    assert sweeps.settle() == ["r0", "s-1"]
+    data = record.read()
+    assert data["state"] == "cancelled" and "controller" not in data
+    assert sweeps.ledger.balance("ana") == 1000 - 50

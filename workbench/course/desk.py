@@ -161,17 +161,22 @@ class CourseDesk:
 
     def evaluate(self, user: str, run_id: str, tasks: list[str] | None,
                  knobs: dict[str, Any]) -> dict[str, Any]:
-        """Score an ended run in a process of its own, held at one CPU core for ``eval_minutes``
-        and killed at that limit; charged for the seconds it ran."""
+        """Score an ended run in a process of its own, held for ``eval_minutes`` at the rate of
+        where it runs (:func:`~workbench.course.policy.eval_price`: the run's GPUs on its target,
+        else one CPU core) and killed at that limit; charged for the seconds it ran."""
         import subprocess
         import sys
 
+        from workbench.course.policy import eval_price
+        from workbench.jobs import get_job
+
         student = self._student(user)
         h = self._visible(student, run_id)
-        price = self.course.prices.cpu_core_hour
+        price, where = eval_price(self.course, get_job(run_id).spec)
+        rate = f"{self.course.money(self.course.minor(price))} an hour ({where})"
         limit_s = round(self.course.caps.eval_minutes * 60)
         amount = self.course.minor(price * limit_s / 3600)
-        hold_id = self._hold(student, amount, f"evaluate {run_id}")
+        hold_id = self._hold(student, amount, f"evaluate {run_id} at {rate}")
         self.ledger.attach_run(hold_id, run_id, h.run_dir or "", kind="evaluate")
         cmd = ["timeout", "-s", "KILL", str(limit_s), sys.executable, "-m", "workbench.cli",
                "eval", run_id]
@@ -190,9 +195,10 @@ class CourseDesk:
             why = "it ran past the course's eval_minutes" if proc.returncode in (-9, 137) else (
                 proc.stderr.strip().splitlines() or ["no output"])[-1]
             raise CourseError(f"evaluating {run_id} failed ({why}); charged "
-                              f"{self.course.money(used)}")
+                              f"{self.course.money(used)} at {rate}")
         return {"run": run_id, "table": proc.stdout.strip(), "charge": used,
-                "charge_text": self.course.money(used), "hold": amount}
+                "charge_text": self.course.money(used), "hold": amount, "rate": price,
+                "rate_text": rate}
 
     # -- settling --------------------------------------------------------------------------------
     def settle_ended(self) -> list[str]:

@@ -3,6 +3,8 @@
 Whatever a student writes in ``budget`` is replaced: the course's currency and price table price
 every run, and the limit is set later to the hold (:mod:`workbench.course.desk`). A spec over a cap
 is refused with a :class:`~workbench.errors.CourseError` that says which cap and what to change.
+An evaluation is priced the same way, on what ``workbench eval`` holds to score the run
+(:func:`eval_price`).
 """
 
 from __future__ import annotations
@@ -52,3 +54,20 @@ def check_plan(course: Course, plan: Any) -> float:
         raise CourseError(f"the run is planned at {plan.hours:.2f} h; this course allows "
                           f"{course.caps.hours_per_run:g} h per run: train fewer steps")
     return float(plan.cost)
+
+
+def eval_price(course: Course, spec: RunSpec) -> tuple[float, str]:
+    """(price per hour, what it pays for) of scoring a run of ``spec`` where ``workbench eval``
+    scores it: one process on one node of the run's target with the run's GPUs per node (a Slurm
+    run's eval job asks its partition for them; an SSH or local run's process sees its host's
+    cards), else one CPU core. Priced by the course's table through the bill's own formula
+    (:func:`workbench.budget.hourly_price`), as a launch is planned."""
+    from workbench.budget import hourly_price
+
+    one = spec.updated(**{"resources.nodes": 1, "resources.processes_per_node": 1})
+    priced = priced_spec(course, one)
+    price, _ = hourly_price(priced)
+    r = priced.resources
+    what = (f"{r.gpus_per_node} x {r.gpu_type or 'GPU'} on {priced.target}" if r.gpus_per_node
+            else f"one CPU core on {priced.target}")
+    return price, what

@@ -11,7 +11,8 @@ adapter over :class:`~workbench.course.desk.CourseDesk`:
     GET  /runs          own runs (instructors: every run);  GET /runs/RUN  one run
     POST /stop/RUN      students their own runs, instructors any
     POST /resume/RUN    hold what the resumed run may cost, then resume it (body: changes)
-    POST /evaluate/RUN  score an ended run, held at one core for eval_minutes (body: tasks)
+    POST /evaluate/RUN  score an ended run, held for eval_minutes at the rate of where it runs
+                        (the run's GPUs on its target, else one core) (body: tasks)
     POST /deploy        hold an endpoint's first block, then serve (body: runs, name)
     GET  /endpoints     own endpoints (instructors: all);  POST /undeploy/NAME
     POST /sweep         hold the sweep's whole budget, then start it (body: {"spec", "space",
@@ -24,7 +25,8 @@ adapter over :class:`~workbench.course.desk.CourseDesk`:
 
 Every ``SETTLE_EVERY_S`` the service settles ended runs and sweeps' ended trials, including those
 that ended while it was down (the holds and their runs are in the ledger, not in this process),
-and meters endpoints (:class:`~workbench.course.endpoints.EndpointMeter`).
+resumes sweeps whose controller died (or ends those that cannot go on), and meters endpoints
+(:class:`~workbench.course.endpoints.EndpointMeter`).
 
     python -m workbench.course.service STATE_DIR/course.json
 """

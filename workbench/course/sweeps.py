@@ -9,25 +9,46 @@ controller and runs, in the service's WORKBENCH_HOME); this module only owns the
    (402) before anything is written;
 2. the sweep runs with its ``budget`` equal to the hold, so its controller starts a trial only when
    the trial's price fits what is left of it and gives each trial a ``budget.limit`` within it;
-3. :meth:`CourseSweeps.settle` (run by the service every few seconds) charges each trial's final
-   bill against the hold as the trial ends (:meth:`Ledger.charge_trial`), and releases the rest
-   once the sweep has ended or was stopped.
+3. :meth:`CourseSweeps.settle` (run by the service when it starts and every few seconds) charges
+   each trial's final bill against the hold as the trial ends (:meth:`Ledger.charge_trial`), and
+   releases the rest once the sweep has ended or was stopped;
+4. a sweep not ended whose controller is gone (killed, the machine restarted) is resumed by that
+   same pass, against the same hold (the sweep's own resume: charged trials are kept, its budget
+   is still the hold); one that cannot go on (its spec or space no longer valid, or its controller
+   died again after ``SERVICE_RESUMES`` resumes) is ended ``failed`` with the reason in its
+   ``error``, its running trials cancelled and charged their runs' bills, and the rest released.
+   A sweep whose folder is gone is ended the same way, its trials found by their runs' sweep tag
+   and the reason in the ledger's release row.
 
 Students see and stop only their own sweeps; instructors any.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
-from workbench.course.desk import SERVICE_ACTOR, SWEEP_QUOTES, CourseDesk, Forbidden
+from workbench.course.desk import (
+    SERVICE_ACTOR,
+    SWEEP_QUOTES,
+    UNRELEASED_SETTLE_S,
+    CourseDesk,
+    Forbidden,
+)
 from workbench.course.ledger import RunHold
 from workbench.errors import CourseError, WorkbenchError
+from workbench.sweep.handle import Sweep
+from workbench.sweep.record import CANCELLED, ENDED, FAILED, SweepRecord, controller_alive
 
 # sweep()'s keyword arguments a student may give (target goes in the spec).
 OPTIONS = ("strategy", "trials", "objective", "direction", "budget", "concurrent", "seed",
            "pruner", "prune_after")
 COURSE_SET = ("budget.", "resources.")  # space paths the course decides, not the sweep
+# Times the service resumes one sweep whose controller died before it ends it instead (a
+# controller that dies at every start must not be restarted forever).
+SERVICE_RESUMES = 3
+log = logging.getLogger("workbench.course")
 
 
 class CourseSweeps:
@@ -112,13 +133,13 @@ class CourseSweeps:
         return [self._view(h) for h in self.ledger.holds(who) if h.kind == "sweep"]
 
     def _view(self, h: RunHold) -> dict[str, Any]:
-        from workbench.sweep.record import SweepRecord
-
         charged = self.ledger.charged_trials(h.hold_id)
         try:
             data = SweepRecord(h.run_dir or "").read()
-        except (WorkbenchError, OSError, ValueError):
-            data = {"trials": []}
+        except (WorkbenchError, OSError, ValueError):  # its folder is gone: the ledger says why
+            data = {"trials": [], "note": next(
+                (e["note"] for e in self.ledger.entries(h.student)
+                 if e["hold_id"] == h.hold_id and e["kind"] == "release"), None)}
         trials = [{**{k: t.get(k) for k in ("number", "params", "state", "run_id", "cost",
                                             "value", "limit")},
                    "charge": charged.get(t.get("run_id") or "")} for t in data["trials"]]
@@ -131,39 +152,169 @@ class CourseSweeps:
     def stop(self, user: str, sweep_id: str) -> dict[str, Any]:
         """Cancel the sweep (its running trials too); settle() charges them and releases the
         rest once they have ended."""
-        from workbench.sweep.handle import Sweep
-        from workbench.sweep.record import SweepRecord
-
         h = self._visible(user, sweep_id)
         state = Sweep(SweepRecord(h.run_dir or "")).cancel()
         return {"sweep": sweep_id, "state": state}
 
-    # -- settling --------------------------------------------------------------------------------
+    # -- settling ---------------------------------------------------------------------------------
     def settle(self) -> list[str]:
-        """Charge every ended trial of every open sweep hold; release a hold whose sweep ended
-        with every trial's bill in. The ids charged or released."""
-        from workbench.sweep.record import ENDED, SweepRecord
-
-        done = []
+        """Charge every ended trial of every open sweep hold; resume a sweep whose controller
+        died, or end it when it cannot go on; release a hold whose sweep ended with every trial's
+        bill in. The ids charged, resumed or released."""
+        done: list[str] = []
         for h in self.ledger.holds(open_only=True):
             if h.kind != "sweep" or not h.run_dir:
                 continue
             try:
-                data = SweepRecord(h.run_dir).read()
-            except (OSError, ValueError):  # its folder is gone or half-written: the next pass
-                continue
-            for t in data["trials"]:
-                # released: the trial's bill is final (or, its supervisor dead, its whole limit).
-                if t.get("released") and t.get("run_id"):
-                    charge = self.course.minor(float(t.get("cost") or 0.0))
-                    if self.ledger.charge_trial(h.hold_id, t["run_id"], charge,
-                                                actor=SERVICE_ACTOR,
-                                                note=f"sweep {h.run_id} trial {t['number']} run "
-                                                     f"{t['run_id']} {t.get('state')}") is not None:
-                        done.append(t["run_id"])
-            running = [t for t in data["trials"] if t.get("run_id") and not t.get("released")]
-            note = f"sweep {h.run_id} {data.get('state')}: the rest of the hold released"
-            if data.get("state") in ENDED and not running \
-                    and self.ledger.settle(h.hold_id, 0, actor=SERVICE_ACTOR, note=note):
-                done.append(str(h.run_id))
+                done += self._settle_one(h, SweepRecord(h.run_dir))
+            except Exception:  # one broken sweep must not stop the others' settling
+                log.exception("settling sweep %s failed; the next pass retries", h.run_id)
         return done
+
+    def _settle_one(self, h: RunHold, record: SweepRecord) -> list[str]:
+        if not record.path.exists():
+            return self._end_without_folder(h)
+        try:
+            data = record.read()
+        except (OSError, ValueError):  # half-written: the next pass
+            return []
+        done = self._charge_released(h, data)
+        if data.get("state") not in ENDED:
+            if controller_alive(record):
+                return done
+            why = self._cannot_resume(data)
+            if data.get("stop_request") == "cancel":  # being stopped, or its stop died
+                data = self._end(record, data, "it was stopped", state=CANCELLED)
+            elif why is None:
+                record.write(service_resumes=int(data.get("service_resumes") or 0) + 1)
+                Sweep(record).resume()  # its own budget is the hold: it stays within it
+                log.info("sweep %s: its controller was gone; resumed", h.run_id)
+                return [*done, f"{h.run_id} resumed"]
+            else:
+                data = self._end(record, data, why)
+        return done + self._release_if_over(h, record, data)
+
+    def _charge_released(self, h: RunHold, data: dict[str, Any]) -> list[str]:
+        done = []
+        for t in data["trials"]:
+            # released: the trial's bill is final (or, its supervisor dead, its whole limit).
+            if t.get("released") and t.get("run_id") and self._charge(
+                    h, t["run_id"], float(t.get("cost") or 0.0),
+                    f"trial {t['number']} run {t['run_id']} {t.get('state')}"):
+                done.append(t["run_id"])
+        return done
+
+    def _charge(self, h: RunHold, run_id: str, cost: float, what: str) -> bool:
+        return self.ledger.charge_trial(h.hold_id, run_id, self.course.minor(cost),
+                                        actor=SERVICE_ACTOR,
+                                        note=f"sweep {h.run_id} {what}") is not None
+
+    @staticmethod
+    def _cannot_resume(data: dict[str, Any]) -> str | None:
+        """Why a sweep whose controller is gone cannot be resumed, or None when it can."""
+        from workbench.spec import RunSpec
+        from workbench.sweep.space import parse_space
+
+        resumes = int(data.get("service_resumes") or 0)
+        if resumes >= SERVICE_RESUMES:
+            return (f"its controller died again after {resumes} resumes by the course service "
+                    "(see its controller.log)")
+        try:
+            parse_space(data["space"], RunSpec.parse(data["spec"]))
+        except (WorkbenchError, KeyError, TypeError, ValueError) as exc:
+            return f"its spec or space is no longer valid ({exc})"
+        return None
+
+    def _end(self, record: Any, data: dict[str, Any], why: str,
+             state: str = FAILED) -> dict[str, Any]:
+        """End a sweep the service cannot resume: its running trials are cancelled (their bills
+        are then charged from their runs) and its record says why."""
+        from workbench.jobs import get_job
+
+        for t in data["trials"]:
+            if t.get("run_id") and not t.get("released"):
+                try:
+                    job = get_job(t["run_id"])
+                    if not job.done:
+                        job.cancel()
+                except WorkbenchError:  # never registered: nothing ran under it
+                    pass
+        if state == CANCELLED:
+            return record.write(state=CANCELLED, ended=time.time())
+        error = (f"ended by the course service: {why}; the trials that ran are charged and the "
+                 "rest of the hold is released")
+        log.warning("sweep %s %s", record.id, error)
+        return record.write(state=state, ended=time.time(), error=error)
+
+    def _release_if_over(self, h: RunHold, record: Any, data: dict[str, Any]) -> list[str]:
+        """Once the sweep has ended and every trial's bill is in, release the rest of its hold.
+        A trial its (dead) controller never released is charged its run's own final bill."""
+        if data.get("state") not in ENDED:
+            return []
+        done: list[str] = []
+        charged = self.ledger.charged_trials(h.hold_id)
+        unbilled = [t for t in data["trials"] if t.get("run_id") and not t.get("released")
+                    and t["run_id"] not in charged]
+        if unbilled:
+            if controller_alive(record):  # it releases them itself
+                return []
+            for t in unbilled:
+                cost = _final_cost(t["run_id"])
+                if cost is None:
+                    return done  # still stopping: the next pass
+                if self._charge(h, t["run_id"], cost, f"trial {t['number']} run "
+                                                      f"{t['run_id']} (its controller gone)"):
+                    done.append(t["run_id"])
+        note = f"sweep {h.run_id} {data.get('state')}: the rest of the hold released"
+        if data.get("error"):
+            note += f" ({data['error']})"
+        if self.ledger.settle(h.hold_id, 0, actor=SERVICE_ACTOR, note=note):
+            done.append(str(h.run_id))
+        return done
+
+    def _end_without_folder(self, h: RunHold) -> list[str]:
+        """The sweep's folder is gone: its trials are found by their runs' sweep tag, stopped and
+        charged their final bills; then the rest of the hold is released, the ledger saying why."""
+        from workbench.jobs import get_job
+        from workbench.registry import Registry
+
+        done: list[str] = []
+        pending = False
+        for r in Registry().list_runs():
+            try:
+                job = get_job(r.id)
+                if (job.status().get("sweep") or {}).get("id") != h.run_id:
+                    continue
+                if not job.done:
+                    job.cancel()
+            except WorkbenchError:
+                continue
+            cost = _final_cost(r.id)
+            if cost is None:
+                pending = True
+            elif self._charge(h, r.id, cost, f"run {r.id} (its sweep's folder gone)"):
+                done.append(r.id)
+        note = (f"sweep {h.run_id} ended by the course service: its folder {h.run_dir} is gone, so "
+                "it cannot be resumed; its trials' runs are charged and the rest released")
+        if not pending and self.ledger.settle(h.hold_id, 0, actor=SERVICE_ACTOR, note=note):
+            log.warning("%s", note)
+            done.append(str(h.run_id))
+        return done
+
+
+def _final_cost(run_id: str) -> float | None:
+    """A trial run's final bill; 0 for a run never registered (nothing ran); None while it has
+    not ended and released its resources yet (a run whose supervisor died before releasing them:
+    what it last billed, once it has been over for UNRELEASED_SETTLE_S, as a launch's)."""
+    from workbench.jobs import get_job
+    from workbench.rundir import TERMINAL
+
+    try:
+        status = get_job(run_id).status()
+    except WorkbenchError:
+        return 0.0
+    ended = status.get("state") in TERMINAL
+    stale = ended and time.time() - float(status.get("ended") or time.time()) > UNRELEASED_SETTLE_S
+    if ended and (status.get("released") or stale):
+        return float(status.get("cost") or 0.0)
+    return None
