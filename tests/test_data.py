@@ -457,3 +457,47 @@ def test_tokenised_split_keeps_every_row_in_order_across_batches(tmp_path, token
                for labels in table.column("labels").to_pylist()]
     assert trained == expected
     assert (stats.examples, stats.dropped, stats.kept) == (2300, lost, 2300 - lost)
+
+
+
+_LOAD_FAST = r"""
+import json, sys
+from workbench.data.tokenize import load_tokenizer
+from workbench.spec import RunSpec
+
+tok = load_tokenizer(RunSpec.coerce({}), sys.argv[1])
+chat = json.loads(sys.argv[2])
+print(json.dumps({
+    "auto_imported": "transformers.models.auto.tokenization_auto" in sys.modules,
+    "seen": [type(tok).__name__, tok.backend_tokenizer.to_str(), tok.chat_template,
+             tok.bos_token, tok.eos_token, tok.pad_token, tok.pad_token_id,
+             tok(["Repeat 12.", " a  b\tc"])["input_ids"],
+             tok.apply_chat_template(chat, tokenize=False),
+             tok.apply_chat_template(chat[:2], tokenize=False, add_generation_prompt=True)]}))
+"""
+
+
+def test_builtin_tokenizer_is_autotokenizers_without_importing_its_registry(tiny_model,
+                                                                             tokenizer):
+    """Launch loads the built-in model's tokenizer to tokenise; AutoTokenizer's model registry
+    costs ~2 CPU seconds to import, so the built-in one is loaded by its class (in a fresh
+    process: this one has imported the registry), which must be exactly what AutoTokenizer gives
+    (vocabulary, special tokens, template, encodings)."""
+    import subprocess
+    import sys
+
+    from workbench.data.tokenize import ensure_chat_template
+
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there?"},
+            {"role": "assistant", "content": " hello\n"}]
+    out = subprocess.run([sys.executable, "-c", _LOAD_FAST, str(tiny_model), json.dumps(chat)],
+                         check=True, capture_output=True, text=True, timeout=300).stdout
+    got = json.loads(out.splitlines()[-1])
+    ensure_chat_template(tokenizer)  # what load_tokenizer does after loading
+    assert not got["auto_imported"]
+    assert got["seen"] == [
+        type(tokenizer).__name__, tokenizer.backend_tokenizer.to_str(), tokenizer.chat_template,
+        tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token, tokenizer.pad_token_id,
+        tokenizer(["Repeat 12.", " a  b\tc"])["input_ids"],
+        tokenizer.apply_chat_template(chat, tokenize=False),
+        tokenizer.apply_chat_template(chat[:2], tokenize=False, add_generation_prompt=True)]

@@ -19,15 +19,21 @@ dropped by :mod:`workbench.data.tokenized`, never silently lost.
 
 from __future__ import annotations
 
+import json
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+# Packing and the collator live in workbench.data.batches; importable from here as before.
+from workbench.data.batches import IGNORE
+from workbench.data.batches import Collator as Collator
+from workbench.data.batches import pack as pack
 
 if TYPE_CHECKING:
     from workbench.spec import RunSpec
 
-IGNORE = -100
 
 # Used when a base model's tokenizer has no chat template of its own; saved with the artefacts so
 # serving renders prompts exactly as training did.
@@ -41,12 +47,37 @@ FALLBACK_CHAT_TEMPLATE = (
 
 def load_tokenizer(spec: RunSpec, source: str) -> Any:
     """The run's tokenizer from ``source`` (a folder or hub id), with a chat template ensured."""
-    from transformers import AutoTokenizer
+    tok = _builtin_tokenizer(spec, source)
+    if tok is None:
+        from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(source, revision=spec.model.revision,
-                                        trust_remote_code=spec.model.trust_remote_code)
+        tok = AutoTokenizer.from_pretrained(source, revision=spec.model.revision,
+                                            trust_remote_code=spec.model.trust_remote_code)
     ensure_chat_template(tok)
     return tok
+
+
+def _builtin_tokenizer(spec: RunSpec, source: str) -> Any:
+    """A built-in model's tokenizer without AutoTokenizer, or None for any other model.
+
+    The built-in models save a plain ``tokenizers`` file whose class AutoTokenizer resolves to
+    ``TokenizersBackend``; importing that class alone costs a third of importing AutoTokenizer's
+    model registry (about 2 CPU seconds of a launch that tokenises). Other models keep
+    AutoTokenizer, whose choice of class depends on their config.
+    """
+    from workbench.models import is_builtin
+
+    config = Path(source) / "tokenizer_config.json"
+    if not is_builtin(spec.model.id) or not config.is_file():
+        return None
+    if json.loads(config.read_text(encoding="utf-8")).get("tokenizer_class") != \
+            "TokenizersBackend":
+        return None
+    try:
+        from transformers import TokenizersBackend
+    except ImportError:  # a transformers before 5: AutoTokenizer
+        return None
+    return TokenizersBackend.from_pretrained(source)
 
 
 def ensure_chat_template(tokenizer: Any) -> None:
@@ -68,7 +99,7 @@ class Encoded:
 
     @property
     def trainable(self) -> int:
-        return sum(1 for lab in self.labels if lab != IGNORE)
+        return len(self.labels) - self.labels.count(IGNORE)  # list.count: C speed, per example
 
 
 def _render(tokenizer: Any, messages: list[dict[str, str]], **kw: Any) -> str:
@@ -210,17 +241,20 @@ def finish_batch(rendered: Rendered, encoded: tuple[list[_Tokens], list[_Tokens]
     bos = tokenizer.bos_token_id
     for (i, text, spans), tokens in zip(rendered.chats, encoded[0]):
         ids = tokens.ids
-        labels = _labels(ids, tokens, text, spans)
+        labels, first = _labels(ids, tokens, text, spans)
         if len(ids) > max_length and truncation == "keep_response" and len(spans) > 1:
             out[i] = _drop_old_turns(examples[i]["messages"], ids, labels, tokenizer,
                                      renderer, max_length, bos)
             continue
-        out[i] = _truncate(ids, labels, _first_trained(labels), max_length, truncation, bos)
+        out[i] = _truncate(ids, labels, first, max_length, truncation, bos)
     return [e for e in out if e is not None]
 
 
 def _first_trained(labels: list[int]) -> int:
-    return next((k for k, lab in enumerate(labels) if lab != IGNORE), len(labels))
+    for k, lab in enumerate(labels):  # a plain loop: a generator costs twice as much per row
+        if lab != IGNORE:
+            return k
+    return len(labels)
 
 
 def _drop_old_turns(messages: list[dict[str, str]], ids: list[int], labels: list[int],
@@ -245,7 +279,7 @@ def _drop_old_turns(messages: list[dict[str, str]], ids: list[int], labels: list
         text, spans = renderer.render(lead + rest)
         tokens = _encode(tokenizer, [text], False)[0]
         ids = tokens.ids
-        labels = _labels(ids, tokens, text, spans)
+        labels, _ = _labels(ids, tokens, text, spans)
         if len(ids) <= limit:
             break
     head = None
@@ -277,6 +311,14 @@ class _Tokens:
             return (span[0], span[1]) if span else (0, 0)
         a, b = self._offsets[k]  # type: ignore[index]
         return a, b
+
+    def covering(self, i: int, j: int) -> list[int]:
+        """The tokens in ``range(i, j)`` that cover at least one character."""
+        if self._enc is None:
+            return [k for k in range(i, j) if self._ends[k] > self._starts[k]]
+        # The Rust lookup called directly: a method call per token was a third of tokenising.
+        to_chars = self._enc.token_to_chars
+        return [k for k in range(i, j) if (span := to_chars(k)) and span[1] > span[0]]
 
     def first_after(self, pos: int) -> int:
         """Index of the first token that ends after ``pos`` (len(ids) if none)."""
@@ -311,8 +353,11 @@ def _encode(tokenizer: Any, texts: list[str], special: bool) -> list[_Tokens]:
             for t, i, o in zip(texts, enc["input_ids"], enc["offset_mapping"])]
 
 
-def _labels(ids: list[int], tokens: _Tokens, text: str, spans: list[tuple[int, int]]) -> list[int]:
+def _labels(ids: list[int], tokens: _Tokens, text: str,
+            spans: list[tuple[int, int]]) -> tuple[list[int], int]:
+    """The labels of an encoded chat, and the index of its first trained token."""
     labels = [IGNORE] * len(ids)
+    first = len(ids)
     for s, e in spans:
         # From the first token that ends inside the span: a byte-level BPE merges the space a
         # template puts before the answer into the answer's first token, which must be trained.
@@ -323,11 +368,12 @@ def _labels(ids: list[int], tokens: _Tokens, text: str, spans: list[tuple[int, i
             if text[a:b].strip():
                 break
             j -= 1
-        for k in range(i, j):
-            a, b = tokens.chars(k)
-            if b > a:
-                labels[k] = ids[k]
-    return labels
+        trained = tokens.covering(i, j)
+        for k in trained:
+            labels[k] = ids[k]
+        if trained and trained[0] < first:
+            first = trained[0]
+    return labels, first
 
 
 def _truncate(ids: list[int], labels: list[int], first: int, limit: int, mode: str,
@@ -352,60 +398,3 @@ def tokenize_example(example: dict[str, Any], tokenizer: Any, max_length: int,
                      truncation: str = "keep_response") -> dict[str, list[int]]:
     enc = encode_batch([example], tokenizer, max_length, truncation)[0]
     return {"input_ids": enc.input_ids, "labels": enc.labels}
-
-
-def pack(examples: Iterable[dict[str, list[int]]], block: int) -> list[dict[str, list[int]]]:
-    """Padding-free packing: whole examples, in order, into rows of at most ``block`` tokens.
-
-    Each row carries ``position_ids`` that restart at 0 where an example starts: attention uses
-    them as example boundaries (transformers builds a block-diagonal causal mask from them for
-    SDPA/eager, and varlen kernels for flash attention), so no example attends to another, as
-    with TRL's padding-free packing. An example's first token is never a label (it would be
-    predicted from the previous example's last token).
-    """
-    out: list[dict[str, list[int]]] = []
-    row: dict[str, list[int]] = {"input_ids": [], "labels": [], "position_ids": []}
-    for ex in examples:
-        n = len(ex["input_ids"])
-        if row["input_ids"] and len(row["input_ids"]) + n > block:
-            out.append(row)
-            row = {"input_ids": [], "labels": [], "position_ids": []}
-        row["input_ids"] += ex["input_ids"]
-        row["labels"] += [IGNORE] + list(ex["labels"][1:])
-        row["position_ids"] += range(n)
-    if row["input_ids"]:
-        out.append(row)
-    return out
-
-
-class Collator:
-    """Right-pads a batch; labels are padded with -100 so padding never counts in the loss.
-
-    Packed rows (with ``position_ids``, see :func:`pack`) are instead laid end to end in one
-    row without padding or attention mask, as transformers' ``DataCollatorWithFlattening`` does,
-    keeping each example's own positions so attention stays inside it.
-    """
-
-    def __init__(self, pad_token_id: int) -> None:
-        self.pad = pad_token_id
-
-    def __call__(self, batch: list[dict[str, list[int]]]) -> dict[str, Any]:
-        import torch
-
-        if "position_ids" in batch[0]:
-            flat: dict[str, list[int]] = {"input_ids": [], "labels": [], "position_ids": []}
-            for b in batch:
-                flat["input_ids"] += b["input_ids"]
-                flat["labels"] += [IGNORE] + list(b["labels"][1:])
-                flat["position_ids"] += b["position_ids"]
-            return {k: torch.tensor([v], dtype=torch.long) for k, v in flat.items()}
-        n = max(len(b["input_ids"]) for b in batch)
-        ids = torch.full((len(batch), n), self.pad, dtype=torch.long)
-        labels = torch.full((len(batch), n), IGNORE, dtype=torch.long)
-        mask = torch.zeros((len(batch), n), dtype=torch.long)
-        for i, b in enumerate(batch):
-            k = len(b["input_ids"])
-            ids[i, :k] = torch.tensor(b["input_ids"])
-            labels[i, :k] = torch.tensor(b["labels"])
-            mask[i, :k] = 1
-        return {"input_ids": ids, "labels": labels, "attention_mask": mask}
