@@ -143,11 +143,10 @@ def run(only: str | None, out_path: Path) -> dict[str, Any]:
     grid = [c for c in cases(half_b) if only is None or c["case"].startswith(only)]
     for c in grid:
         c["plan_table"] = planned(plan(c["spec"]))
-    done_models: set[str] = set()
-    for c in grid:
-        if c["spec"]["model"]["id"] not in done_models:  # adds the model's hidden size
-            calibrate("local", spec=workbench.RunSpec.coerce(c["spec"]))
-            done_models.add(c["spec"]["model"]["id"])
+    for c in grid:  # every case's step shape (model, method, processes, tokens) is measured
+        t0 = time.time()
+        calibrate("local", spec=workbench.RunSpec.coerce(c["spec"]))
+        c["calibration_s"] = round(time.time() - t0, 2)
     for c in grid:
         c["plan_calibrated"] = planned(plan(c["spec"]))
     results = []
@@ -166,6 +165,7 @@ def run(only: str | None, out_path: Path) -> dict[str, Any]:
                "loadavg_before_after": [round(load0, 2), round(load1, 2)],
                "loaded": max(load0, load1) > 0.5 * (os.cpu_count() or 1) + 0.5,
                "wall_s": round(time.time() - t0, 2), "measured": m,
+               "calibration_s": c["calibration_s"],
                "plan_table": c["plan_table"], "plan_calibrated": c["plan_calibrated"],
                "error_table": errors(c["plan_table"], m),
                "error_calibrated": errors(c["plan_calibrated"], m)}

@@ -91,12 +91,29 @@ def test_a_corrupt_calibration_warns_and_falls_back_to_the_table(home, text):
     assert "not calibrated" in p.clock["basis"]
 
 
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]"])
+def test_a_corrupt_step_measurement_warns_and_falls_back(home, text):
+    table = _step_s()
+    steps = calibration_file("local").with_name("steps-local.json")
+    steps.write_text(text)
+    with pytest.warns(CalibrationWarning, match="step measurement .* cannot be read"):
+        p = plan(SPEC)
+    assert p.clock["step_s"] == pytest.approx(table)
+    assert "real step" not in p.clock["basis"]
+    assert steps.read_text() == text  # nothing is lost: calibrating again replaces it
+
+
 def test_a_real_run_teaches_the_next_plan_and_projects_its_cost_live(home):
     spec = {**SPEC, "budget": {"price_per_cpu_core_hour": 1.0, "limit": 100.0}}
-    calibrate("local")
+    calibrate("local", spec=workbench.RunSpec.coerce(spec))  # this run's own step, measured
     first = plan(spec)
+    assert "from a real step of this model" in first.clock["basis"], first.clock["basis"]
     wide = _wider_model(home)  # another model shape: what the run teaches carries over
     wide_before = plan({**spec, "model": {"id": str(wide)}})
+    # A step measured for this shape is not used for another model, nor for 1 process.
+    assert "real step" not in wide_before.clock["basis"]
+    one = plan({**spec, "resources": {"processes_per_node": 1}})
+    assert "real step" not in one.clock["basis"]
     job = workbench.launch(spec)
     seen: dict = {}
     from workbench.widgets.job_view import JobView
@@ -149,7 +166,16 @@ def test_a_real_run_teaches_the_next_plan_and_projects_its_cost_live(home):
         second.clock["step_s"] / first.clock["step_s"], rel=0.01)
     # The data cache (the run tokenised it) keeps the estimate: not max_length per example.
     assert second.tokens_per_step == pytest.approx(first.tokens_per_step, rel=0.05)
-    assert abs(second.clock["total_s"] - actual) < abs(first.clock["total_s"] - actual)
+    # The first plan (no earlier run) already stands on a measured step and start-up: within a
+    # factor 2.5 of this run's clock, measured minutes apart on the same shared machine (whose
+    # load swings both); the FLOPs model planned steps 3-6x too short here when idle and more
+    # under load. The second plan, corrected from this run, is closer, or as close as one run's
+    # noise allows.
+    assert 1 / 2.5 <= first.clock["step_s"] / measured["step_s"] <= 2.5, (first.clock, measured)
+    assert 1 / 2.5 <= first.clock["total_s"] / actual <= 2.5, (first.clock, actual)
+    assert 1 / 2.5 <= first.cost / status["cost"] <= 2.5, (first.cost, status["cost"])
+    assert abs(second.clock["total_s"] - actual) <= max(abs(first.clock["total_s"] - actual),
+                                                        0.1 * actual)
     out = cli(["plan", "--check", job.id])
     assert "start-up" in out and "step" in out and "succeeded" in out
     # Peak memory per process, as the ranks recorded it, beside the plan's: a peak is at least

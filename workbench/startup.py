@@ -53,12 +53,14 @@ def _cached(spec: RunSpec) -> bool:
 
 
 def startup_estimate(spec: RunSpec, params: float | None = None, rows: int | None = None,
-                     cached: bool | None = None, strategy: str | None = None) -> dict[str, float | None]:
+                     cached: bool | None = None, strategy: str | None = None,
+                     python_s: float | None = None) -> dict[str, float | None]:
     """Seconds per start-up phase: python, download, load, tokenise, strategy (see the module).
 
     ``params``: the model's parameter count (the planner knows it); ``rows``: training rows;
     ``cached``: whether the weights are local (None: look); ``strategy``: the resolved parallel
-    strategy (None: the spec's, with ``auto`` taken as ddp).
+    strategy (None: the spec's, with ``auto`` taken as ddp); ``python_s``: a rank's start as
+    calibration measured it on the target (workbench.plan.stepclock), else PYTHON_S.
     """
     weight_bytes = None if params is None else params * _BYTES_PER_PARAM.get(spec.model.dtype, 2)
     if cached is None:
@@ -68,7 +70,7 @@ def startup_estimate(spec: RunSpec, params: float | None = None, rows: int | Non
         load *= 2
     chosen = strategy or spec.parallel.strategy
     return {
-        "python": PYTHON_S,
+        "python": PYTHON_S if python_s is None else python_s,
         "download": 0.0 if cached else (None if weight_bytes is None
                                         else weight_bytes / DOWNLOAD_BYTES_PER_S),
         "load": load,

@@ -221,7 +221,33 @@ def calibrate(target: str = "local", *, spec: Any = None, dtype: str | None = No
             *(_GPU_HIDDENS if on_gpu else _CPU_HIDDENS), hidden)
     cal = measure_here(target, on_gpu, dtype, hiddens, old)
     store(cal)
+    if spec is not None:  # the run's own step, which the planner prefers (workbench.plan.stepclock)
+        _calibrate_step(target, spec, on_gpu, dtype, cal)
     return cal
+
+
+def _calibrate_step(target: str, spec: Any, on_gpu: bool, dtype: str, cal: Calibration) -> None:
+    from workbench.plan.shape import model_shape
+    from workbench.plan.stepclock import calibrate_step
+    from workbench.plan.timing import estimate_data
+    from workbench.precision import local_device_kind, resolve_precision
+
+    shape = model_shape(spec.model.id, spec.model.revision, spec.model.trust_remote_code)
+    load = resolve_precision(spec.model.dtype, spec.method.kind,
+                             local_device_kind() if on_gpu else "cpu").load_dtype
+    seq = max(1, int(estimate_data(spec).tokens_per_example))  # as the planner times a step
+    calibrate_step(target, spec, shape, seq, dtype, load, on_gpu,
+                   device_key(target, on_gpu, cal.device.get("gpu_type") or ""))
+
+
+def device_key(target: str, on_gpu: bool, gpu_name: str) -> str:
+    """The key the planner groups runs and step measurements of ``target``'s device by."""
+    if on_gpu:
+        return gpu_name
+    if target == "local":
+        ident = device_identity(False)
+        return f"{ident['name']} x{ident['cores']}"
+    return "CPU"  # a remote CPU target: only a measurement made there describes it
 
 
 def measure_here(target: str, on_gpu: bool, dtype: str, hiddens: tuple[int, ...] = (),
@@ -316,14 +342,13 @@ def time_basis(target: str, gpu: Any, on_gpu: bool, dtype: str, hidden: int,
     measured throughput per node."""
     import dataclasses
 
+    key = device_key(target, on_gpu, gpu.name)
     if on_gpu:
         want: dict[str, Any] = {"kind": "gpu", "gpu_type": gpu.name}
-        key = gpu.name
     elif target == "local":
         want = {k: v for k, v in device_identity(False).items() if k in ("kind", "name", "cores")}
-        key = f"{want['name']} x{want['cores']}"
     else:  # a remote CPU target: only a calibration measured there describes it
-        want, key = {"kind": "cpu"}, "CPU"
+        want = {"kind": "cpu"}
     cal = load_calibration(target, want, dtype)
     if cal is None:
         default = {"source": "default", "date": None, "where": None}

@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
-from workbench.budget import KILL_GRACE_S, RELEASE_S, billed_units, check_enforceable, unit_price
+from workbench.budget import billed_units, check_enforceable, unit_price
 from workbench.errors import BudgetError, PlanError, WorkbenchError
 from workbench.gpus import GpuType, get_gpu, gpu_table
 from workbench.plan.memory import (
@@ -133,11 +133,14 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
     # The clock: the target's calibration (else the table), then what earlier runs measured.
     from workbench.plan.calibrate import time_basis
     from workbench.plan.history import FINISH_S, correction
+    from workbench.plan.stepclock import planned as measured_step
 
     tb = time_basis(spec.target, gpu, on_gpu, precision.compute_dtype, shape.hidden,
                     cores=os.cpu_count() or 1)
     time_gpu, device_key = tb.gpu, tb.device_key
-    assumptions.append(tb.line)
+    step_m, import_s, step_line = measured_step(spec, shape, on_gpu, precision.compute_dtype,
+                                                device_key, data.tokens_per_example)
+    assumptions.append(tb.line + step_line)
     shape_key = f"{shape.model_id}:{shape.params}"
     corr = correction(spec.target, device_key, shape_key, spec.method.kind, res.world_size)
     time_scale, startup_scale, finish = (corr.step, corr.startup, corr.finish) if corr else (
@@ -148,10 +151,10 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
     # What the bill counts: cards, or processes on CPU (workbench.budget bills process-core-hours),
     # held from the supervisor's start to its exit, so start-up and release are paid too.
     units = billed_units(spec)
-    model_startup = startup_estimate(spec, params=shape.params)
+    model_startup = startup_estimate(spec, params=shape.params, python_s=import_s)
     startup = {k: (v * startup_scale if v is not None else None) for k, v in model_startup.items()}
     startup_total = sum(v for v in startup.values() if v)
-    startup_h = (startup_total + KILL_GRACE_S + RELEASE_S) / 3600
+    startup_h = (startup_total + finish) / 3600  # held before the first step and after the last
 
     def priced(hours: float | None) -> float | None:
         if hours is None or price is None:
@@ -167,12 +170,17 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
         return stage_memory(estimate_memory(s, st), stage, shape, s.compute_bytes,
                             s.world if st.parallel == "zero3" else 1)
 
+    # A measured step of this run's shape sets the clock; the FLOPs model ranks the strategies.
+    step_x = step_m / step_seconds(s_time, Strategy(spec.method.kind, "ddp", False, False), run
+                                   )[0] if step_m else 1.0
+
     def seconds_of(st: Strategy) -> tuple[float, float]:
         secs, flops = step_seconds(s_time, st, run)
-        return secs * stage_x, flops * stage_x
+        return secs * stage_x * step_x, flops * stage_x
 
     # Validation passes are held and billed like steps (forward only, corrected like them).
-    eval_s = eval_seconds(spec, s_time, run, data.rows, data.tokens_per_example, steps) * stage_x
+    eval_s = eval_seconds(spec, s_time, run, data.rows, data.tokens_per_example,
+                          steps) * stage_x * step_x
     candidates = []
     for st in all_strategies(res.world_size):
         mem = memory_of(st)
