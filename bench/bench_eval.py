@@ -112,7 +112,7 @@ def throughput(ep: Any, workloads: list[tuple[str, Any, str, int]], qa: Path, re
         out[label] = {
             "examples": sides["endpoint"][0]["examples"], "max_new_tokens": new,
             "transformers_batch": local.batch_size, "endpoint_prompts_at_once": remote.concurrency,
-            "endpoint_path": "batched completions" if remote.is_vllm() else "chat requests",
+            "endpoint_path": "vLLM batch requests" if remote.is_vllm() else "chat requests",
             "same_answers": same,
             **{f"{s}_{k}": [r[k] for r in runs] for s, runs in sides.items()
                for k in ("seconds", "tokens", "tokens_per_s", "exact_match", "server_cpu_s",
