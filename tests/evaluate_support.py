@@ -5,7 +5,9 @@ independently of workbench: it reads the two answers out of the prompt and prefe
 says "good" (asked anything else, it answers "moo" about cows). Its ``mode`` makes it
 position-biased (always the first answer), talk nonsense, answer with an HTML page instead of a
 chat completion (``html``), or refuse the first request it gets with HTTP 400 and hold every
-other one until ``release`` is set (``refuse_first``).
+other one until ``release`` is set (``refuse_first``). Like vLLM before 0.32, it says its models are
+``owned_by`` whatever ``owned_by`` holds and has no other POST route than chat completions (404);
+``paths`` lists the POSTs it got.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ class JudgeServer:
     def __init__(self) -> None:
         self.mode = "fair"  # fair | first | nonsense | html | refuse_first
         self.requests: list[str] = []
+        self.paths: list[str] = []
+        self.owned_by = "test"
         self.release = threading.Event()
         self.refused = False  # refuse_first: whether the first request has been refused
         self.held_answered = 0  # refuse_first: held requests answered (after release or 60 s)
@@ -48,10 +52,16 @@ class JudgeServer:
 
             def do_GET(self) -> None:  # /v1/models
                 self._send({"object": "list", "data": [{"id": "judge-1", "object": "model",
-                                                        "created": 0, "owned_by": "test"}]})
+                                                        "created": 0,
+                                                        "owned_by": outer.owned_by}]})
 
             def do_POST(self) -> None:  # /v1/chat/completions
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with lock:
+                    outer.paths.append(self.path)
+                if self.path != "/v1/chat/completions":
+                    self._send({"detail": "Not Found"}, code=404)
+                    return
                 prompt = body["messages"][-1]["content"]
                 with lock:
                     outer.requests.append(prompt)

@@ -131,6 +131,22 @@ def test_endpoint_answers_in_prompt_order_and_stops_at_the_first_refusal(judge_s
         judge_server.mode = "fair"
 
 
+def test_endpoint_without_the_batch_route_is_asked_one_chat_at_a_time():
+    """A server that only offers chat gets chat requests; one that says it is vLLM is asked for
+    a batch first, and when it has no batch route (vLLM before 0.32) the same answers come one
+    chat at a time. Its own server: the shared one may still get a previous test's stragglers."""
+    prompts = [[{"role": "user", "content": q}] for q in ("What does a cow say?", "Two plus two?")]
+    server = JudgeServer()
+    try:
+        assert EndpointSource(server.url).generate(prompts) == ["moo", "I do not know"]
+        assert server.paths == ["/v1/chat/completions"] * 2
+        server.owned_by, server.paths = "vllm", []
+        assert EndpointSource(server.url).generate(prompts) == ["moo", "I do not know"]
+        assert server.paths == ["/v1/chat/completions/batch"] + ["/v1/chat/completions"] * 2
+    finally:
+        server.close()
+
+
 def test_endpoint_that_is_not_openai_compatible_is_a_clear_error(judge_server):
     judge_server.mode = "html"  # e.g. a web server's page: the URL lacks /v1 or is another site
     try:

@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 import workbench
+from tests.waiting import wait_for
 from workbench.assets.teaching import score, teaching_rows
 from workbench.serve import (
     AdapterNotFoundError,
@@ -196,15 +197,24 @@ def test_chat_widget_streams_a_conversation(servers):
 
 def test_evaluate_through_vllm_scores_as_transformers_and_judges(servers, trained, tmp_path):
     """workbench.evaluate on an endpoint: its greedy heldout answers are transformers + peft's,
-    so the scores are the same, whether the requests go together or one by one; the other
-    server as a judge answers every comparison, in both orders, and each verdict is counted once
-    (a tiny model's verdicts may well be nonsense)."""
+    so the scores are the same, whether the prompts go in one batch request (vLLM's access log
+    shows the one request) or one by one; the other server as a judge answers every comparison,
+    in both orders, and each verdict is counted once (a tiny model's verdicts may well be
+    nonsense)."""
     adapter, merged = servers
     qa = tmp_path / "qa.jsonl"
     rows = list(teaching_rows("heldout"))[:12]
     qa.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def posted(path: str) -> int:
+        return adapter.logs(None).count(f'"POST {path} HTTP')
+
+    batches, chats = posted("/v1/chat/completions/batch"), posted("/v1/chat/completions")
     served = workbench.evaluate(endpoint=adapter.name, tasks=["heldout"], file=qa,
                                 max_new_tokens=24)
+    wait_for(lambda: posted("/v1/chat/completions/batch") == batches + 1, 30,
+             "the endpoint's log to show the one batch request")
+    assert posted("/v1/chat/completions") == chats
     local = workbench.evaluate(trained.run_dir.adapter_dir, tasks=["heldout"], file=qa,
                                max_new_tokens=24)
     answers = [r["prediction"] for r in served.examples["heldout"]]

@@ -3,7 +3,9 @@
 A source is weights in this process (:class:`TransformersSource`: a base model id or folder, a
 run's adapter/model folder, a snapshot folder, or the live model of a training run) or an
 OpenAI-compatible endpoint (:class:`EndpointSource`: a Workbench endpoint name or any URL).
-Both answer chat prompts greedily, so their scores are comparable.
+Both answer chat prompts greedily, so their scores are comparable. A vLLM server gets a batch of
+prompts as ONE request (its /v1/chat/completions/batch: the same rendering and sampling as its chat
+completions, less work per prompt); any other server gets one chat completion per prompt.
 
     >>> src = open_weights("builtin:tiny-llama")                        # doctest: +SKIP
     >>> src.generate([[{"role": "user", "content": "What does a cow say?"}]])  # doctest: +SKIP
@@ -23,9 +25,10 @@ from typing import Any
 from workbench.errors import EvalError, JudgeError
 
 Messages = list[dict[str, str]]
-# Requests an EndpointSource keeps in flight. vLLM batches the requests it holds (continuous
-# batching), so an evaluation's prompts go out together: 64 is heldout's default max_samples, one
-# batch. A hosted API with tight rate limits may want fewer (``concurrency=``).
+# Prompts an EndpointSource has the server hold at once: chat requests in flight, or
+# conversations per batch request (vLLM). vLLM batches what it holds (continuous batching), so an
+# evaluation's prompts go out together: 64 is heldout's default max_samples, one batch. A hosted
+# API with tight rate limits may want fewer (``concurrency=``).
 CONCURRENCY = 64
 
 
@@ -112,6 +115,8 @@ class EndpointSource:
         self.client = OpenAI(base_url=self.base_url, api_key=api_key or "none", max_retries=1,
                              timeout=timeout)
         self._model = model
+        self.timeout = timeout
+        self._vllm: bool | None = None  # whether the server is vLLM, asked once (/v1/models)
         if concurrency < 1:
             raise EvalError(f"concurrency {concurrency}: give at least 1 request in flight")
         self.concurrency = concurrency
@@ -154,10 +159,63 @@ class EndpointSource:
                          f"completion ({str(reply)[:200]!r}); give the base URL of an "
                          "OpenAI-compatible server, ending in /v1")
 
+    def is_vllm(self) -> bool:
+        """Whether the server is vLLM: its /v1/models says ``owned_by: vllm`` (a GET, so a server
+        that only offers chat sees nothing else)."""
+        if self._vllm is None:
+            listed = self._call(lambda: self.client.models.list().data)
+            self._vllm = bool(listed) and all(getattr(m, "owned_by", None) == "vllm"
+                                              for m in listed)
+        return self._vllm
+
     def generate(self, prompts: Sequence[Messages], max_new_tokens: int = 32) -> list[str]:
-        """Greedy answers, in the order of ``prompts``, with up to ``concurrency`` requests in
-        flight (the server batches them); the first failure is raised and no more are sent."""
+        """Greedy answers, in the order of ``prompts``. A vLLM server gets them ``concurrency``
+        at a time in one batch request (:meth:`_batched`); any other server, or a vLLM without
+        the batch route, gets chat requests, up to ``concurrency`` in flight."""
         _ = self.model  # resolve the model name (and reachability) once, before the threads
+        if prompts and self.is_vllm():
+            answers = self._batched(prompts, max_new_tokens)
+            if answers is not None:
+                return answers
+        return self._chats(prompts, max_new_tokens)
+
+    def _batched(self, prompts: Sequence[Messages], max_new_tokens: int) -> list[str] | None:
+        """``concurrency`` conversations per request to vLLM's /v1/chat/completions/batch: the
+        same chat rendering and sampling as its chat completions, one HTTP request, one JSON
+        answer and one request's handling for a whole batch instead of one per prompt. None
+        when the server lacks the route (vLLM before 0.32): the caller asks one by one."""
+        import httpx
+
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        out: list[str] = []
+        with httpx.Client(timeout=self.timeout, headers=headers) as http:
+            for i in range(0, len(prompts), self.concurrency):
+                chunk = list(prompts[i:i + self.concurrency])
+                try:
+                    r = http.post(f"{self.base_url}/chat/completions/batch", json={
+                        "model": self.model, "messages": chunk, "temperature": 0.0,
+                        "max_tokens": max_new_tokens})
+                except httpx.HTTPError as exc:
+                    raise JudgeError(f"cannot reach {self.base_url} ({exc}); check the URL and "
+                                     "that the server is running (`workbench endpoints`)") from None
+                if r.status_code in (404, 405) and not out:
+                    return None
+                if r.status_code != 200:
+                    raise JudgeError(f"{self.base_url} refused the request: HTTP {r.status_code} "
+                                     f"{r.text[:300]}; check the model name and the API key")
+                try:
+                    texts = {c["index"]: c["message"]["content"] for c in r.json()["choices"]}
+                except (ValueError, KeyError, TypeError):
+                    texts = {}
+                if sorted(texts) != list(range(len(chunk))):
+                    raise JudgeError(f"{self.base_url} answered a batch of {len(chunk)} "
+                                     f"conversations with {r.text[:200]!r}; is it vLLM?")
+                out += [(texts[j] or "").strip() for j in range(len(chunk))]
+        return out
+
+    def _chats(self, prompts: Sequence[Messages], max_new_tokens: int) -> list[str]:
+        """One chat request per prompt, up to ``concurrency`` in flight (the server batches
+        them); the first failure is raised and no more are sent."""
         pool = ThreadPoolExecutor(max(1, min(self.concurrency, len(prompts))))
         futures = [pool.submit(self.chat, m, max_new_tokens) for m in prompts]
         try:
