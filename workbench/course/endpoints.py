@@ -222,7 +222,7 @@ class EndpointMeter:
 
     # -- views -----------------------------------------------------------------------------------
     def view(self, name: str) -> dict[str, Any]:
-        from workbench.serve.endpoint import refresh_state
+        from workbench.serve.endpoint import LIVE_STATES, Endpoint, refresh_state
 
         holds = [h for h in self.ledger.holds() if h.kind == "endpoint" and h.run_id == name]
         out: dict[str, Any] = {"name": name, "student": holds[0].student if holds else None,
@@ -233,6 +233,13 @@ class EndpointMeter:
         except EndpointNotFoundError:
             return out
         out.update(state=record.state, url=record.url)
+        if record.state in LIVE_STATES:
+            # Where the hub machine, and so a student's kernel, reaches it: an SSH host's port
+            # through the service's tunnel (on loopback), a Slurm node at its address.
+            try:
+                out["url"] = Endpoint(record).url
+            except WorkbenchError:
+                pass  # unreachable for now: where it listens is all there is to say
         try:
             out["stopped_because"] = json.loads(
                 (Path(record.endpoint_dir) / STOP_FILE).read_text())["reason"]
