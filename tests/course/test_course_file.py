@@ -52,11 +52,22 @@ def test_init_writes_private_files_the_hub_can_load(tmp_path: Path) -> None:
     assert load_course(state / "course.json").students == ["ana", "ben"]
 
 
+def test_endpoints_are_served_on_the_hub_unless_the_course_names_one_of_its_targets(
+        tmp_path: Path) -> None:
+    assert load_course(_course(tmp_path)).serve_target == "local"
+    course = load_course(_course(tmp_path, targets=["local", "slurm:gpu"],
+                                 serve_target="slurm:gpu"))
+    assert course.serve_target == "slurm:gpu"
+
+
 @pytest.mark.parametrize("over, words", [
     ({"students": ["t"]}, "both instructor and student"),
     ({"credits": {"eve": 3}}, "not in students"),
     ({"caps": {"gpus_per_run": -1}}, "caps.gpus_per_run"),
     ({"pricez": {}}, "pricez"),
+    # Endpoints are served only where the course's runs may go (or on the hub machine).
+    ({"targets": ["local", "ssh:lab"], "serve_target": "slurm:gpu"},
+     "serve_target 'slurm:gpu' is not one of the course's targets"),
 ])
 def test_bad_course_files_name_the_problem(tmp_path: Path, over: dict, words: str) -> None:
     with pytest.raises(CourseError, match=words):

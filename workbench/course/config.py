@@ -12,6 +12,7 @@ A course file names the people, the money and the limits of one class::
     caps: {concurrent_runs: 1, gpus_per_run: 1, hours_per_run: 2, endpoints: 1}
     idle_minutes: 30                  # idle endpoints and students' servers are stopped
     targets: [local]                  # what students may launch on
+    serve_target: local               # where endpoints are served: local (the hub) or a target
     state_dir: /srv/workbench-course  # only the service's user reads it: ledger, runs, prices
 
 ``init`` resolves it into ``STATE_DIR/course.json`` (what the service reads) and
@@ -83,6 +84,9 @@ class Course(_Strict):
     prices: Prices = Field(default_factory=Prices)
     caps: Caps = Field(default_factory=Caps)
     targets: list[str] = Field(default_factory=lambda: ["local"])
+    # Where students' endpoints are served: the hub machine, or one of ``targets`` (an SSH host,
+    # a Slurm partition), through workbench.serve.deploy(target=...).
+    serve_target: str = "local"
     state_dir: str = "/srv/workbench-course"
     database: str | None = None  # a SQLAlchemy URL; None: sqlite in state_dir
     hub: Hub = Field(default_factory=Hub)
@@ -96,6 +100,10 @@ class Course(_Strict):
         unknown = set(self.credits) - set(self.students)
         if unknown:
             raise ValueError(f"credits names {sorted(unknown)}, who are not in students")
+        if self.serve_target != "local" and self.serve_target not in self.targets:
+            raise ValueError(f"serve_target {self.serve_target!r} is not one of the course's "
+                             f"targets ({', '.join(self.targets)}); add it to targets or serve "
+                             "on the hub machine (serve_target: local)")
         return self
 
     # -- derived ---------------------------------------------------------------------------------

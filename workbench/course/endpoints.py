@@ -1,14 +1,20 @@
 """Course endpoints: a student's deploy paid block by block from their credit, stopped when the
 credit runs out or nobody uses it.
 
-An endpoint's time is held in blocks of ``endpoint_hold_minutes`` at ``prices.endpoint_hour``.
-The first block is held before the server starts (402 when the credit is short: nothing starts).
+An endpoint runs on the course's ``serve_target`` (the hub machine, an SSH host or a Slurm
+partition), started by :func:`workbench.serve.deploy` like any other, and everything the meter
+reads or does to it goes through that serve target (:attr:`Endpoint.serve_target`): whether it is
+alive, its guard's files, its /metrics (through a tunnel where needed), stopping it. Its time is
+held in blocks of ``endpoint_hold_minutes`` at ``prices.endpoint_hour`` (per endpoint, wherever it
+runs). The first block is held before the server starts (402 when the credit is short: nothing
+starts).
 :meth:`EndpointMeter.tick` (run by the service every few seconds) holds the next block shortly
 before the current one ends; when that hold is refused the endpoint is stopped at once, so it
 never runs on time nobody paid for. A block is charged in full once its time has passed; the
 block in which the endpoint stopped is charged for the seconds it was up (until the guard's
-exit.json, else until the meter saw it gone: never less than it used). An endpoint with no
-request running or finished for ``idle_minutes`` (read from vLLM's /metrics) is stopped too.
+exit.json, read where the server ran, else until the meter saw it gone: never less than it
+used). An endpoint with no request running or finished for ``idle_minutes`` (read from vLLM's
+/metrics) is stopped too.
 """
 
 from __future__ import annotations
@@ -22,7 +28,12 @@ from typing import Any
 
 from workbench.course.desk import SERVICE_ACTOR, CourseDesk, Forbidden
 from workbench.course.ledger import RunHold
-from workbench.errors import CourseError, EndpointNotFoundError, InsufficientCreditError
+from workbench.errors import (
+    CourseError,
+    EndpointNotFoundError,
+    InsufficientCreditError,
+    WorkbenchError,
+)
 
 RENEW_AHEAD_S = 30.0  # the next block is held this long before the current one ends
 STOP_FILE = "course_stop.json"  # why the course stopped an endpoint, in its folder
@@ -55,7 +66,8 @@ class EndpointMeter:
     # -- deploying -------------------------------------------------------------------------------
     def deploy(self, user: str, runs: list[str], name: str | None = None,
                options: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Hold the first block, then serve the student's ``runs`` on one local endpoint."""
+        """Hold the first block, then serve the student's ``runs`` on one endpoint on the
+        course's serve target."""
         from workbench.jobs import get_job
         from workbench.serve import deploy
         from workbench.serve.endpoint import endpoints_dir
@@ -86,7 +98,7 @@ class EndpointMeter:
                 self._starting.add(name)
         try:
             ep = deploy(*[get_job(r) for r in runs], name=name, keep=True, progress=False,
-                        **options)
+                        target=self.course.serve_target, **options)
         except BaseException:
             self.ledger.settle(hold_id, min(amount, self.course.minor(
                 price * (time.time() - started) / 3600)), actor=SERVICE_ACTOR,
@@ -160,8 +172,12 @@ class EndpointMeter:
         return ended
 
     def _ended_at(self, name: str) -> float | None:
-        """When the endpoint stopped, if it has; None while it is up."""
+        """When the endpoint stopped, if it has; None while it is up. The time is the one in
+        its guard's exit.json, read where the server ran; now (when the meter saw it gone) if
+        that cannot be read."""
         from workbench.serve.endpoint import LIVE_STATES, refresh_state
+        from workbench.serve.remote import close_tunnel
+        from workbench.serve.targets import get_serve_target
 
         try:
             record = refresh_state(name)
@@ -169,10 +185,11 @@ class EndpointMeter:
             return time.time()  # never registered: its deploy died with the service
         if record.state in LIVE_STATES:
             return None
+        close_tunnel(record.endpoint_dir)  # the meter's own tunnel to it, if one was opened
         try:
-            exit_info = json.loads((Path(record.endpoint_dir) / "exit.json").read_text())
+            exit_info = json.loads(get_serve_target(record.target).read(record, "exit.json"))
             return float(exit_info["time"])
-        except (OSError, ValueError, KeyError, TypeError):
+        except (WorkbenchError, ValueError, KeyError, TypeError):
             return time.time()
 
     def _idle_s(self, name: str, now: float) -> float:
@@ -205,7 +222,7 @@ class EndpointMeter:
 
     # -- views -----------------------------------------------------------------------------------
     def view(self, name: str) -> dict[str, Any]:
-        from workbench.serve.endpoint import refresh_state
+        from workbench.serve.endpoint import LIVE_STATES, Endpoint, refresh_state
 
         holds = [h for h in self.ledger.holds() if h.kind == "endpoint" and h.run_id == name]
         out: dict[str, Any] = {"name": name, "student": holds[0].student if holds else None,
@@ -216,6 +233,13 @@ class EndpointMeter:
         except EndpointNotFoundError:
             return out
         out.update(state=record.state, url=record.url)
+        if record.state in LIVE_STATES:
+            # Where the hub machine, and so a student's kernel, reaches it: an SSH host's port
+            # through the service's tunnel (on loopback), a Slurm node at its address.
+            try:
+                out["url"] = Endpoint(record).url
+            except WorkbenchError:
+                pass  # unreachable for now: where it listens is all there is to say
         try:
             out["stopped_because"] = json.loads(
                 (Path(record.endpoint_dir) / STOP_FILE).read_text())["reason"]
@@ -230,13 +254,15 @@ class EndpointMeter:
 
 
 def _requests_seen(name: str) -> tuple[float, float] | None:
-    """(requests finished, requests running) from vLLM's Prometheus /metrics; None: no
-    reading (starting, stopped or not answering)."""
-    from workbench.serve.endpoint import refresh_state
+    """(requests finished, requests running) from vLLM's Prometheus /metrics, reached through
+    the endpoint's serve target (an SSH tunnel, a Slurm node's address); None: no reading
+    (starting, stopped or not answering)."""
+    from workbench.serve.endpoint import get_endpoint
 
     try:
-        url = refresh_state(name).url
-        with urllib.request.urlopen(f"{url}/metrics", timeout=3) as resp:
+        ep = get_endpoint(name)
+        req = urllib.request.Request(f"{ep.url}/metrics", headers=ep._headers())
+        with urllib.request.urlopen(req, timeout=3) as resp:
             text = resp.read().decode("utf-8", "replace")
     except Exception:
         return None
