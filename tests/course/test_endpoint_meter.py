@@ -146,3 +146,51 @@ def test_an_idle_endpoint_is_stopped_and_charged_the_seconds_it_was_up(
     account = meter.ledger.account("ana")
     assert account.held == 0 and account.charges == 60 + 31 and account.balance == 500 - 91
     assert [e["amount"] for e in meter.ledger.entries("ana") if e["kind"] == "hold"] == [60] * 3
+
+
+def test_a_student_chats_with_an_endpoint_that_wants_its_key(course_home: dict) -> None:
+    """An endpoint off the hub machine (a Slurm node's server) answers only requests with its API
+    key: the owner's view carries the key and CourseEndpoint.chat sends it. The chat server here
+    is a stand-in that checks the key (vLLM's own check is tested in tests/remote)."""
+    import http.server
+    import threading
+
+    from workbench.course.client import CourseEndpoint
+    from workbench.errors import CourseError
+
+    folder = course_home["serve"]("ana-key")
+    (folder / "api_key").write_text("s3cret-key\n")
+    meter = _meter(course_home["root"], credit=5)
+    _deployed(meter, "ana-key", folder, since=time.time())
+    view = meter.view("ana-key")
+    assert view["api_key"] == "s3cret-key"
+
+    class Chat(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if self.headers.get("Authorization") != "Bearer s3cret-key":
+                self.send_response(401)
+                self.end_headers()
+                return
+            answer = {"choices": [{"message": {"content": f"echo {body['messages'][0]['content']}"}}]}
+            raw = json.dumps(answer).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Chat)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        ep = CourseEndpoint(None, "ana-key", {**view, "url": url})  # type: ignore[arg-type]
+        assert ep.chat("hello") == "echo hello"
+        keyless = CourseEndpoint(None, "ana-key", {"url": url, "models": ["m"]})  # type: ignore[arg-type]
+        with pytest.raises(CourseError, match="refused the chat .401"):
+            keyless.chat("hello")
+    finally:
+        server.shutdown()
+        server.server_close()

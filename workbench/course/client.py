@@ -230,11 +230,18 @@ class CourseEndpoint:
     def chat(self, message: str, model: str | None = None, max_tokens: int = 64) -> str:
         body = {"model": model or (self.view.get("models") or [""])[-1], "max_tokens": max_tokens,
                 "temperature": 0.0, "messages": [{"role": "user", "content": message}]}
+        headers = {"Content-Type": "application/json"}
+        if self.view.get("api_key"):  # an endpoint off the hub machine (a Slurm node) wants it
+            headers["Authorization"] = f"Bearer {self.view['api_key']}"
         req = urllib.request.Request(f"{self.url}/v1/chat/completions", method="POST",
-                                     data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            return str(json.loads(resp.read())["choices"][0]["message"]["content"])
+                                     data=json.dumps(body).encode(), headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                return str(json.loads(resp.read())["choices"][0]["message"]["content"])
+        except urllib.error.HTTPError as exc:
+            raise CourseError(f"endpoint {self.name} refused the chat ({exc.code} {exc.reason}): "
+                              "refresh it (ep.refresh()) and ask again; if it persists, ask "
+                              "an instructor") from exc
 
     def stop(self) -> str:
         self.view = self.client.undeploy(self.name)

@@ -236,10 +236,13 @@ class EndpointMeter:
         if record.state in LIVE_STATES:
             # Where the hub machine, and so a student's kernel, reaches it: an SSH host's port
             # through the service's tunnel (on loopback), a Slurm node at its address.
+            ep = Endpoint(record)
             try:
-                out["url"] = Endpoint(record).url
+                out["url"] = ep.url
             except WorkbenchError:
                 pass  # unreachable for now: where it listens is all there is to say
+            if ep.api_key:  # a server off the hub machine takes requests with its key only;
+                out["api_key"] = ep.api_key  # views go to the endpoint's student and instructors
         try:
             out["stopped_because"] = json.loads(
                 (Path(record.endpoint_dir) / STOP_FILE).read_text())["reason"]
