@@ -5,9 +5,10 @@ In the run, global rank 0 scores the live weights while every other rank waits a
 pass is ``before`` (once), every ``every_steps`` (the last step is left to ``after``) and
 ``after``; per task (:mod:`workbench.evaluate.runner`):
 
-- ``heldout``: greedy generate of ``min(max_samples, examples)`` prompts in batches of the
-  micro-batch (the callback's :class:`~workbench.evaluate.sources.TransformersSource`), up to
-  ``max_new_tokens`` each; an answer may stop early, the plan counts the worst case;
+- ``heldout``: the metric libraries' import, once in the run, and greedy generate of
+  ``min(max_samples, examples)`` prompts in batches of the micro-batch (the callback's
+  :class:`~workbench.evaluate.sources.TransformersSource`), up to ``max_new_tokens`` each; an
+  answer may stop early, the plan counts the worst case;
 - ``judge``: the same generation twice (the tuned answers and the base model's, with the adapter
   off or the base loaded), plus the judge's own answers, which an external endpoint gives and the
   plan cannot time;
@@ -31,6 +32,9 @@ from typing import Any
 
 DECODE_EFFICIENCY = 0.1  # decoding's share of the training FLOPs rate, without a measurement
 PERPLEXITY_MAX_TOKENS = 1024  # workbench.evaluate.perplexity.run's max_length
+# heldout's first metrics call in a process (sacrebleu and rouge-score imported), without a
+# measurement: 1.7 s measured on a loaded 2-core host.
+METRICS_S = 1.5
 
 
 @dataclass
@@ -97,6 +101,7 @@ def scoring_seconds(spec: Any, shape: Any, *, on_gpu: bool, dtype: str, device: 
     if m is not None and m.gen_prefill_s and m.gen_token_s:
         # Prefill is linear in the prompt's tokens, like the step in the example's.
         prefill, per_token = m.gen_prefill_s * prompt / m.seq, m.gen_token_s
+        metrics = m.metrics_s or METRICS_S
         basis = (f"a generate call of this model measured here ({m.seq}-token prompts x {batch}: "
                  f"prefill {m.gen_prefill_s:.3g} s, {m.gen_token_s:.3g} s per new token)")
     else:
@@ -105,6 +110,7 @@ def scoring_seconds(spec: Any, shape: Any, *, on_gpu: bool, dtype: str, device: 
         per_seq_token = _forward_flops_per_token(shape, int(prompt))
         prefill = batch * prompt * per_seq_token / rate
         per_token = batch * per_seq_token / (rate * DECODE_EFFICIENCY)
+        metrics = METRICS_S
         basis = (f"FLOPs at the clock's rate, decoding assumed at {DECODE_EFFICIENCY:.0%} of it "
                  "(no generate call measured: calibrate the target with this spec)")
     one_pass, parts, not_estimated = 0.0, [], []
@@ -130,6 +136,10 @@ def scoring_seconds(spec: Any, shape: Any, *, on_gpu: bool, dtype: str, device: 
                             if task.kind == "judge" else ""))
         one_pass += secs
     total = one_pass * n_pass
+    if n_pass and any(t.kind == "heldout" for t in ev.tasks) and any(
+            p.startswith("heldout") for p in parts):
+        total += metrics  # once: rank 0 imports the metric libraries at its first pass
+        parts.append(f"heldout's metrics {metrics:.2g} s once")
     line = (f"scoring (eval:, rank 0 while the others wait, held and billed): {total:.3g} s = "
             f"{n_pass} pass(es) x {one_pass:.3g} s ({'; '.join(parts) or 'nothing timed'}), "
             f"every answer at its full max_new_tokens (the worst case); from {basis}")

@@ -54,6 +54,8 @@ class StepMeasure:
     # None in files written before scoring was measured: the planner then uses FLOPs.
     gen_prefill_s: float | None = None
     gen_token_s: float | None = None
+    # heldout's first metrics call in a process: importing sacrebleu and rouge-score dominates it.
+    metrics_s: float | None = None
 
     def at(self, seq: float, grad_accum: int) -> float:
         """Seconds per optimizer step at ``seq`` tokens per example (linear in tokens)."""
@@ -107,7 +109,7 @@ def lookup(target: str, key: str, seq: float) -> StepMeasure | None:
         rows = [StepMeasure(**r) for r in raw.get(key, [])]
         for r in rows:
             if not (r.step_s > 0 and 0 < r.fwd_bwd_s <= r.step_s and r.seq > 0) or any(
-                    v is not None and not v > 0 for v in (r.gen_prefill_s, r.gen_token_s)):
+                    v is not None and not v > 0 for v in (r.gen_prefill_s, r.gen_token_s, r.metrics_s)):
                 raise ValueError(f"non-positive or inconsistent times in {r}")
     except (OSError, ValueError, TypeError, AttributeError) as exc:
         warnings.warn(f"step measurement {path} not used: it cannot be read ({exc}); run "
@@ -134,10 +136,10 @@ def store(target: str, m: StepMeasure) -> None:
 
 
 def measure_step(spec: Any, shape: Any, seq: int, dtype: str, load_dtype: str, threads: int,
-                 on_gpu: bool, ranks: int = 1) -> tuple[float, float, float, float, float]:
+                 on_gpu: bool, ranks: int = 1) -> tuple[float, float, float, float, float, float]:
     """(seconds per step, of which forward + backward, a rank's import seconds, a generate call's
-    prefill and per-new-token seconds) of the whole model, fitted on 1 and 2 layers of it,
-    measured in ``ranks`` worker processes at once."""
+    prefill and per-new-token seconds, heldout's first metrics call) of the whole model, fitted
+    on 1 and 2 layers of it, measured in ``ranks`` worker processes at once."""
     import os
     import socket
 
@@ -175,7 +177,8 @@ def measure_step(spec: Any, shape: Any, seq: int, dtype: str, load_dtype: str, t
         outs.append(json.loads(out.strip().splitlines()[-1]))
     # The slowest rank sets the pace of a synchronous step; rank 0 alone scores in the run.
     return (max(o["step_s"] for o in outs), max(o["fwd_bwd_s"] for o in outs),
-            max(o["import_s"] for o in outs), outs[0]["gen_prefill_s"], outs[0]["gen_token_s"])
+            max(o["import_s"] for o in outs), outs[0]["gen_prefill_s"], outs[0]["gen_token_s"],
+            outs[0]["metrics_s"])
 
 
 def _worker() -> None:
@@ -205,8 +208,15 @@ def _worker() -> None:
     fwd_bwd = min(whole, at_n(f1, f2))
     if world > 1:
         torch.distributed.destroy_process_group()
+    t0 = time.perf_counter()
+    from workbench.evaluate.heldout import scores
+
+    scores(["an answer of a few words"] * spec.train.batch_size,
+           ["a reference"] * spec.train.batch_size)
+    metrics_s = time.perf_counter() - t0
     print(json.dumps({"step_s": whole, "fwd_bwd_s": fwd_bwd, "import_s": import_s,
-                      "gen_prefill_s": at_n(p1, p2), "gen_token_s": at_n(d1, d2)}), flush=True)
+                      "gen_prefill_s": at_n(p1, p2), "gen_token_s": at_n(d1, d2),
+                      "metrics_s": metrics_s}), flush=True)
 
 
 def _measure_layers(spec: Any, job: dict[str, Any], layers: int, world: int
@@ -237,16 +247,15 @@ def _measure_layers(spec: Any, job: dict[str, Any], layers: int, world: int
     ids = torch.randint(0, max(2, job["vocab"]), (spec.train.batch_size, job["seq"]), device=dev)
     ctx = (torch.autocast("cuda", dtype=getattr(torch, job["dtype"]))
            if on_gpu and job["dtype"] != job["load_dtype"] else _null())
-    # Scoring runs on the run's model before training changes it: same weights, eval mode.
-    prefill, per_token = _time_generate(model, ids, ctx, on_gpu)
     if spec.train.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    if world > 1:
-        model = torch.nn.parallel.DistributedDataParallel(model)
+    trained = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
     opt = torch.optim.AdamW(params, lr=1e-5)
-    return (*_time_step(model, opt, params, ids, ctx, on_gpu), prefill, per_token)
+    step = _time_step(trained, opt, params, ids, ctx, on_gpu)
+    # After the step, as the run scores after its steps (and so the step is timed as before).
+    return (*step, *_time_generate(model, ids, ctx, on_gpu))
 
 
 def _time_generate(model: Any, ids: Any, ctx: Any, on_gpu: bool) -> tuple[float, float]:
@@ -315,10 +324,10 @@ def calibrate_step(target: str, spec: Any, shape: Any, seq: int, dtype: str, loa
                    on_gpu: bool, device: str) -> StepMeasure:
     """Measure the run's step (and a rank's start) on this machine and store it under its key."""
     ranks = spec.resources.gpus_per_node if on_gpu else spec.resources.procs_per_node
-    whole, fwd_bwd, import_s, prefill, per_token = measure_step(
+    whole, fwd_bwd, import_s, prefill, per_token, metrics_s = measure_step(
         spec, shape, seq, dtype, load_dtype, rank_threads(spec, on_gpu), on_gpu, max(1, ranks))
     m = StepMeasure(run_key(spec, shape, on_gpu, dtype, device), seq, whole, fwd_bwd, import_s,
-                    prefill, per_token)
+                    prefill, per_token, metrics_s)
     store(target, m)
     return m
 
