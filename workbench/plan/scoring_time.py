@@ -136,13 +136,13 @@ def scoring_seconds(spec: Any, shape: Any, *, on_gpu: bool, dtype: str, device: 
                             if task.kind == "judge" else ""))
         one_pass += secs
     total = one_pass * n_pass
-    if n_pass and any(t.kind == "heldout" for t in ev.tasks) and any(
-            p.startswith("heldout") for p in parts):
+    once = ""
+    if n_pass and any(p.startswith("heldout") for p in parts):
         total += metrics  # once: rank 0 imports the metric libraries at its first pass
-        parts.append(f"heldout's metrics {metrics:.2g} s once")
+        once = f" + heldout's metrics {metrics:.2g} s once (their libraries' import)"
     line = (f"scoring (eval:, rank 0 while the others wait, held and billed): {total:.3g} s = "
-            f"{n_pass} pass(es) x {one_pass:.3g} s ({'; '.join(parts) or 'nothing timed'}), "
-            f"every answer at its full max_new_tokens (the worst case); from {basis}")
+            f"{n_pass} pass(es) x {one_pass:.3g} s ({'; '.join(parts) or 'nothing timed'}){once}"
+            f", every answer at its full max_new_tokens (the worst case); from {basis}")
     if not known:
         line += "; every_steps passes not counted (the number of steps is unknown)"
     if not_estimated:
