@@ -176,6 +176,16 @@ def test_a_real_run_teaches_the_next_plan_and_projects_its_cost_live(home):
     assert 1 / 2.5 <= first.cost / status["cost"] <= 2.5, (first.cost, status["cost"])
     assert abs(second.clock["total_s"] - actual) <= max(abs(first.clock["total_s"] - actual),
                                                         0.1 * actual)
+    # The run's own scoring (eval: after, heldout on its validation split), as its eval.jsonl
+    # timed it, against the first plan's scoring from the generate call measured at calibration:
+    # within 3x (a loaded machine; the plan counts every answer at its full length).
+    from workbench.evaluate import results
+
+    scored = [ln for ln in results.read(job.run_dir.path) if ln["phase"] == "after"]
+    assert scored and "generate call of this model measured here" in first.clock["scoring"]
+    recorded_s = sum(ln["seconds"] for ln in scored)
+    assert 1 / 3 <= first.clock["scoring_s"] / recorded_s <= 3, (first.clock, scored)
+    assert "Scoring: " in first.summary()
     out = cli(["plan", "--check", job.id])
     assert "start-up" in out and "step" in out and "succeeded" in out
     # Peak memory per process, as the ranks recorded it, beside the plan's: a peak is at least
@@ -184,6 +194,15 @@ def test_a_real_run_teaches_the_next_plan_and_projects_its_cost_live(home):
     assert measured["planned_memory_gib"] == json.loads(job.run_dir.plan_file.read_text())[
         "memory_gib"]["total"]
     assert "peak memory / process" in out
+    # A step file written before scoring was measured (no gen_* fields) still gives the step;
+    # scoring then falls back to FLOPs and says so.
+    steps_file = calibration_file("local").with_name("steps-local.json")
+    old = {k: [{f: v for f, v in r.items() if not f.startswith("gen_")} for r in rows]
+           for k, rows in json.loads(steps_file.read_text()).items()}
+    steps_file.write_text(json.dumps(old))
+    older = plan(spec)
+    assert "from a real step of this model" in older.clock["basis"]
+    assert "no generate call measured" in older.clock["scoring"] and older.clock["scoring_s"] > 0
 
 
 def _wider_model(home: Path) -> Path:

@@ -282,8 +282,9 @@ def test_a_run_that_cannot_fit_is_refused_with_concrete_fixes():
 
 
 def _training_hours(p) -> float:
-    # The validation passes (~10 a run when train.eval_every is unset) do not double with steps.
-    return p.hours - p.clock["eval_s"] / 3600
+    # The validation passes (~10 a run when train.eval_every is unset) and the eval: scoring
+    # after training do not double with steps.
+    return p.hours - (p.clock["eval_s"] + p.clock["scoring_s"]) / 3600
 
 
 def test_budget_verdict_and_max_steps_suggestion(monkeypatch, tmp_path):

@@ -89,3 +89,39 @@ def test_validation_passes_are_held_and_planned(home):
     assert every.clock["total_s"] - end.clock["total_s"] == pytest.approx(
         every.clock["eval_s"] - end.clock["eval_s"])
     assert every.cost > end.cost > none.cost
+
+
+def test_the_runs_own_scoring_is_planned_per_pass_and_priced(home):
+    base = workbench.RunSpec(train={"max_steps": 20}, resources={"processes_per_node": 1},
+                             budget={"price_per_cpu_core_hour": 1.0})
+    after = plan(base)  # the default eval: heldout once, after training
+    off = plan(base.updated(**{"eval.after": False}))
+    both = plan(base.updated(**{"eval.before": True}))
+    assert off.clock["scoring_s"] == 0 and after.clock["scoring_s"] > 0
+    # Scoring is held like training: in the total and the cost, apart from the steps.
+    assert after.clock["total_s"] - off.clock["total_s"] == pytest.approx(
+        after.clock["scoring_s"])
+    assert after.clock["step_s"] == off.clock["step_s"] and after.cost > off.cost
+    # before + after scores the same prompts a second time; every 5 of 20 steps adds 3 more
+    # passes (step 20 is after's): each pass the same seconds. The metric libraries are imported
+    # once in the run, so two passes cost more than one but at most twice as much.
+    one_more = both.clock["scoring_s"] - after.clock["scoring_s"]
+    assert one_more > 0 and both.clock["scoring_s"] <= 2 * after.clock["scoring_s"]
+    every = plan(base.updated(**{"eval.before": True, "eval.every_steps": 5}))
+    assert every.clock["scoring_s"] - both.clock["scoring_s"] == pytest.approx(3 * one_more,
+                                                                               rel=0.02)
+    # Longer answers cost more; fewer prompts less.
+    longer = plan(base.updated(**{"eval.tasks": [{"kind": "heldout", "max_new_tokens": 128}]}))
+    fewer = plan(base.updated(**{"eval.tasks": [{"kind": "heldout", "max_samples": 2}]}))
+    assert longer.clock["scoring_s"] > after.clock["scoring_s"] > fewer.clock["scoring_s"] > 0
+    assert "Scoring: " in after.summary() and "Scoring: " not in off.summary()
+
+
+def test_an_lm_eval_task_is_named_as_not_estimated(home):
+    base = workbench.RunSpec(train={"max_steps": 20}, resources={"processes_per_node": 1})
+    p = plan(base.updated(**{"eval.tasks": [{"kind": "lm_eval", "tasks": ["hellaswag"]},
+                                            "heldout"]}))
+    assert "not estimated: lm_eval hellaswag" in p.clock["scoring"]
+    assert "not estimated: lm_eval hellaswag" in p.summary()
+    heldout_only = plan(base)
+    assert p.clock["scoring_s"] == pytest.approx(heldout_only.clock["scoring_s"])

@@ -72,7 +72,8 @@ def record_run(rd: Any, final: dict[str, Any]) -> dict[str, Any] | None:
     row.update(run=rd.path.name, model_step_s=clock.get("model_step_s"),
                model_eval_s=clock.get("model_eval_s"), planned_steps=clock.get("steps"),
                model_startup_s=clock.get("model_startup_s"), measured_step_s=m["step_s"],
-               measured_startup_s=m["startup_s"], finish_s=m["finish_s"], planned_step_s=clock.get("step_s"),
+               measured_startup_s=m["startup_s"], finish_s=_finish_unscored(rd, m["finish_s"]),
+               planned_step_s=clock.get("step_s"),
                planned_startup_s=clock.get("startup_s"), steps=m["steps"])
     peak = peak_memory(rd)
     if peak is not None:
@@ -82,6 +83,21 @@ def record_run(rd: Any, final: dict[str, Any]) -> dict[str, Any] | None:
     with runs_file().open("a", encoding="utf-8") as fh:
         fh.write(json.dumps(row) + "\n")
     return m
+
+
+def _finish_unscored(rd: Any, finish: float | None) -> float | None:
+    """The finish less the ``after`` scoring eval.jsonl timed: the plan counts scoring apart
+    (clock.scoring_s), so the learnt finish must not carry it too."""
+    if finish is None:
+        return None
+    from workbench.evaluate import results
+
+    try:
+        scored = sum(float(ln.get("seconds") or 0.0) for ln in results.read(rd.path)
+                     if ln.get("phase") == "after")
+    except (OSError, ValueError, TypeError):
+        scored = 0.0
+    return max(0.0, finish - scored)
 
 
 def peak_memory(rd: Any) -> float | None:

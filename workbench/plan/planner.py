@@ -28,6 +28,7 @@ from workbench.plan.memory import (
     unsupported,
 )
 from workbench.plan.result import Candidate, Plan, Suggestion
+from workbench.plan.scoring_time import scoring_seconds, validation_of
 from workbench.plan.shape import ModelShape, model_shape
 from workbench.plan.stage import stage_cost, stage_data, stage_memory, stage_time_factor
 from workbench.plan.timing import DataEstimate, _Run, estimate_data, eval_seconds, step_seconds
@@ -181,11 +182,17 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
     # Validation passes are held and billed like steps (forward only, corrected like them).
     eval_s = eval_seconds(spec, s_time, run, data.rows, data.tokens_per_example,
                           steps) * stage_x * step_x
+    # The run's own eval: scoring, rank 0 while every unit is held (workbench.plan.scoring_time).
+    val_rows, prompt_tokens = validation_of(spec, data)
+    sc = scoring_seconds(spec, shape, on_gpu=on_gpu, dtype=precision.compute_dtype,
+                         device=device_key, gpu=time_gpu, prompt_tokens=prompt_tokens,
+                         validation_rows=val_rows, steps=steps,
+                         example_tokens=data.tokens_per_example)
     candidates = []
     for st in all_strategies(res.world_size):
         mem = memory_of(st)
         secs = seconds_of(st)[0] * time_scale
-        hours = (secs * steps + eval_s * time_scale) / 3600 if steps else None
+        hours = (secs * steps + eval_s * time_scale + sc.seconds) / 3600 if steps else None
         fits = mem.total <= capacity - margin and unsupported(st) is None
         candidates.append(Candidate(st, mem, fits, hours, priced(hours)))
 
@@ -208,7 +215,7 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
             # e.g. ZeRO-1/2/3 without offload on one process, or ddp + offload: still evaluate.
             mem = memory_of(target)
             secs = seconds_of(target)[0] * time_scale
-            hours = (secs * steps + eval_s * time_scale) / 3600 if steps else None
+            hours = (secs * steps + eval_s * time_scale + sc.seconds) / 3600 if steps else None
             chosen = Candidate(target, mem, mem.total <= capacity - margin, hours, priced(hours))
             if target.parallel == "ddp" and (target.offload_optimizer or target.offload_params):
                 chosen.fits = False
@@ -268,11 +275,13 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
              "model_eval_s": eval_s, "steps": steps,
              "step_s": model_step * time_scale, "eval_s": eval_s * time_scale,
              "startup_s": startup_total, "finish_s": finish,
-             "total_s": startup_total + (model_step * steps + eval_s) * time_scale + finish
-             if steps else None,
+             "scoring_s": sc.seconds, "scoring": sc.line,
+             "total_s": startup_total + (model_step * steps + eval_s) * time_scale + sc.seconds
+             + finish if steps else None,
              "basis": "; ".join(assumptions[-2 if corr else -1:]),
              "earlier_runs": corr.runs if corr else 0,
              "earlier_shapes": list(corr.shapes) if corr else [], "calibration": tb.calibration}
+    assumptions.append(sc.line)
     return Plan(
         model_id=spec.model.id, model_source=shape.source, params=shape.params,
         trainable_params=trainable, gpu_type=gpu.name, device="gpu" if on_gpu else "cpu",
@@ -374,7 +383,7 @@ def _suggest(spec: RunSpec, p: Plan, gpu: GpuType, on_gpu: bool, shape: ModelSha
                 "GPUs/nodes"))
     if p.budget_verdict == "over budget" and p.cost and p.steps and p.budget_limit:
         fixed = p.startup_cost or 0.0  # start-up and release are paid whatever max_steps is
-        eval_h = (p.clock or {}).get("eval_s", 0.0) / 3600
+        eval_h = ((p.clock or {}).get("eval_s", 0.0) + (p.clock or {}).get("scoring_s", 0.0)) / 3600
         if p.hours:  # ~EVALS_PER_RUN validation passes whatever max_steps is: taken as fixed
             fixed += (p.cost - fixed) * eval_h / p.hours
         per_step = (p.cost - fixed) / p.steps

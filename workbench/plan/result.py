@@ -139,6 +139,8 @@ class Plan:
             lines.append(f"Time: {_fmt_hours(self.hours)} training ({self.flops:.3g} FLOPs)")
         if self.clock and self.clock.get("basis"):
             lines.append(f"Clock: {self.clock['basis']}")
+        if self.clock and self.clock.get("scoring_s"):  # part of Time above
+            lines.append(f"Scoring: {self.clock['scoring']}")
         if self.startup_s:
             known = {k: v for k, v in self.startup_s.items() if v}
             lines.append(f"Start-up (every attempt, billed): ~{_fmt_hours(sum(known.values()) / 3600)}"

@@ -9,7 +9,10 @@ and threads per rank, in as many fresh processes as the run has ranks on a node,
 wrapped in DDP when there are several (so the host's cores and memory are shared as in the run, and
 the gradient all-reduce is in the time). Seconds = a + b x layers, fitted on the two, extrapolated
 to the model's layer count. The workers' own start (a fresh interpreter importing what a rank
-imports) is timed too: the start-up the plan counts.
+imports) is timed too: the start-up the plan counts. So is the scoring the run's ``eval:`` does
+(greedy ``generate`` of a batch of prompts, as :class:`~workbench.evaluate.sources.TransformersSource`
+runs it in the run, at two forced new-token counts so prefill and per-token decode separate),
+fitted on the layers the same way; :mod:`workbench.plan.scoring_time` turns it into seconds.
 
 Measurements are stored in ``WORKBENCH_HOME/calibration/steps-TARGET.json``, keyed by what they
 depend on (:func:`step_key`: the model shape, method, adapter, micro-batch, dtype, threads and
@@ -34,6 +37,7 @@ from workbench.plan.calibrate import CalibrationError, CalibrationWarning
 
 _CALLS = 4  # timed steps per layer count, after one warm-up step
 _SEQ_NEAR = 1.25  # a measurement at tokens per example within this factor is scaled, else unused
+_GEN_TOKENS = (2, 8)  # forced new tokens of the two timed generate calls (prefill vs decode)
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,13 @@ class StepMeasure:
     step_s: float  # forward + backward + optimizer of one micro-batch, the whole model
     fwd_bwd_s: float  # of which forward + backward (what gradient accumulation repeats)
     import_s: float | None  # a fresh interpreter importing what a rank imports
+    # One greedy generate call of a micro-batch of prompts of ``seq`` tokens, the whole model:
+    # prefill (the prompt's forward and the call's overhead) and each new token's decode step.
+    # None in files written before scoring was measured: the planner then uses FLOPs.
+    gen_prefill_s: float | None = None
+    gen_token_s: float | None = None
+    # heldout's first metrics call in a process: importing sacrebleu and rouge-score dominates it.
+    metrics_s: float | None = None
 
     def at(self, seq: float, grad_accum: int) -> float:
         """Seconds per optimizer step at ``seq`` tokens per example (linear in tokens)."""
@@ -97,7 +108,8 @@ def lookup(target: str, key: str, seq: float) -> StepMeasure | None:
         raw = json.loads(path.read_text())
         rows = [StepMeasure(**r) for r in raw.get(key, [])]
         for r in rows:
-            if not (r.step_s > 0 and 0 < r.fwd_bwd_s <= r.step_s and r.seq > 0):
+            if not (r.step_s > 0 and 0 < r.fwd_bwd_s <= r.step_s and r.seq > 0) or any(
+                    v is not None and not v > 0 for v in (r.gen_prefill_s, r.gen_token_s, r.metrics_s)):
                 raise ValueError(f"non-positive or inconsistent times in {r}")
     except (OSError, ValueError, TypeError, AttributeError) as exc:
         warnings.warn(f"step measurement {path} not used: it cannot be read ({exc}); run "
@@ -124,9 +136,10 @@ def store(target: str, m: StepMeasure) -> None:
 
 
 def measure_step(spec: Any, shape: Any, seq: int, dtype: str, load_dtype: str, threads: int,
-                 on_gpu: bool, ranks: int = 1) -> tuple[float, float, float]:
-    """(seconds per step, of which forward + backward, a rank's import seconds) of the whole
-    model, fitted on 1 and 2 layers of it, measured in ``ranks`` worker processes at once."""
+                 on_gpu: bool, ranks: int = 1) -> tuple[float, float, float, float, float, float]:
+    """(seconds per step, of which forward + backward, a rank's import seconds, a generate call's
+    prefill and per-new-token seconds, heldout's first metrics call) of the whole model, fitted
+    on 1 and 2 layers of it, measured in ``ranks`` worker processes at once."""
     import os
     import socket
 
@@ -162,9 +175,10 @@ def measure_step(spec: Any, shape: Any, seq: int, dtype: str, load_dtype: str, t
             tail = err.strip().splitlines()[-3:]
             raise CalibrationError(f"the step measurement failed: {' | '.join(tail)}")
         outs.append(json.loads(out.strip().splitlines()[-1]))
-    # The slowest rank sets the pace of a synchronous step.
+    # The slowest rank sets the pace of a synchronous step; rank 0 alone scores in the run.
     return (max(o["step_s"] for o in outs), max(o["fwd_bwd_s"] for o in outs),
-            max(o["import_s"] for o in outs))
+            max(o["import_s"] for o in outs), outs[0]["gen_prefill_s"], outs[0]["gen_token_s"],
+            outs[0]["metrics_s"])
 
 
 def _worker() -> None:
@@ -184,16 +198,29 @@ def _worker() -> None:
     if world > 1:
         torch.distributed.init_process_group("nccl" if job["on_gpu"] else "gloo")
     fits = [(n, *_measure_layers(spec, job, n, world)) for n in (1, 2)]
-    (l1, w1, f1), (l2, w2, f2) = fits
+    (l1, w1, f1, p1, d1), (l2, w2, f2, p2, d2) = fits
     n = job["layers"]
-    whole = max(w1, w1 + (w2 - w1) * (n - l1) / (l2 - l1))
-    fwd_bwd = min(whole, max(f1, f1 + (f2 - f1) * (n - l1) / (l2 - l1)))
+
+    def at_n(one: float, two: float) -> float:  # a + b x layers through the two, never below one
+        return max(one, one + (two - one) * (n - l1) / (l2 - l1))
+
+    whole = at_n(w1, w2)
+    fwd_bwd = min(whole, at_n(f1, f2))
     if world > 1:
         torch.distributed.destroy_process_group()
-    print(json.dumps({"step_s": whole, "fwd_bwd_s": fwd_bwd, "import_s": import_s}), flush=True)
+    t0 = time.perf_counter()
+    from workbench.evaluate.heldout import scores
+
+    scores(["an answer of a few words"] * spec.train.batch_size,
+           ["a reference"] * spec.train.batch_size)
+    metrics_s = time.perf_counter() - t0
+    print(json.dumps({"step_s": whole, "fwd_bwd_s": fwd_bwd, "import_s": import_s,
+                      "gen_prefill_s": at_n(p1, p2), "gen_token_s": at_n(d1, d2),
+                      "metrics_s": metrics_s}), flush=True)
 
 
-def _measure_layers(spec: Any, job: dict[str, Any], layers: int, world: int) -> tuple[float, float]:
+def _measure_layers(spec: Any, job: dict[str, Any], layers: int, world: int
+                    ) -> tuple[float, float, float, float]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -217,17 +244,40 @@ def _measure_layers(spec: Any, job: dict[str, Any], layers: int, world: int) -> 
             r=spec.method.lora_r, lora_alpha=spec.method.lora_alpha,
             target_modules=spec.method.target_modules, task_type="CAUSAL_LM"),
             autocast_adapter_dtype=True)
+    ids = torch.randint(0, max(2, job["vocab"]), (spec.train.batch_size, job["seq"]), device=dev)
+    ctx = (torch.autocast("cuda", dtype=getattr(torch, job["dtype"]))
+           if on_gpu and job["dtype"] != job["load_dtype"] else _null())
     if spec.train.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    if world > 1:
-        model = torch.nn.parallel.DistributedDataParallel(model)
+    trained = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
     opt = torch.optim.AdamW(params, lr=1e-5)
-    ids = torch.randint(0, max(2, job["vocab"]), (spec.train.batch_size, job["seq"]), device=dev)
-    ctx = (torch.autocast("cuda", dtype=getattr(torch, job["dtype"]))
-           if on_gpu and job["dtype"] != job["load_dtype"] else _null())
-    return _time_step(model, opt, params, ids, ctx, on_gpu)
+    step = _time_step(trained, opt, params, ids, ctx, on_gpu)
+    # After the step, as the run scores after its steps (and so the step is timed as before).
+    return (*step, *_time_generate(model, ids, ctx, on_gpu))
+
+
+def _time_generate(model: Any, ids: Any, ctx: Any, on_gpu: bool) -> tuple[float, float]:
+    """(prefill, per new token) seconds of greedy ``generate`` on the micro-batch ``ids``, as the
+    run's scoring calls it; min_new_tokens forces every call to its full length (no early stop)."""
+    import torch
+
+    model.eval()
+    mask = torch.ones_like(ids)
+    took: dict[int, float] = {}
+    with torch.no_grad(), ctx:
+        for i, n in enumerate((_GEN_TOKENS[0], *_GEN_TOKENS, *_GEN_TOKENS)):
+            t0 = time.perf_counter()
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
+                           min_new_tokens=n, do_sample=False, pad_token_id=0)
+            if on_gpu:
+                torch.cuda.synchronize()
+            if i > 0:  # the first call warms up; the faster of two calls of each length counts
+                took[n] = min(took.get(n, float("inf")), time.perf_counter() - t0)
+    lo, hi = _GEN_TOKENS
+    per_token = max(0.0, (took[hi] - took[lo]) / (hi - lo))
+    return max(1e-6, took[lo] - lo * per_token), max(1e-6, per_token)
 
 
 class _null:
@@ -274,9 +324,10 @@ def calibrate_step(target: str, spec: Any, shape: Any, seq: int, dtype: str, loa
                    on_gpu: bool, device: str) -> StepMeasure:
     """Measure the run's step (and a rank's start) on this machine and store it under its key."""
     ranks = spec.resources.gpus_per_node if on_gpu else spec.resources.procs_per_node
-    whole, fwd_bwd, import_s = measure_step(spec, shape, seq, dtype, load_dtype,
-                                            rank_threads(spec, on_gpu), on_gpu, max(1, ranks))
-    m = StepMeasure(run_key(spec, shape, on_gpu, dtype, device), seq, whole, fwd_bwd, import_s)
+    whole, fwd_bwd, import_s, prefill, per_token, metrics_s = measure_step(
+        spec, shape, seq, dtype, load_dtype, rank_threads(spec, on_gpu), on_gpu, max(1, ranks))
+    m = StepMeasure(run_key(spec, shape, on_gpu, dtype, device), seq, whole, fwd_bwd, import_s,
+                    prefill, per_token, metrics_s)
     store(target, m)
     return m
 
