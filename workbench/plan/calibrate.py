@@ -20,39 +20,24 @@ import datetime as _dt
 import json
 import os
 import platform
-import re
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workbench.errors import WorkbenchError
+# Kept importable from here, where callers have always found them.
+from workbench.plan.calstore import (  # noqa: F401
+    CalibrationError,
+    CalibrationWarning,
+    calibration_dir,
+    calibration_file,
+)
 
 VERSION = 1
 _CPU_HIDDENS = (64, 256, 1024)  # tiny model, small, 0.5B-class (Qwen2.5-0.5B: 896)
 _GPU_HIDDENS = (1024, 4096)
 _MEASURE_S = 0.3  # per measurement, after one warm-up call
-
-
-class CalibrationWarning(UserWarning):
-    """A stored calibration cannot be used (unreadable, or from another device)."""
-
-
-class CalibrationError(WorkbenchError):
-    """The measurement itself cannot run here (no torch, an unknown dtype, a broken device)."""
-
-
-def calibration_dir() -> Path:
-    from workbench.home import home
-
-    path = home() / "calibration"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def calibration_file(target: str) -> Path:
-    return calibration_dir() / (re.sub(r"[^A-Za-z0-9_.-]", "_", target) + ".json")
 
 
 def _cpu_model() -> str:

@@ -26,7 +26,7 @@ FINISH_S = 3.0
 
 
 def runs_file() -> Path:
-    from workbench.plan.calibrate import calibration_dir
+    from workbench.plan.calstore import calibration_dir
 
     return calibration_dir() / "runs.jsonl"
 

@@ -82,7 +82,7 @@ def scoring_seconds(spec: Any, shape: Any, *, on_gpu: bool, dtype: str, device: 
     the validation split (None: unknown), ``prompt_tokens`` a prompt's length, ``example_tokens``
     a whole example's (a perplexity text; what the step was measured at), ``gpu`` the time
     basis's GPU entry."""
-    from workbench.plan.calibrate import CalibrationWarning
+    from workbench.plan.calstore import CalibrationWarning
     from workbench.plan.stepclock import lookup, rank_threads, run_key
     from workbench.plan.timing import _forward_flops_per_token
 

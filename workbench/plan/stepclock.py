@@ -33,7 +33,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from workbench.plan.calibrate import CalibrationError, CalibrationWarning
+from workbench.plan.calstore import CalibrationError, CalibrationWarning
 
 _CALLS = 4  # timed steps per layer count, after one warm-up step
 _SEQ_NEAR = 1.25  # a measurement at tokens per example within this factor is scaled, else unused
@@ -93,7 +93,7 @@ def run_key(spec: Any, shape: Any, on_gpu: bool, dtype: str, device: str) -> str
 
 
 def _file(target: str) -> Any:
-    from workbench.plan.calibrate import calibration_file
+    from workbench.plan.calstore import calibration_file
 
     path = calibration_file(target)
     return path.with_name("steps-" + path.name)
