@@ -238,7 +238,8 @@ def _measure_layers(spec: Any, job: dict[str, Any], layers: int, world: int
     # packed batch below is attended as in the run (sdpa's block mask, or flash's varlen).
     model: Any = AutoModelForCausalLM.from_config(
         cfg, dtype=getattr(torch, job["load_dtype"]),
-        trust_remote_code=spec.model.trust_remote_code, **_attention_kwargs(spec, cfg, job["load_dtype"])).to(dev)
+        trust_remote_code=spec.model.trust_remote_code,
+        **_attention_kwargs(spec, cfg, job["load_dtype"])).to(dev)
     if spec.method.kind in ("lora", "qlora"):
         from peft import LoraConfig, get_peft_model
 
