@@ -4,7 +4,8 @@ A FLOPs model misses what dominates small models' steps (the lm_head and the los
 vocabulary, embeddings, LoRA's small matmuls, the optimizer, framework overhead), so
 :func:`measure_step` builds the run's model from its config with 1 and 2 layers (random weights,
 nothing downloaded), applies the run's method (LoRA on its target modules, or full), and times
-forward + backward + gradient clipping + AdamW at the run's micro-batch x tokens per example, dtype
+forward + backward + gradient clipping + AdamW at the run's micro-batch x tokens per example (laid
+out by the run's collator: a packed micro-batch is one row) with the run's attention kernel, dtype
 and threads per rank, in as many fresh processes as the run has ranks on a node, all at once and
 wrapped in DDP when there are several (so the host's cores and memory are shared as in the run, and
 the gradient all-reduce is in the time). Seconds = a + b x layers, fitted on the two, extrapolated
