@@ -125,3 +125,40 @@ def test_an_lm_eval_task_is_named_as_not_estimated(home):
     assert "not estimated: lm_eval hellaswag" in p.summary()
     heldout_only = plan(base)
     assert p.clock["scoring_s"] == pytest.approx(heldout_only.clock["scoring_s"])
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_the_measured_step_is_fed_the_batch_the_runs_collator_builds(monkeypatch, packing):
+    # The run's collator lays a packed micro-batch end to end in ONE row (position_ids restarting
+    # per example), so attention spans micro-batch x tokens: on this machine 8 x 439 tokens took
+    # 1.7x as long that way as in 8 separate rows, and the calibration, timing separate rows,
+    # planned the 512-token runs 2.7x short. The step must be timed on the run's batch.
+    from workbench.data.batches import Collator, pack
+    from workbench.plan import stepclock
+    from workbench.plan.shape import model_shape
+
+    spec = workbench.RunSpec(data={"packing": packing, "max_length": 64},
+                             train={"batch_size": 3}, resources={"processes_per_node": 1})
+    seen = []
+
+    def record(model, opt, params, batch, ctx, on_gpu):
+        seen.append(batch)
+        return 1.0, 1.0
+
+    monkeypatch.setattr(stepclock, "_time_step", record)
+    monkeypatch.setattr(stepclock, "_time_generate", lambda *a: (1.0, 1.0))  # not under test
+    job = {"vocab": model_shape(spec.model.id).vocab, "layers": 2, "seq": 20, "dtype": "float32",
+           "load_dtype": "float32", "on_gpu": False}
+    stepclock._measure_layers(spec, job, 1, 1)
+    (batch,) = seen
+    # What the run's data path gives the model for three 20-token rows, built here from the
+    # run's own pack (packed) or plain rows (unpacked) and Collator.
+    examples = [{"input_ids": [5] * 20, "labels": [5] * 20} for _ in range(3)]
+    rows = pack(examples, 20) if packing else examples
+    want = Collator(pad_token_id=0)(rows)
+    assert isinstance(batch, dict) and sorted(batch) == sorted(want)
+    for key, value in want.items():
+        assert tuple(batch[key].shape) == tuple(value.shape), key
+    if packing:
+        assert tuple(batch["input_ids"].shape) == (1, 60)
+        assert batch["position_ids"][0].tolist() == list(range(20)) * 3

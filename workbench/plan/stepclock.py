@@ -4,7 +4,8 @@ A FLOPs model misses what dominates small models' steps (the lm_head and the los
 vocabulary, embeddings, LoRA's small matmuls, the optimizer, framework overhead), so
 :func:`measure_step` builds the run's model from its config with 1 and 2 layers (random weights,
 nothing downloaded), applies the run's method (LoRA on its target modules, or full), and times
-forward + backward + gradient clipping + AdamW at the run's micro-batch x tokens per example, dtype
+forward + backward + gradient clipping + AdamW at the run's micro-batch x tokens per example (laid
+out by the run's collator: a packed micro-batch is one row) with the run's attention kernel, dtype
 and threads per rank, in as many fresh processes as the run has ranks on a node, all at once and
 wrapped in DDP when there are several (so the host's cores and memory are shared as in the run, and
 the gradient all-reduce is in the time). Seconds = a + b x layers, fitted on the two, extrapolated
@@ -234,9 +235,12 @@ def _measure_layers(spec: Any, job: dict[str, Any], layers: int, world: int
     on_gpu = bool(job["on_gpu"])
     dev = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
     torch.manual_seed(0)
+    # The attention kernel the run's load_model asks for (workbench.train.fastpath), so the
+    # packed batch below is attended as in the run (sdpa's block mask, or flash's varlen).
     model: Any = AutoModelForCausalLM.from_config(
         cfg, dtype=getattr(torch, job["load_dtype"]),
-        trust_remote_code=spec.model.trust_remote_code).to(dev)
+        trust_remote_code=spec.model.trust_remote_code,
+        **_attention_kwargs(spec, cfg, job["load_dtype"])).to(dev)
     if spec.method.kind in ("lora", "qlora"):
         from peft import LoraConfig, get_peft_model
 
@@ -245,6 +249,7 @@ def _measure_layers(spec: Any, job: dict[str, Any], layers: int, world: int
             target_modules=spec.method.target_modules, task_type="CAUSAL_LM"),
             autocast_adapter_dtype=True)
     ids = torch.randint(0, max(2, job["vocab"]), (spec.train.batch_size, job["seq"]), device=dev)
+    batch = _run_batch(spec, ids)
     ctx = (torch.autocast("cuda", dtype=getattr(torch, job["dtype"]))
            if on_gpu and job["dtype"] != job["load_dtype"] else _null())
     if spec.train.gradient_checkpointing:
@@ -253,9 +258,40 @@ def _measure_layers(spec: Any, job: dict[str, Any], layers: int, world: int
     params = [p for p in model.parameters() if p.requires_grad]
     trained = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
     opt = torch.optim.AdamW(params, lr=1e-5)
-    step = _time_step(trained, opt, params, ids, ctx, on_gpu)
+    step = _time_step(trained, opt, params, batch, ctx, on_gpu)
     # After the step, as the run scores after its steps (and so the step is timed as before).
     return (*step, *_time_generate(model, ids, ctx, on_gpu))
+
+
+def _run_batch(spec: Any, ids: Any) -> dict[str, Any]:
+    """The micro-batch as the run's collator (:class:`workbench.data.batches.Collator`) gives it
+    to the model. Packed rows are laid end to end in ONE row with restarting ``position_ids``, so
+    attention spans the whole micro-batch's tokens (sdpa builds a block-diagonal causal mask over
+    all of them): time grows with micro-batch x tokens squared, not micro-batch x tokens squared
+    per row as for separate rows. Each row is one example here (where its examples start inside
+    a row does not change sdpa's dense cost)."""
+    from workbench.data.batches import Collator
+
+    rows = []
+    for row in ids.tolist():
+        r: dict[str, list[int]] = {"input_ids": row, "labels": row}
+        if spec.data.packing:
+            r["position_ids"] = list(range(len(row)))
+        rows.append(r)
+    return {k: v.to(ids.device) for k, v in Collator(pad_token_id=0)(rows).items()}
+
+
+def _attention_kwargs(spec: Any, cfg: Any, load_dtype: str) -> dict[str, Any]:
+    """``from_pretrained``'s attention argument of the run's fast paths on this device."""
+    from workbench.errors import FastPathError
+    from workbench.train.fastpath import local_device, resolve_fast_paths
+
+    try:
+        return resolve_fast_paths(spec.train.fast, local_device(),
+                                  getattr(cfg, "model_type", None), load_dtype,
+                                  stage=spec.method.stage).model_kwargs()
+    except FastPathError:  # the run raises it at launch; time transformers' default meanwhile
+        return {}
 
 
 def _time_generate(model: Any, ids: Any, ctx: Any, on_gpu: bool) -> tuple[float, float]:
@@ -288,7 +324,7 @@ class _null:
         return None
 
 
-def _time_step(model: Any, opt: Any, params: list[Any], ids: Any, ctx: Any,
+def _time_step(model: Any, opt: Any, params: list[Any], batch: dict[str, Any], ctx: Any,
                on_gpu: bool) -> tuple[float, float]:
     """(forward+backward, whole step) seconds: one warm-up step, then _CALLS (every rank the
     same number: DDP's all-reduce pairs them); the median of each."""
@@ -305,7 +341,7 @@ def _time_step(model: Any, opt: Any, params: list[Any], ids: Any, ctx: Any,
     for i in range(_CALLS + 1):
         t0 = time.perf_counter()
         with ctx:
-            loss = model(input_ids=ids, labels=ids).loss
+            loss = model(**batch).loss
         loss.backward()
         sync()
         t1 = time.perf_counter()
