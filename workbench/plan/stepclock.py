@@ -199,11 +199,12 @@ def _worker() -> None:
     if world > 1:
         torch.distributed.init_process_group("nccl" if job["on_gpu"] else "gloo")
     fits = [(n, *_measure_layers(spec, job, n, world)) for n in (1, 2)]
-    (l1, w1, f1, p1, d1), (l2, w2, f2, p2, d2) = fits
+    (l1, w1, f1, p1, d1, n1), (l2, w2, f2, p2, d2, n2) = fits
     n = job["layers"]
 
-    def at_n(one: float, two: float) -> float:  # a + b x layers through the two, never below one
-        return max(one, one + (two - one) * (n - l1) / (l2 - l1))
+    def at_n(one: float, two: float, floor: float = 0.0) -> float:
+        # a + b x layers through the two, b at least ``floor``, never below one
+        return max(one, one + max(floor, two - one) * (n - l1) / (l2 - l1))
 
     whole = at_n(w1, w2)
     fwd_bwd = min(whole, at_n(f1, f2))
@@ -216,12 +217,16 @@ def _worker() -> None:
            ["a reference"] * spec.train.batch_size)
     metrics_s = time.perf_counter() - t0
     print(json.dumps({"step_s": whole, "fwd_bwd_s": fwd_bwd, "import_s": import_s,
-                      "gen_prefill_s": at_n(p1, p2), "gen_token_s": at_n(d1, d2),
+                      "gen_prefill_s": at_n(p1, p2),
+                      # A decode step reads every weight once: a layer costs at least its share
+                      # of the 1-layer model's bytes. Two layers' decode differ by a few ms on a
+                      # big vocabulary, under the noise, and a clamped 0 left out every layer.
+                      "gen_token_s": at_n(d1, d2, d1 * max(0, n2 - n1) / max(1, n1)),
                       "metrics_s": metrics_s}), flush=True)
 
 
 def _measure_layers(spec: Any, job: dict[str, Any], layers: int, world: int
-                    ) -> tuple[float, float, float, float]:
+                    ) -> tuple[float, float, float, float, int]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -260,7 +265,8 @@ def _measure_layers(spec: Any, job: dict[str, Any], layers: int, world: int
     opt = torch.optim.AdamW(params, lr=1e-5)
     step = _time_step(trained, opt, params, batch, ctx, on_gpu)
     # After the step, as the run scores after its steps (and so the step is timed as before).
-    return (*step, *_time_generate(model, ids, ctx, on_gpu))
+    weights = sum(p.numel() for p in model.parameters())
+    return (*step, *_time_generate(model, ids, ctx, on_gpu), weights)
 
 
 def _run_batch(spec: Any, ids: Any) -> dict[str, Any]:
