@@ -139,7 +139,7 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
     tb = time_basis(spec.target, gpu, on_gpu, precision.compute_dtype, shape.hidden,
                     cores=os.cpu_count() or 1)
     time_gpu, device_key = tb.gpu, tb.device_key
-    step_m, import_s, step_line = measured_step(spec, shape, on_gpu, precision.compute_dtype,
+    measured, step_m, step_line = measured_step(spec, shape, on_gpu, precision.compute_dtype,
                                                 device_key, data.tokens_per_example)
     assumptions.append(tb.line + step_line)
     shape_key = f"{shape.model_id}:{shape.params}"
@@ -152,7 +152,8 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
     # What the bill counts: cards, or processes on CPU (workbench.budget bills process-core-hours),
     # held from the supervisor's start to its exit, so start-up and release are paid too.
     units = billed_units(spec)
-    model_startup = startup_estimate(spec, params=shape.params, python_s=import_s)
+    model_startup = startup_estimate(spec, params=shape.params,
+                                     python_s=measured.import_s if measured else None)
     startup = {k: (v * startup_scale if v is not None else None) for k, v in model_startup.items()}
     startup_total = sum(v for v in startup.values() if v)
     startup_h = (startup_total + finish) / 3600  # held before the first step and after the last
@@ -184,8 +185,8 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
                           steps) * stage_x * step_x
     # The run's own eval: scoring, rank 0 while every unit is held (workbench.plan.scoring_time).
     val_rows, prompt_tokens = validation_of(spec, data)
-    sc = scoring_seconds(spec, shape, on_gpu=on_gpu, dtype=precision.compute_dtype,
-                         device=device_key, gpu=time_gpu, prompt_tokens=prompt_tokens,
+    sc = scoring_seconds(spec, shape, measured, on_gpu=on_gpu, gpu=time_gpu,
+                         prompt_tokens=prompt_tokens,
                          validation_rows=val_rows, steps=steps,
                          example_tokens=data.tokens_per_example)
     candidates = []

@@ -25,7 +25,6 @@ memory-bound, not compute-bound); the line says which.
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,15 +74,15 @@ def _count(task: Any, validation_rows: int | None) -> int | None:
     return rows if task.max_samples is None else min(rows, task.max_samples)
 
 
-def scoring_seconds(spec: Any, shape: Any, *, on_gpu: bool, dtype: str, device: str, gpu: Any,
+def scoring_seconds(spec: Any, shape: Any, m: Any, *, on_gpu: bool, gpu: Any,
                     prompt_tokens: float, validation_rows: int | None, steps: int | None,
                     example_tokens: float) -> Scoring:
-    """The run's scoring, priced (see the module's docstring); ``validation_rows`` is the size of
-    the validation split (None: unknown), ``prompt_tokens`` a prompt's length, ``example_tokens``
-    a whole example's (a perplexity text; what the step was measured at), ``gpu`` the time
-    basis's GPU entry."""
-    from workbench.plan.calstore import CalibrationWarning
-    from workbench.plan.stepclock import lookup, rank_threads, run_key
+    """The run's scoring, priced (see the module's docstring); ``m`` is the stored measurement of
+    the run's step the planner looked up (a :class:`~workbench.plan.stepclock.StepMeasure`, or
+    None), ``validation_rows`` the size of the validation split (None: unknown),
+    ``prompt_tokens`` a prompt's length, ``example_tokens`` a whole example's (a perplexity
+    text), ``gpu`` the time basis's GPU entry."""
+    from workbench.plan.stepclock import rank_threads
     from workbench.plan.timing import _forward_flops_per_token
 
     ev = spec.eval
@@ -95,9 +94,6 @@ def scoring_seconds(spec: Any, shape: Any, *, on_gpu: bool, dtype: str, device: 
                             "score afterwards with job.evaluate())")
     batch = spec.train.batch_size
     prompt = max(1.0, prompt_tokens)
-    with warnings.catch_warnings():  # the step's lookup has warned about a bad file already
-        warnings.simplefilter("ignore", CalibrationWarning)
-        m = lookup(spec.target, run_key(spec, shape, on_gpu, dtype, device), example_tokens)
     if m is not None and m.gen_prefill_s and m.gen_token_s:
         # Prefill is linear in the prompt's tokens, like the step in the example's.
         prefill, per_token = m.gen_prefill_s * prompt / m.seq, m.gen_token_s
@@ -148,7 +144,6 @@ def scoring_seconds(spec: Any, shape: Any, *, on_gpu: bool, dtype: str, device: 
     if not_estimated:
         line += "; not estimated: " + "; ".join(not_estimated)
     return Scoring(total, n_pass, line, not_estimated)
-
 
 
 def validation_of(spec: Any, data: Any) -> tuple[int | None, float]:

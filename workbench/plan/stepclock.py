@@ -375,14 +375,14 @@ def calibrate_step(target: str, spec: Any, shape: Any, seq: int, dtype: str, loa
 
 
 def planned(spec: Any, shape: Any, on_gpu: bool, dtype: str, device: str,
-            tokens_per_example: float) -> tuple[float | None, float | None, str]:
-    """(seconds per optimizer step, a rank's start seconds, the plan's line) from the stored
-    measurement of this run's step; (None, None, "") when there is none."""
+            tokens_per_example: float) -> tuple[StepMeasure | None, float | None, str]:
+    """(the stored measurement of this run's step, seconds per optimizer step from it, the plan's
+    line); (None, None, "") when there is none."""
     m = lookup(spec.target, run_key(spec, shape, on_gpu, dtype, device), tokens_per_example)
     if m is None:
         return None, None, ""
     step = m.at(tokens_per_example, spec.train.grad_accum)
-    return step, m.import_s, (
+    return m, step, (
         f"; step {step:.3g} s from a real step of this model measured here (1 and 2 of its "
         f"layers at {m.seq} tokens x {spec.train.batch_size} per rank, extrapolated to "
         f"{shape.layers})")
