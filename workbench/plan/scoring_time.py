@@ -88,10 +88,10 @@ def scoring_seconds(spec: Any, shape: Any, m: Any, *, on_gpu: bool, gpu: Any,
     ev = spec.eval
     n_pass, known = passes(spec, steps)
     if not ev.tasks or (n_pass == 0 and known):
-        return Scoring(line="scoring (eval:): none")
+        return Scoring(line="the run's own evaluation (eval:): none")
     if spec.parallel.strategy == "zero3":
-        return Scoring(line="scoring (eval:): none in the run (ZeRO-3 partitions the weights; "
-                            "score afterwards with job.evaluate())")
+        return Scoring(line="the run's own evaluation (eval:): none in the run (ZeRO-3 partitions "
+                            "the weights; score afterwards with job.evaluate())")
     batch = spec.train.batch_size
     prompt = max(1.0, prompt_tokens)
     if m is not None and m.gen_prefill_s and m.gen_token_s:
@@ -136,7 +136,8 @@ def scoring_seconds(spec: Any, shape: Any, m: Any, *, on_gpu: bool, gpu: Any,
     if n_pass and any(p.startswith("heldout") for p in parts):
         total += metrics  # once: rank 0 imports the metric libraries at its first pass
         once = f" + heldout's metrics {metrics:.2g} s once (their libraries' import)"
-    line = (f"scoring (eval:, rank 0 while the others wait, held and billed): {total:.3g} s = "
+    line = (f"the run's own evaluation (eval:, rank 0 while the others wait, held and billed): "
+            f"{total:.3g} s = "
             f"{n_pass} pass(es) x {one_pass:.3g} s ({'; '.join(parts) or 'nothing timed'}){once}"
             f", every answer at its full max_new_tokens (the worst case); from {basis}")
     if not known:
