@@ -24,14 +24,14 @@ $(STAMP): pyproject.toml Makefile
 	# The JupyterLab extension (Runs panel + server extension, and lab settings that turn the
 	# news feed and update check off) and the Python (Workbench) kernel the notebooks declare.
 	$(BIN)/pip install -q ./extensions/workbench_lab
-	$(BIN)/jupyter kernelspec install --sys-prefix --name workbench kernels/workbench
+	$(BIN)/jupyter kernelspec install --sys-prefix --name workbench kernelspecs/workbench
 	@if $(BIN)/python -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; \
 	then $(MAKE) --no-print-directory gpu-extras; fi
 	touch $(STAMP)
 
 $(STAMP): extensions/workbench_lab/package.json extensions/workbench_lab/pyproject.toml \
   $(wildcard extensions/workbench_lab/src/*.ts extensions/workbench_lab/style/*.css) \
-  $(wildcard extensions/workbench_lab/workbench_lab/*.py) kernels/workbench/kernel.json \
+  $(wildcard extensions/workbench_lab/workbench_lab/*.py) kernelspecs/workbench/kernel.json \
   $(wildcard extensions/workbench_lab/jupyter-config/*/*.json extensions/workbench_lab/jupyter-config/*/*/*.json)
 
 lab: setup

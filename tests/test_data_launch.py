@@ -4,6 +4,7 @@ preparing phase, the cache, resume, and both ranks reading the same Arrow files 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -108,6 +109,12 @@ def test_large_set_is_tokenised_once_cached_and_read_by_both_ranks(tmp_path):
         assert len(found) == 1 and str(tokenized) in found[0], (name, found)
         assert f"loaded {train['examples']} rows memory-mapped" in found[0]
     assert lines["rank-0.log"] == lines["rank-1.log"]
+    # Each (standby) rank imported with the collector off (~1,200 collections with it on) and
+    # then kept the imports' objects out of the collections that training makes.
+    for name in ("rank-0.log", "rank-1.log"):
+        gc_line = re.search(r"gc: (\d+) collections during the imports, (\d+) objects kept out",
+                            (first.run_dir.logs_dir / name).read_text())
+        assert gc_line and int(gc_line[1]) < 10 and int(gc_line[2]) > 100_000, (name, gc_line)
     val = _rank_lines(first, "validation")["rank-0.log"][0]
     assert f"loaded {stats['splits']['validation']['examples']} rows" in val
 

@@ -73,3 +73,23 @@ def test_the_cycle_check_refuses_a_folder_it_cannot_see(tmp_path):
     out = _cycles("pkg", tmp_path)
     assert out.returncode == 1, out.stdout + out.stderr
     assert "pkg/train has Python modules but no __init__.py" in out.stdout, out.stdout
+
+
+def test_no_folder_of_the_checkout_shadows_a_package_the_libraries_probe():
+    # Where the checkout's root is on sys.path (PYTHONPATH, the bench, the tests, a kernel started
+    # here, and every rank they start), a top-level folder is importable under its name. A
+    # library probing an optional package of that name then finds it, and transformers, failing to
+    # find its version, reads the RECORD of every installed distribution (packages_distributions:
+    # ~0.3 CPU s per process importing transformers; `kernels/` did this to every rank).
+    import importlib.util
+    import re
+
+    probed: set[str] = set()
+    for module in ("transformers.utils.import_utils", "accelerate.utils.imports"):
+        spec = importlib.util.find_spec(module)  # the source as text: nothing imported
+        assert spec is not None and spec.origin is not None, module
+        probed |= set(re.findall(r"_is_package_available\(\s*[\"']([\w.-]+)[\"']",
+                                 Path(spec.origin).read_text(encoding="utf-8")))
+    assert "torch" in probed and len(probed) > 50, sorted(probed)  # the pattern still finds them
+    folders = {p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".")}
+    assert not folders & probed, f"rename these top-level folders: {sorted(folders & probed)}"

@@ -1,7 +1,7 @@
 """The "Python (Workbench)" kernel: ipykernel with the workbench magics loaded and widgets imported.
 
-``kernels/workbench/kernel.json`` starts ``python -m workbench.kernel -f CONNECTION_FILE``; every
-ipykernel option still works on that command line. In the kernel, ``%workbench status``,
+``kernelspecs/workbench/kernel.json`` starts ``python -m workbench.kernel -f CONNECTION_FILE``;
+every ipykernel option still works on that command line. In the kernel, ``%workbench status``,
 ``%%runspec`` and ``%workbench_form`` work at once, and ``workbench``, ``RunSpec`` and ``RunForm``
 are already imported.
 """

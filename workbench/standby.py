@@ -255,19 +255,14 @@ def main(argv: list[str]) -> int:
 def await_go(folder: str) -> str:
     """In a rank: import what training needs, then wait for the go; the run directory."""
     procs.watch_supervisor()  # a standby rank ends with its supervisor, too
-    import datasets  # noqa: F401
-    import peft  # noqa: F401
     import torch
-    import transformers  # noqa: F401
-    from transformers import AutoModelForCausalLM, Trainer  # noqa: F401  (lazy: import now)
 
     import workbench.train.run  # noqa: F401
     from workbench.train import callbacks  # noqa: F401
+    from workbench.train.preload import import_training_libraries, imports_done
 
-    try:  # the Trainer's TensorBoard callback imports it (tracking.tensorboard, on by default)
-        import torch.utils.tensorboard  # noqa: F401
-    except ImportError:
-        pass
+    import_training_libraries()
+    imports_done()  # before the wait: the collector is on again by the go
 
     go = Path(folder) / GO_FILE
     while not go.is_file():

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import sys
 
-from torch.distributed.elastic.multiprocessing.errors import record
-
-from workbench.train.run import main
-
 if __name__ == "__main__":
+    from workbench.train.preload import collector_off
+
+    collector_off()  # until the imports are done (workbench.train.preload)
+
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from workbench.train.run import main
+
     if len(sys.argv) == 3 and sys.argv[1] == "--standby":
         from workbench.standby import await_go
 

@@ -36,13 +36,16 @@ def _redirect_output(rd: RunDir, rank: int) -> None:
 
 
 def _startup(stage: str) -> None:
-    """Log how long after this process started a start-up stage ended (where launch -> first
-    step goes: see docs/benchmarks-data.md)."""
+    """Log how long after this process started a start-up stage ended, and the CPU seconds it
+    had used by then (where launch -> first step goes: see docs/benchmarks-data.md; on a loaded
+    machine the CPU seconds say more than the wall clock)."""
     import time
 
     import psutil
 
-    print(f"startup: {stage} at {time.time() - psutil.Process().create_time():.2f} s", flush=True)
+    cpu = time.process_time()
+    print(f"startup: {stage} at {time.time() - psutil.Process().create_time():.2f} s "
+          f"(cpu {cpu:.2f} s)", flush=True)
 
 
 def load_model(spec: RunSpec, source: str, precision: Precision | None = None,
@@ -325,7 +328,10 @@ def main(run_dir: str) -> int:
     from workbench.models import resolve_model
     from workbench.snapshots import Uploader, agreed_resume_point, newest_verified, storage_prefix
     from workbench.train.callbacks import BudgetSpentAtStart, RunDirCallback, SnapshotCallback
+    from workbench.train.preload import import_training_libraries, imports_done
 
+    import_training_libraries()  # done already in a standby rank
+    print(imports_done(), flush=True)
     _startup("imports")
     spec = rd.spec()
     if rank == 0:
