@@ -162,3 +162,48 @@ def test_the_measured_step_is_fed_the_batch_the_runs_collator_builds(monkeypatch
     if packing:
         assert tuple(batch["input_ids"].shape) == (1, 60)
         assert batch["position_ids"][0].tolist() == list(range(20)) * 3
+
+
+def test_a_split_short_of_the_batch_is_planned_at_the_rows_its_steps_carry(tmp_path):
+    # 8 examples packed into a few 512-token rows, batch_size 8: one process trains steps of
+    # those few rows; two get every batch filled with rows from the start (accelerate's
+    # even_batches). The plan counted 8 rows per rank either way.
+    import datasets
+    from accelerate.data_loader import prepare_data_loader
+    from torch.utils.data import DataLoader
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    from workbench.assets import builtin_model_path
+    from workbench.data.batches import Collator
+    from workbench.data.tokenize import load_tokenizer
+    from workbench.data.tokenized import tokenize_split
+
+    path = _rows(tmp_path / "rows.jsonl", 8)
+    spec = workbench.RunSpec(
+        data={"sources": [{"path": str(path)}], "validation_fraction": 0, "max_length": 512,
+              "packing": True},
+        train={"batch_size": 8, "epochs": 2})
+    model_dir = str(builtin_model_path())
+    tokenizer = load_tokenizer(spec, model_dir)
+    rows = datasets.Dataset(tokenize_split(path, spec, tokenizer)[0])
+    assert len(rows) < 8
+    # The Trainer's own training loader, and its arguments' deal of the batches to each rank.
+    trainer = Trainer(model=AutoModelForCausalLM.from_pretrained(model_dir),
+                      args=TrainingArguments(str(tmp_path / "out"), per_device_train_batch_size=8,
+                                             num_train_epochs=2, report_to=[], use_cpu=True),
+                      train_dataset=rows, data_collator=Collator(tokenizer.pad_token_id))
+    loader = trainer.get_train_dataloader()
+    for ranks in (1, 2):
+        p = plan(spec.model_copy(update={"resources": workbench.RunSpec(
+            resources={"processes_per_node": ranks}).resources}))
+        loaders = [loader] if ranks == 1 else [
+            prepare_data_loader(DataLoader(rows, batch_size=8, collate_fn=loader.collate_fn,
+                                           drop_last=trainer.args.dataloader_drop_last),
+                                num_processes=ranks, process_index=r,
+                                even_batches=trainer.args.accelerator_config.even_batches)
+            for r in range(ranks)]
+        batches = [list(ld) for ld in loaders]  # one epoch, each rank's micro-batches
+        assert len({len(b) for b in batches}) == 1  # every rank takes the same number of steps
+        tokens = sum(int(x["input_ids"].numel()) for b in batches for x in b)
+        assert p.tokens_per_step == pytest.approx(tokens / len(batches[0]), rel=0.1), ranks
+        assert p.steps == 2 * len(batches[0]), ranks
