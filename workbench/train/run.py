@@ -42,7 +42,10 @@ def _startup(stage: str) -> None:
 
     import psutil
 
-    print(f"startup: {stage} at {time.time() - psutil.Process().create_time():.2f} s", flush=True)
+    now = time.time()
+    # The clock time too, so the ranks' stages line up with the supervisor's attempt_started.
+    print(f"startup: {stage} at {now - psutil.Process().create_time():.2f} s (t={now:.2f})",
+          flush=True)
 
 
 def load_model(spec: RunSpec, source: str, precision: Precision | None = None,
