@@ -49,15 +49,16 @@ def home(tmp_path, monkeypatch):
     return tmp_path
 
 
-def _store_calibration(optimizer_params_per_s: float) -> None:
+def _store_calibration(optimizer_params_per_s: float, load_bytes_per_s: float | None = None
+                       ) -> None:
     """A calibration of this machine as `workbench targets check local` would store it, with the
-    FLOPs figures fixed and the optimizer's rate chosen by the test."""
+    FLOPs figures fixed and the optimizer's (and the weights' load) rate chosen by the test."""
     from workbench.plan.calibrate import device_identity
 
     calibration_file("local").write_text(json.dumps({
         "target": "local", "date": "2026-12-01", "device": device_identity(False),
         "dtype": "float32", "matmul_gflops": 20.0, "layers": {"256": 8.0, "1024": 20.0},
-        "optimizer_params_per_s": optimizer_params_per_s}))
+        "optimizer_params_per_s": optimizer_params_per_s, "load_bytes_per_s": load_bytes_per_s}))
 
 
 def test_a_calibrated_optimizer_rate_prices_full_fine_tuning_more_than_lora(home):
@@ -76,6 +77,27 @@ def test_a_calibrated_optimizer_rate_prices_full_fine_tuning_more_than_lora(home
     assert after[0] - before[0] > 10 * (after[1] - before[1])
     # Full fine-tuning of 500M parameters at 1e7 per second cannot take under 50 s a step.
     assert after[0] > 50
+
+
+def test_the_start_up_makes_every_ranks_weights_ready_at_the_measured_load_rate(home):
+    # Qwen2.5-0.5B from its config (nothing loaded), LoRA: ~2 GB of float32 weights per CPU rank.
+    # Its start-up was planned 46 % short on 2 processes (8.4 s against 15.7 s, idle): a loaded
+    # run's ranks spent 7.4 s loading at once, 10.8 s in the Trainer's set-up (7.6 s of it its
+    # move of the model to the device: a copy) and 10.9 s more to the first step (DDP's
+    # broadcast of every parameter); one process loads once and copies nothing.
+    spec = {"model": {"id": "Qwen/Qwen2.5-0.5B"}, "train": {"max_steps": 4}}
+
+    def startup(procs: int, rate: float) -> float:
+        _store_calibration(1e8, rate)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CalibrationWarning)  # read, not refused
+            return plan({**spec, "resources": {"processes_per_node": procs}}).clock["startup_s"]
+
+    one, two = (startup(1, 1e9) - startup(1, 2e9)), (startup(2, 1e9) - startup(2, 2e9))
+    assert one >= 0.9  # ~2 GB made ready at 1 GB/s instead of 2 GB/s
+    # Two ranks on one host: each loads the weights, then copies them, all at once.
+    assert two == pytest.approx(4 * one, rel=0.05)
+    assert startup(2, 1e9) - startup(1, 1e9) >= 3 * one
 
 
 def test_validation_passes_are_held_and_planned(home):

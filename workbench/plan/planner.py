@@ -32,6 +32,7 @@ from workbench.plan.scoring_time import scoring_seconds, validation_of
 from workbench.plan.shape import ModelShape, model_shape
 from workbench.plan.stage import stage_cost, stage_data, stage_memory, stage_time_factor
 from workbench.plan.timing import (
+    _INTER_NODE_GBPS,
     DataEstimate,
     _Run,
     estimate_data,
@@ -162,8 +163,11 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
     # What the bill counts: cards, or processes on CPU (workbench.budget bills process-core-hours),
     # held from the supervisor's start to its exit, so start-up and release are paid too.
     units = billed_units(spec)
+    link = (_INTER_NODE_GBPS if res.nodes > 1 else time_gpu.interconnect_gbps) * 1e9
     model_startup = startup_estimate(spec, params=shape.params,
-                                     python_s=measured.import_s if measured else None)
+                                     python_s=measured.import_s if measured else None,
+                                     load_dtype=precision.load_dtype,
+                                     load_bytes_per_s=tb.load_rate, link_bytes_per_s=link)
     startup = {k: (v * startup_scale if v is not None else None) for k, v in model_startup.items()}
     startup_total = sum(v for v in startup.values() if v)
     startup_h = (startup_total + finish) / 3600  # held before the first step and after the last
