@@ -47,7 +47,7 @@ def test_calibration_is_written_with_device_and_date_and_drives_the_plan(home):
     assert stored["date"] == time.strftime("%Y-%m-%d")
     assert stored["device"]["cores"] >= 1 and stored["device"]["name"]
     assert all(v > 0 for v in stored["layers"].values()) and stored["matmul_gflops"] > 0
-    assert stored["optimizer_params_per_s"] > 0
+    assert stored["optimizer_params_per_s"] > 0 and stored["load_bytes_per_s"] > 0
     p = plan(SPEC)
     assert any(a.startswith(f"calibrated on this machine {stored['date']}")
                for a in p.assumptions)

@@ -49,15 +49,16 @@ def home(tmp_path, monkeypatch):
     return tmp_path
 
 
-def _store_calibration(optimizer_params_per_s: float) -> None:
+def _store_calibration(optimizer_params_per_s: float, load_bytes_per_s: float | None = None
+                       ) -> None:
     """A calibration of this machine as `workbench targets check local` would store it, with the
-    FLOPs figures fixed and the optimizer's rate chosen by the test."""
+    FLOPs figures fixed and the optimizer's (and the weights' load) rate chosen by the test."""
     from workbench.plan.calibrate import device_identity
 
     calibration_file("local").write_text(json.dumps({
         "target": "local", "date": "2026-12-01", "device": device_identity(False),
         "dtype": "float32", "matmul_gflops": 20.0, "layers": {"256": 8.0, "1024": 20.0},
-        "optimizer_params_per_s": optimizer_params_per_s}))
+        "optimizer_params_per_s": optimizer_params_per_s, "load_bytes_per_s": load_bytes_per_s}))
 
 
 def test_a_calibrated_optimizer_rate_prices_full_fine_tuning_more_than_lora(home):
@@ -76,6 +77,27 @@ def test_a_calibrated_optimizer_rate_prices_full_fine_tuning_more_than_lora(home
     assert after[0] - before[0] > 10 * (after[1] - before[1])
     # Full fine-tuning of 500M parameters at 1e7 per second cannot take under 50 s a step.
     assert after[0] > 50
+
+
+def test_the_start_up_makes_every_ranks_weights_ready_at_the_measured_load_rate(home):
+    # Qwen2.5-0.5B from its config (nothing loaded), LoRA: ~2 GB of float32 weights per CPU rank.
+    # Its start-up was planned 46 % short on 2 processes (8.4 s against 15.7 s, idle): a loaded
+    # run's ranks spent 7.4 s loading at once, 10.8 s in the Trainer's set-up (7.6 s of it its
+    # move of the model to the device: a copy) and 10.9 s more to the first step (DDP's
+    # broadcast of every parameter); one process loads once and copies nothing.
+    spec = {"model": {"id": "Qwen/Qwen2.5-0.5B"}, "train": {"max_steps": 4}}
+
+    def startup(procs: int, rate: float) -> float:
+        _store_calibration(1e8, rate)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CalibrationWarning)  # read, not refused
+            return plan({**spec, "resources": {"processes_per_node": procs}}).clock["startup_s"]
+
+    one, two = (startup(1, 1e9) - startup(1, 2e9)), (startup(2, 1e9) - startup(2, 2e9))
+    assert one >= 0.9  # ~2 GB made ready at 1 GB/s instead of 2 GB/s
+    # Two ranks on one host: each loads the weights, then copies them, all at once.
+    assert two == pytest.approx(4 * one, rel=0.05)
+    assert startup(2, 1e9) - startup(1, 1e9) >= 3 * one
 
 
 def test_validation_passes_are_held_and_planned(home):
@@ -162,3 +184,48 @@ def test_the_measured_step_is_fed_the_batch_the_runs_collator_builds(monkeypatch
     if packing:
         assert tuple(batch["input_ids"].shape) == (1, 60)
         assert batch["position_ids"][0].tolist() == list(range(20)) * 3
+
+
+def test_a_split_short_of_the_batch_is_planned_at_the_rows_its_steps_carry(tmp_path):
+    # 8 examples packed into a few 512-token rows, batch_size 8: one process trains steps of
+    # those few rows; two get every batch filled with rows from the start (accelerate's
+    # even_batches). The plan counted 8 rows per rank either way.
+    import datasets
+    from accelerate.data_loader import prepare_data_loader
+    from torch.utils.data import DataLoader
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    from workbench.assets import builtin_model_path
+    from workbench.data.batches import Collator
+    from workbench.data.tokenize import load_tokenizer
+    from workbench.data.tokenized import tokenize_split
+
+    path = _rows(tmp_path / "rows.jsonl", 8)
+    spec = workbench.RunSpec(
+        data={"sources": [{"path": str(path)}], "validation_fraction": 0, "max_length": 512,
+              "packing": True},
+        train={"batch_size": 8, "epochs": 2})
+    model_dir = str(builtin_model_path())
+    tokenizer = load_tokenizer(spec, model_dir)
+    rows = datasets.Dataset(tokenize_split(path, spec, tokenizer)[0])
+    assert len(rows) < 8
+    # The Trainer's own training loader, and its arguments' deal of the batches to each rank.
+    trainer = Trainer(model=AutoModelForCausalLM.from_pretrained(model_dir),
+                      args=TrainingArguments(str(tmp_path / "out"), per_device_train_batch_size=8,
+                                             num_train_epochs=2, report_to=[], use_cpu=True),
+                      train_dataset=rows, data_collator=Collator(tokenizer.pad_token_id))
+    loader = trainer.get_train_dataloader()
+    for ranks in (1, 2):
+        p = plan(spec.model_copy(update={"resources": workbench.RunSpec(
+            resources={"processes_per_node": ranks}).resources}))
+        loaders = [loader] if ranks == 1 else [
+            prepare_data_loader(DataLoader(rows, batch_size=8, collate_fn=loader.collate_fn,
+                                           drop_last=trainer.args.dataloader_drop_last),
+                                num_processes=ranks, process_index=r,
+                                even_batches=trainer.args.accelerator_config.even_batches)
+            for r in range(ranks)]
+        batches = [list(ld) for ld in loaders]  # one epoch, each rank's micro-batches
+        assert len({len(b) for b in batches}) == 1  # every rank takes the same number of steps
+        tokens = sum(int(x["input_ids"].numel()) for b in batches for x in b)
+        assert p.tokens_per_step == pytest.approx(tokens / len(batches[0]), rel=0.1), ranks
+        assert p.steps == 2 * len(batches[0]), ranks

@@ -14,14 +14,22 @@ Basis of each phase (seconds; ``None`` where the input is unknown):
   several test sessions, and far more under heavier load).
 - ``download``: the weights at 100 MB/s when not in the local Hugging Face cache (a cloud VM
   typically gets 50-200 MB/s from the Hub); 0 when cached or a local folder.
-- ``load``: the weights from local disk at 1 GB/s (safetensors on NVMe reads 1-3 GB/s; network
-  filesystems are slower), plus quantisation at load for QLoRA (about as long again).
+- ``load``: every rank on a node makes the weights ready in its own memory at the load dtype
+  (float32 on CPU) at once, so the node spends ranks x parameters x bytes at the rate calibration
+  measured (``workbench.plan.calibrate.measure_load``: a safetensors file read and converted into
+  new memory), else 1 GB/s; at least the file read from local disk once at 1 GB/s (safetensors
+  on NVMe reads 1-3 GB/s; the ranks share the page cache). Quantisation at load (QLoRA) doubles it.
 - ``tokenise``: only where the ranks tokenise for themselves (launch could not load the tokenizer,
   so it did not tokenise once before submitting: workbench.data.tokenized); 300 rows/s, measured
   on the built-in tiny model's chat rows (~17 tokens); long rows are slower: a floor. Give
   ``rows`` only then; the planner does not (ranks read the memory-mapped data in well under 1 s).
 - ``strategy``: DDP set-up 2 s; DeepSpeed ZeRO engine creation 10 s (it builds its optimizer and
-  partitions; ZeRO-3 partitions the weights too: 20 s).
+  partitions; ZeRO-3 partitions the weights too: 20 s). With several ranks, DDP and ZeRO-1/2 also
+  pay for the weights twice more. On CPU ranks the Trainer's move of the model to the rank's
+  device copies every weight, at the load rate, every rank of the node at once (7.6 of 10.7 s of
+  a 0.5B-shaped model's Trainer set-up on 2 CPU ranks, loaded; one process does not copy; not
+  measured on a GPU). And the wrap broadcasts every parameter, frozen ones too (torch's
+  ``_sync_module_states``), from rank 0 at the link's rate (the GPU table's ``interconnect_gbps``).
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from workbench.spec import RunSpec
 PYTHON_S = 10.0
 DOWNLOAD_BYTES_PER_S = 100e6
 DISK_BYTES_PER_S = 1e9
+LOAD_BYTES_PER_S = 1e9  # weights made ready in memory, uncalibrated
 TOKENISE_ROWS_PER_S = 300.0
 STRATEGY_S = {"ddp": 2.0, "zero1": 10.0, "zero2": 10.0, "zero3": 20.0}
 _BYTES_PER_PARAM = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
@@ -54,27 +63,45 @@ def _cached(spec: RunSpec) -> bool:
 
 def startup_estimate(spec: RunSpec, params: float | None = None, rows: int | None = None,
                      cached: bool | None = None, strategy: str | None = None,
-                     python_s: float | None = None) -> dict[str, float | None]:
+                     python_s: float | None = None, *, load_dtype: str | None = None,
+                     load_bytes_per_s: float | None = None, link_bytes_per_s: float | None = None
+                     ) -> dict[str, float | None]:
     """Seconds per start-up phase: python, download, load, tokenise, strategy (see the module).
 
     ``params``: the model's parameter count (the planner knows it); ``rows``: training rows;
     ``cached``: whether the weights are local (None: look); ``strategy``: the resolved parallel
     strategy (None: the spec's, with ``auto`` taken as ddp); ``python_s``: a rank's start as
-    calibration measured it on the target (workbench.plan.stepclock), else PYTHON_S.
+    calibration measured it on the target (workbench.plan.stepclock), else PYTHON_S;
+    ``load_dtype``: what the ranks hold the weights in (None: the spec's dtype);
+    ``load_bytes_per_s``: the target's measured load rate (else LOAD_BYTES_PER_S);
+    ``link_bytes_per_s``: the ranks' link for DDP's broadcast (None: no broadcast counted).
     """
-    weight_bytes = None if params is None else params * _BYTES_PER_PARAM.get(spec.model.dtype, 2)
+    file_bytes = None if params is None else params * _BYTES_PER_PARAM.get(spec.model.dtype, 2)
     if cached is None:
         cached = _cached(spec)
-    load = None if weight_bytes is None else weight_bytes / DISK_BYTES_PER_S
+    res = spec.resources
+    ranks = res.gpus_per_node if res.gpus_per_node > 0 else res.procs_per_node
+    held = None if params is None else params * _BYTES_PER_PARAM.get(
+        load_dtype or spec.model.dtype, 2)  # one rank's weights in memory
+    rate = load_bytes_per_s or LOAD_BYTES_PER_S
+    load = None if held is None or file_bytes is None else max(
+        file_bytes / DISK_BYTES_PER_S, ranks * held / rate)
     if load is not None and spec.model.quantization != "none":
         load *= 2
     chosen = strategy or spec.parallel.strategy
+    chosen = "ddp" if chosen == "auto" else chosen
+    set_up = STRATEGY_S.get(chosen, 2.0)
+    if held is not None and res.world_size > 1 and chosen != "zero3":
+        if res.gpus_per_node == 0:  # measured on CPU ranks (a GPU's move is not measured)
+            set_up += ranks * held / rate  # the Trainer's move to the device: a copy per rank
+        if link_bytes_per_s:
+            set_up += held / link_bytes_per_s  # the wrap's broadcast of every parameter
     return {
         "python": PYTHON_S if python_s is None else python_s,
-        "download": 0.0 if cached else (None if weight_bytes is None
-                                        else weight_bytes / DOWNLOAD_BYTES_PER_S),
+        "download": 0.0 if cached else (None if file_bytes is None
+                                        else file_bytes / DOWNLOAD_BYTES_PER_S),
         "load": load,
         # Only when the ranks tokenise for themselves (see the module docstring).
         "tokenise": None if rows is None else rows / TOKENISE_ROWS_PER_S,
-        "strategy": STRATEGY_S.get("ddp" if chosen == "auto" else chosen, 2.0),
+        "strategy": set_up,
     }

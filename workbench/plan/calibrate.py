@@ -85,6 +85,9 @@ class Calibration:
     # "target probe" (workbench.plan.probe, on the target); where: the host or Slurm job.
     source: str = "local measured"
     where: str = ""
+    # Bytes per second of weights made ready in memory at the load dtype (measure_load): the
+    # start-up's load phase. None: not measured (workbench.startup's default).
+    load_bytes_per_s: float | None = None
 
     def train_gflops(self, hidden: int) -> tuple[float, int]:
         """(GFLOP/s of a forward+backward at the measured hidden size nearest ``hidden``, that
@@ -173,6 +176,32 @@ def measure_optimizer(on_gpu: bool) -> float:
     return n / _time(step, sync)
 
 
+def measure_load(on_gpu: bool) -> float:
+    """Bytes per second of float32 weights made ready on the device from a bfloat16 safetensors
+    file in the page cache, into new memory each time: what ``from_pretrained`` spends its load
+    on (reading, converting, the new pages' faults); not the disk (a first read of a cold file
+    is workbench.startup's disk rate)."""
+    import tempfile
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    n = 32 * 2**20  # 64 MB on disk, 128 MB made: past the caches, quick
+    dev = "cuda" if on_gpu else "cpu"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "w.safetensors")
+        save_file({"w": torch.ones(n, dtype=torch.bfloat16)}, path)
+
+        def load() -> None:
+            load_file(path, device=dev)["w"].float()
+
+        def sync() -> None:
+            if on_gpu:
+                torch.cuda.synchronize()
+
+        return 4 * n / _time(load, sync)
+
+
 def calibrate(target: str = "local", *, spec: Any = None, dtype: str | None = None) -> Calibration:
     """Measure this machine for ``target`` and store it (WORKBENCH_HOME/calibration/TARGET.json).
 
@@ -243,6 +272,7 @@ def measure_here(target: str, on_gpu: bool, dtype: str, hiddens: tuple[int, ...]
 
     matmul, layers = measure(on_gpu, dtype, hiddens)
     optimizer = measure_optimizer(on_gpu)
+    load = measure_load(on_gpu)
     ident = device_identity(on_gpu)
     if old is not None and old.device == ident and old.dtype == dtype:
         layers = {**old.layers, **layers}
@@ -250,7 +280,7 @@ def measure_here(target: str, on_gpu: bool, dtype: str, hiddens: tuple[int, ...]
     where = f"Slurm job {job} on {socket.gethostname()}" if job else socket.gethostname()
     return Calibration(target=target, date=_dt.date.today().isoformat(), device=ident,
                        dtype=dtype, matmul_gflops=matmul, layers=layers,
-                       optimizer_params_per_s=optimizer, where=where)
+                       optimizer_params_per_s=optimizer, where=where, load_bytes_per_s=load)
 
 
 def store(cal: Calibration) -> Path:
@@ -284,10 +314,12 @@ def load_calibration(target: str, device: dict[str, Any] | None = None, dtype: s
             raise ValueError(f"unknown source {cal.source!r}")
         cal.matmul_gflops = float(cal.matmul_gflops)
         cal.layers = {str(int(k)): float(v) for k, v in cal.layers.items()}
-        if cal.optimizer_params_per_s is not None:
-            cal.optimizer_params_per_s = float(cal.optimizer_params_per_s)
-        if cal.matmul_gflops <= 0 or any(v <= 0 for v in cal.layers.values()) or (
-                cal.optimizer_params_per_s is not None and cal.optimizer_params_per_s <= 0):
+        for rate in ("optimizer_params_per_s", "load_bytes_per_s"):
+            if getattr(cal, rate) is not None:
+                setattr(cal, rate, float(getattr(cal, rate)))
+        if cal.matmul_gflops <= 0 or any(v <= 0 for v in cal.layers.values()) or any(
+                v is not None and v <= 0 for v in (cal.optimizer_params_per_s,
+                                                   cal.load_bytes_per_s)):
             raise ValueError("throughputs must be positive")
     except (OSError, ValueError, TypeError) as exc:
         skip(f"it cannot be read ({exc}); run `workbench targets check {target}` to measure "
@@ -317,6 +349,7 @@ class TimeBasis:
     device_key: str
     optimizer_rate: float | None
     calibration: dict[str, Any]
+    load_rate: float | None = None  # measured bytes/s of weights made ready (measure_load)
 
 
 def time_basis(target: str, gpu: Any, on_gpu: bool, dtype: str, hidden: int,
@@ -355,7 +388,8 @@ def time_basis(target: str, gpu: Any, on_gpu: bool, dtype: str, hidden: int,
                            f"forward+backward of a hidden-{h} layer at {cal.dtype} "
                            f"({cal.device.get('name')}, {cal.device.get('cores')} "
                            f"{'GPUs' if on_gpu else 'cores'})"), key, cal.optimizer_params_per_s,
-                     {"source": cal.source, "date": cal.date, "where": cal.where or None})
+                     {"source": cal.source, "date": cal.date, "where": cal.where or None},
+                     cal.load_bytes_per_s)
 
 
 PROBE_TAG = "WORKBENCH-CALIBRATION "  # the line the probe's remote side prints its figures on

@@ -31,7 +31,15 @@ from workbench.plan.result import Candidate, Plan, Suggestion
 from workbench.plan.scoring_time import scoring_seconds, validation_of
 from workbench.plan.shape import ModelShape, model_shape
 from workbench.plan.stage import stage_cost, stage_data, stage_memory, stage_time_factor
-from workbench.plan.timing import DataEstimate, _Run, estimate_data, eval_seconds, step_seconds
+from workbench.plan.timing import (
+    _INTER_NODE_GBPS,
+    DataEstimate,
+    _Run,
+    estimate_data,
+    eval_seconds,
+    step_rows,
+    step_seconds,
+)
 from workbench.precision import DeviceKind, Precision, resolve_precision
 from workbench.spec import ParallelSpec, RunSpec
 from workbench.startup import startup_estimate
@@ -122,12 +130,15 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
     assumptions.append("precision: " + precision.reason)
     assumptions.append(_fast_paths_line(spec, on_gpu, gpu, precision))
     global_batch = spec.train.batch_size * spec.train.grad_accum * res.world_size
-    tokens_per_step = int(round(global_batch * data.tokens_per_example))
+    # What a step really carries: fewer rows than the batch when the split is short of it on one
+    # process, its rows repeated to fill every rank's batch on several (timing.step_rows).
+    rows_per_step, per_epoch = (step_rows(data.rows, spec.train.batch_size, spec.train.grad_accum,
+                                          res.world_size) if data.rows is not None
+                                else (global_batch, None))
+    tokens_per_step = int(round(rows_per_step * data.tokens_per_example))
     if spec.train.max_steps is not None:
         steps: int | None = spec.train.max_steps
-    elif data.rows is not None:
-        per_epoch = max(1, math.ceil(data.rows / (spec.train.batch_size * res.world_size))
-                        // spec.train.grad_accum)
+    elif per_epoch is not None:
         steps = max(1, math.ceil(spec.train.epochs * per_epoch))
     else:
         steps = None
@@ -152,8 +163,11 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
     # What the bill counts: cards, or processes on CPU (workbench.budget bills process-core-hours),
     # held from the supervisor's start to its exit, so start-up and release are paid too.
     units = billed_units(spec)
+    link = (_INTER_NODE_GBPS if res.nodes > 1 else time_gpu.interconnect_gbps) * 1e9
     model_startup = startup_estimate(spec, params=shape.params,
-                                     python_s=measured.import_s if measured else None)
+                                     python_s=measured.import_s if measured else None,
+                                     load_dtype=precision.load_dtype,
+                                     load_bytes_per_s=tb.load_rate, link_bytes_per_s=link)
     startup = {k: (v * startup_scale if v is not None else None) for k, v in model_startup.items()}
     startup_total = sum(v for v in startup.values() if v)
     startup_h = (startup_total + finish) / 3600  # held before the first step and after the last
@@ -173,7 +187,10 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
                             s.world if st.parallel == "zero3" else 1)
 
     # A measured step of this run's shape sets the clock; the FLOPs model ranks the strategies.
-    step_x = step_m / step_seconds(s_time, Strategy(spec.method.kind, "ddp", False, False), run
+    # The measurement is of full micro-batches: the FLOPs model carries it to a step of fewer rows.
+    full = replace(run, tokens_per_step=int(round(global_batch
+                                                              * data.tokens_per_example)))
+    step_x = step_m / step_seconds(s_time, Strategy(spec.method.kind, "ddp", False, False), full
                                    )[0] if step_m else 1.0
 
     def seconds_of(st: Strategy) -> tuple[float, float]:

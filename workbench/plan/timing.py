@@ -230,6 +230,28 @@ def _packed_rows(lengths: list[float], block: int) -> list[float]:
     return rows
 
 
+def step_rows(rows: int, batch_size: int, grad_accum: int, world: int) -> tuple[float, int]:
+    """(training rows one optimizer step really carries, all ranks, averaged over an epoch;
+    optimizer steps per epoch) for ``rows`` training rows, as the Trainer's data loader deals them.
+
+    The Trainer batches the rows ``batch_size`` at a time, the last batch short, and keeps it
+    (dataloader_drop_last is off). One process trains on those batches as they are: a split of 3
+    rows at batch_size 8 makes steps of 3 rows. Several processes get the batches dealt round-robin
+    by accelerate's BatchSamplerShard, which with even_batches (the Trainer's default) completes
+    the short batch, and the deal, with rows from the epoch's start: every rank's batch is full,
+    rows repeated (3 rows at batch_size 8 on 2 ranks: steps of 16 rows). Steps per epoch are the
+    rank's batches over grad_accum, rounded up (transformers >= 5: the last step accumulates fewer).
+    """
+    batches = math.ceil(rows / batch_size)
+    if world > 1:
+        per_rank = math.ceil(batches / world)
+        epoch_rows = per_rank * world * batch_size
+    else:
+        per_rank, epoch_rows = batches, rows
+    per_epoch = max(1, math.ceil(per_rank / grad_accum))
+    return epoch_rows / per_epoch, per_epoch
+
+
 def _forward_flops_per_token(sh: ModelShape, seq_len: int) -> float:
     # 2 FLOPs per multiply-add of every linear layer (lm_head included), plus attention scores and
     # their weighting, 2·n_layer·n_ctx·d (Kaplan et al. 2020, table 1; causal masking halves the

@@ -43,9 +43,11 @@ def _startup(stage: str) -> None:
 
     import psutil
 
-    cpu = time.process_time()
-    print(f"startup: {stage} at {time.time() - psutil.Process().create_time():.2f} s "
-          f"(cpu {cpu:.2f} s)", flush=True)
+    now, cpu = time.time(), time.process_time()
+    # CPU seconds (what 2 busy cores share) and the clock time, so the ranks' stages line up
+    # with the supervisor's attempt_started.
+    print(f"startup: {stage} at {now - psutil.Process().create_time():.2f} s "
+          f"(cpu {cpu:.2f} s, t={now:.2f})", flush=True)
 
 
 def load_model(spec: RunSpec, source: str, precision: Precision | None = None,
