@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml Makefile
 	else $(PY) -m venv $(VENV) && $(BIN)/pip install -q torch==2.13.0; fi
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e ".[dev]"
+	# pip compiles what it installs but not an editable package: compile it once here, since a
+	# machine with PYTHONDONTWRITEBYTECODE set would otherwise compile it in every process.
+	$(BIN)/python -m compileall -q workbench
 	# DeepSpeed builds its ops lazily; its sdist needs the installed torch at build time.
 	DS_BUILD_OPS=0 $(BIN)/pip install -q --no-build-isolation "deepspeed==0.19.8"
 	# The JupyterLab extension (Runs panel + server extension, and lab settings that turn the
