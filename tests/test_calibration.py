@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import statistics
 import time
 from pathlib import Path
 
@@ -168,12 +169,21 @@ def test_a_real_run_teaches_the_next_plan_and_projects_its_cost_live(home):
     assert second.tokens_per_step == pytest.approx(first.tokens_per_step, rel=0.05)
     # The first plan (no earlier run) already stands on a measured step and start-up: its total
     # and cost within a factor 2.5 of this run's, measured minutes apart on the same shared
-    # machine (whose load swings both). Its step is known to be short still: the measurement
-    # times a hand loop, and the Trainer's own step here is ~2.5-3x that on this 2-layer model
-    # (idle, 2026-12-02: planned 0.021-0.026 s against 0.066 s; issue 21 is open on it), so
-    # the step is held to a factor 4 short. The second plan, corrected from this run, is
-    # closer, or as close as one run's noise allows.
-    assert 1 / 4 <= first.clock["step_s"] / measured["step_s"] <= 2.5, (first.clock, measured)
+    # machine (whose load swings both). Its step was timed through the run's own Trainer, so
+    # it is held to a factor 1.5 each way: a hand loop of forward + backward + AdamW, timed
+    # before, planned 0.021-0.026 s against the Trainer's 0.066 s here (idle, 2026-12-02;
+    # issue 21). The run's own steps: the median interval between metrics.jsonl steps, the
+    # first (it warms up) and those holding a validation pass left out (status.json's step time
+    # holds them, and the planned validation is not what this checks), as the benchmark does.
+    rows = job.run_dir.metrics()
+    evals = [r["time"] for r in rows if "eval_loss" in r]
+    steps = [r for r in rows if "loss" in r and r.get("step", 0) >= 1]
+    gaps = [b["time"] - a["time"] for a, b in zip(steps, steps[1:], strict=False)
+            if b["step"] == a["step"] + 1 and not any(a["time"] < t <= b["time"] for t in evals)]
+    assert len(gaps) >= 3, rows
+    step_s = statistics.median(gaps)
+    assert 1 / 1.5 <= first.clock["step_s"] / step_s <= 1.5, (first.clock["step_s"], step_s)
+    # The second plan, corrected from this run, is closer, or as close as one run's noise allows.
     assert 1 / 2.5 <= first.clock["total_s"] / actual <= 2.5, (first.clock, actual)
     assert 1 / 2.5 <= first.cost / status["cost"] <= 2.5, (first.cost, status["cost"])
     assert abs(second.clock["total_s"] - actual) <= max(abs(first.clock["total_s"] - actual),

@@ -150,40 +150,50 @@ def test_an_lm_eval_task_is_named_as_not_estimated(home):
 
 
 @pytest.mark.parametrize("packing", [True, False])
-def test_the_measured_step_is_fed_the_batch_the_runs_collator_builds(monkeypatch, packing):
+def test_the_measured_step_is_fed_the_batch_the_runs_collator_builds(monkeypatch, tmp_path,
+                                                                     packing):
     # The run's collator lays a packed micro-batch end to end in ONE row (position_ids restarting
     # per example), so attention spans micro-batch x tokens: on this machine 8 x 439 tokens took
     # 1.7x as long that way as in 8 separate rows, and the calibration, timing separate rows,
-    # planned the 512-token runs 2.7x short. The step must be timed on the run's batch.
+    # planned the 512-token runs 2.7x short. The step must be timed on the run's batch, through
+    # the run's own Trainer (a hand loop missed half its step: issue 21).
     from workbench.data.batches import Collator, pack
-    from workbench.plan import stepclock
     from workbench.plan.shape import model_shape
+    from workbench.train import steprank
 
     spec = workbench.RunSpec(data={"packing": packing, "max_length": 64},
                              train={"batch_size": 3}, resources={"processes_per_node": 1})
-    seen = []
+    seen, trainers = [], []
+    real = steprank.time_train_steps
 
-    def record(model, opt, params, batch, ctx, on_gpu):
-        seen.append(batch)
-        return 1.0, 1.0
+    def recording(model, *a, **kw):
+        model.register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs),
+                                        with_kwargs=True)
+        out = real(model, *a, **kw)
+        trainers.append(out)
+        return out
 
-    monkeypatch.setattr(stepclock, "_time_step", record)
-    monkeypatch.setattr(stepclock, "_time_generate", lambda *a: (1.0, 1.0))  # not under test
+    monkeypatch.setattr(steprank, "time_train_steps", recording)
+    monkeypatch.setattr(steprank, "_time_generate", lambda *a: (1.0, 1.0))  # not under test
+    run_dir = steprank._scratch_run_dir(spec, tmp_path / "scratch")
     job = {"vocab": model_shape(spec.model.id).vocab, "layers": 2, "seq": 20, "dtype": "float32",
            "load_dtype": "float32", "on_gpu": False}
-    stepclock._measure_layers(spec, job, 1, 1)
-    (batch,) = seen
-    # What the run's data path gives the model for three 20-token rows, built here from the
-    # run's own pack (packed) or plain rows (unpacked) and Collator.
+    steprank._measure_layers(spec, job, 1, run_dir)
+    fwd_bwd, whole = trainers[0]
+    assert 0 < fwd_bwd <= whole
+    # Every step of the Trainer's (warm-up and timed) got the run's micro-batch: built here from
+    # three 20-token rows by the run's own pack (packed) or plain rows (unpacked) and Collator.
+    assert len(seen) == steprank._WARM + steprank._CALLS + 1
     examples = [{"input_ids": [5] * 20, "labels": [5] * 20} for _ in range(3)]
     rows = pack(examples, 20) if packing else examples
     want = Collator(pad_token_id=0)(rows)
-    assert isinstance(batch, dict) and sorted(batch) == sorted(want)
-    for key, value in want.items():
-        assert tuple(batch[key].shape) == tuple(value.shape), key
-    if packing:
-        assert tuple(batch["input_ids"].shape) == (1, 60)
-        assert batch["position_ids"][0].tolist() == list(range(20)) * 3
+    for batch in seen:
+        assert sorted(set(batch) - {"num_items_in_batch"}) == sorted(want)  # the Trainer's
+        for key, value in want.items():
+            assert tuple(batch[key].shape) == tuple(value.shape), key
+        if packing:
+            assert tuple(batch["input_ids"].shape) == (1, 60)
+            assert batch["position_ids"][0].tolist() == list(range(20)) * 3
 
 
 def test_a_split_short_of_the_batch_is_planned_at_the_rows_its_steps_carry(tmp_path):
