@@ -38,9 +38,13 @@ def main() -> None:
     environment): one JSON line of its figures, last on stdout."""
     import os
 
-    import peft  # noqa: F401 - what a rank imports before its first step, timed as its start
+    from workbench.train.preload import collector_off, import_training_libraries, imports_done
+
+    # What a rank imports before its first step, the way a rank imports it, timed as its start.
+    collector_off()
+    import_training_libraries()
+    imports_done()
     import torch
-    import transformers  # noqa: F401
 
     import_s = time.time() - float(os.environ["WB_STEPCLOCK_T0"])
     job = json.loads(os.environ["WB_STEPCLOCK_JOB"])
