@@ -52,6 +52,9 @@ def test_two_process_run_completes_with_falling_loss(finished_job):
     assert (art / "adapter_model.safetensors").is_file() and (art / "tokenizer.json").is_file()
     logs = {p.name for p in job.run_dir.log_files()}
     assert {"rank-0.log", "rank-1.log", "launcher.log", "supervisor.log"} <= logs
+    for rank in ("rank-0.log", "rank-1.log"):  # no copy of the weights by the Trainer's set-up
+        assert "weights: trained where they were loaded" in (job.run_dir.logs_dir / rank
+                                                             ).read_text()
     assert list((job.run_dir.tb_dir).rglob("events.out.tfevents.*"))
     assert Registry().get_run(job.id).state == "succeeded"
     df = job.metrics_df()

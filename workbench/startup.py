@@ -25,11 +25,10 @@ Basis of each phase (seconds; ``None`` where the input is unknown):
   ``rows`` only then; the planner does not (ranks read the memory-mapped data in well under 1 s).
 - ``strategy``: DDP set-up 2 s; DeepSpeed ZeRO engine creation 10 s (it builds its optimizer and
   partitions; ZeRO-3 partitions the weights too: 20 s). With several ranks, DDP and ZeRO-1/2 also
-  pay for the weights twice more. On CPU ranks the Trainer's move of the model to the rank's
-  device copies every weight, at the load rate, every rank of the node at once (7.6 of 10.7 s of
-  a 0.5B-shaped model's Trainer set-up on 2 CPU ranks, loaded; one process does not copy; not
-  measured on a GPU). And the wrap broadcasts every parameter, frozen ones too (torch's
+  pay for the weights once more: the wrap broadcasts every parameter, frozen ones too (torch's
   ``_sync_module_states``), from rank 0 at the link's rate (the GPU table's ``interconnect_gbps``).
+  CPU ranks train the weights where they were loaded (workbench.train.run gives them the device
+  ``cpu``: the Trainer's move to accelerate's ``cpu:N`` copied every weight of every rank).
 """
 
 from __future__ import annotations
@@ -91,11 +90,8 @@ def startup_estimate(spec: RunSpec, params: float | None = None, rows: int | Non
     chosen = strategy or spec.parallel.strategy
     chosen = "ddp" if chosen == "auto" else chosen
     set_up = STRATEGY_S.get(chosen, 2.0)
-    if held is not None and res.world_size > 1 and chosen != "zero3":
-        if res.gpus_per_node == 0:  # measured on CPU ranks (a GPU's move is not measured)
-            set_up += ranks * held / rate  # the Trainer's move to the device: a copy per rank
-        if link_bytes_per_s:
-            set_up += held / link_bytes_per_s  # the wrap's broadcast of every parameter
+    if held is not None and res.world_size > 1 and chosen != "zero3" and link_bytes_per_s:
+        set_up += held / link_bytes_per_s  # the wrap's broadcast of every parameter
     return {
         "python": PYTHON_S if python_s is None else python_s,
         "download": 0.0 if cached else (None if file_bytes is None

@@ -163,6 +163,10 @@ def training_arguments(spec: RunSpec, rd: RunDir, has_eval: bool, args_class: ty
         # start-up and a gloo all-reduce per step for nothing.
         for key in _DIST_ENV:
             os.environ.pop(key, None)
+    if not cuda and ds_config is None:
+        # accelerate gives a DDP run's CPU rank the device cpu:N, and .to("cpu:0") copies a
+        # tensor on "cpu": the Trainer's move and accelerate's prepare each copied every weight.
+        os.environ["ACCELERATE_TORCH_DEVICE"] = "cpu"
     print(f"strategy: {spec.method.kind} + {parallel.strategy}"
           f"{' (offload optimizer)' if parallel.offload_optimizer else ''}"
           f"{' (offload params)' if parallel.offload_params else ''}", flush=True)
@@ -366,6 +370,7 @@ def main(run_dir: str) -> int:
         deepspeed.init_distributed()
     model = load_model(spec, source)
     _startup("model")
+    loaded_at = _storage(model)  # to tell whether the Trainer's set-up copies the weights
     fast_line = applied_line(args, model)  # what the Trainer really got, for logs and status
     print(fast_line, flush=True)
     if rank == 0:
@@ -412,6 +417,8 @@ def main(run_dir: str) -> int:
         _shutdown_distributed()
         return 0
     trainer.writer.wait()  # the last snapshot is on disk (and committed) before we go on
+    print("weights: trained where they were loaded" if _storage(trainer.model) == loaded_at
+          else f"weights: moved to {args.device} by the Trainer's set-up (a copy)", flush=True)
     if snapshots.budget_stopped:
         if rank == 0:  # the supervisor writes the bill and the note when the attempt ends
             rd.write_status(stop_reason="budget")
@@ -428,6 +435,12 @@ def main(run_dir: str) -> int:
     record_peak_memory(rd, rank)
     _shutdown_distributed()
     _exit_now(0)
+
+
+def _storage(model: Any) -> int:
+    """Where the model's first weight lives: the same address after training means neither the
+    Trainer nor accelerate moved (copied) the weights (optimizers update them in place)."""
+    return int(next(model.parameters()).data_ptr())
 
 
 def _exit_now(code: int) -> NoReturn:
