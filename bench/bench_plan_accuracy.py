@@ -10,7 +10,9 @@ gives the measured figures:
 
   step_s     median interval between consecutive training steps in metrics.jsonl (the first
              step, which warms up, and intervals with an evaluation in them left out)
-  startup_s  the supervisor's start (status attempt_started) to the first step (status started)
+  startup_s  the supervisor's start (status attempt_started) to training's start (status
+             started), plus what the first step took beyond the steady pace (status
+             first_step_extra_s: its warm-up, part of the start-up as issue 21 counts it)
   total_s    the supervisor's start to its end, what the bill counts
   cost       status.json's bill
   memory     the largest peak of any rank (logs/memory-rank-N.json: a CPU rank's peak RSS)
@@ -121,7 +123,7 @@ def measure(job: Any) -> dict[str, Any]:
     start = status["attempt_started"]
     return {"step_s": statistics.median(gaps) if gaps else None,
             "status_step_s": status.get("step_s"),
-            "startup_s": status["started"] - start,
+            "startup_s": status["started"] - start + (status.get("first_step_extra_s") or 0.0),
             "total_s": status["ended"] - start,
             "cost": status.get("cost"),
             "memory_gib": max(peaks) if peaks else None,

@@ -183,6 +183,21 @@ def test_a_real_run_teaches_the_next_plan_and_projects_its_cost_live(home):
     assert len(gaps) >= 3, rows
     step_s = statistics.median(gaps)
     assert 1 / 1.5 <= first.clock["step_s"] / step_s <= 1.5, (first.clock["step_s"], step_s)
+    # What the run teaches the next plan is its steady pace after the first step (validation
+    # passes included: the correction adds the planned validation per step), read here from
+    # metrics.jsonl's first and last step lines, not elapsed / steps (which carried the first
+    # step's warm-up into every step and over-planned a longer run); the warm-up is learnt as
+    # start-up instead, so start-up plus steps x pace still ends at the last step's line.
+    assert measured["step_s"] == status["pace_s"] <= status["step_s"]
+    first_line = min(steps, key=lambda r: r["step"])
+    last_line = max(steps, key=lambda r: r["step"])
+    assert measured["step_s"] == pytest.approx(
+        (last_line["time"] - first_line["time"]) / (last_line["step"] - first_line["step"]),
+        rel=0.05)
+    assert measured["startup_s"] >= status["started"] - status["attempt_started"]
+    last = last_line["time"]
+    assert measured["startup_s"] + status["step"] * measured["step_s"] == pytest.approx(
+        last - status["attempt_started"], rel=0.05)
     # The second plan, corrected from this run, is closer, or as close as one run's noise allows.
     assert 1 / 2.5 <= first.clock["total_s"] / actual <= 2.5, (first.clock, actual)
     assert 1 / 2.5 <= first.cost / status["cost"] <= 2.5, (first.cost, status["cost"])

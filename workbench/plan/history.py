@@ -41,14 +41,20 @@ def measured(plan: dict[str, Any], status: dict[str, Any]) -> dict[str, Any] | N
     steps_done = (status.get("step") or 0)
     total = (status["ended"] - started) if status.get("ended") else None
     finish = total - (first - started) - (status.get("elapsed_s") or 0.0) if total else None
+    # The steady pace after the first logged step, and the first step's warm-up beyond it as the
+    # start-up's last part: status.json's step_s (elapsed / steps) carries the warm-up into every
+    # step, and a correction learnt from a short run then over-planned a longer or wider one.
+    # Runs from before the pace was written give step_s and no warm-up.
+    pace = status.get("pace_s") or step_s
+    warm = (status.get("first_step_extra_s") or 0.0) if status.get("pace_s") else 0.0
     out: dict[str, Any] = {
-        "startup_s": max(0.0, first - started),
+        "startup_s": max(0.0, first - started) + warm,
         "finish_s": max(0.0, finish) if finish is not None else None,
-        "step_s": step_s,
+        "step_s": pace,
         "steps": steps_done,
         "total_s": total,
         "billed_s": status.get("billed_s"), "cost": status.get("cost"),
-        "tokens_per_s": (plan["tokens_per_step"] / step_s if plan.get("tokens_per_step")
+        "tokens_per_s": (plan["tokens_per_step"] / pace if plan.get("tokens_per_step")
                          else None),
         "planned_step_s": clock.get("step_s"), "planned_startup_s": clock.get("startup_s"),
         "planned_total_s": clock.get("total_s"), "planned_cost": plan.get("cost"),
