@@ -4,6 +4,7 @@ examples only, full fine-tuning pays its optimizer step, and validation passes a
 from __future__ import annotations
 
 import json
+import os
 import warnings
 
 import pytest
@@ -174,6 +175,12 @@ def test_the_measured_step_is_fed_the_batch_the_runs_collator_builds(monkeypatch
 
     monkeypatch.setattr(steprank, "time_train_steps", recording)
     monkeypatch.setattr(steprank, "_time_generate", lambda *a: (1.0, 1.0))  # not under test
+    # The run's training_arguments set a rank's environment (TensorBoard's folder, accelerate's
+    # device): here they run in the test process, so every later test's runs would inherit them.
+    for key, value in os.environ.items():
+        monkeypatch.setenv(key, value)
+    for key in ("TENSORBOARD_LOGGING_DIR", "ACCELERATE_TORCH_DEVICE"):
+        monkeypatch.delenv(key, raising=False)
     run_dir = steprank._scratch_run_dir(spec, tmp_path / "scratch")
     job = {"vocab": model_shape(spec.model.id).vocab, "layers": 2, "seq": 20, "dtype": "float32",
            "load_dtype": "float32", "on_gpu": False}

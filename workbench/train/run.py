@@ -174,7 +174,9 @@ def training_arguments(spec: RunSpec, rd: RunDir, has_eval: bool, args_class: ty
     report_to = []
     if spec.tracking.tensorboard:
         report_to.append("tensorboard")
-        os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(rd.tb_dir))
+        # Always this run's folder: an inherited value (a user's shell, or a process that built
+        # another run's arguments) sent the run's TensorBoard logs elsewhere.
+        os.environ["TENSORBOARD_LOGGING_DIR"] = str(rd.tb_dir)
     if spec.tracking.wandb != "disabled":
         report_to.append("wandb")
         os.environ.setdefault("WANDB_MODE", spec.tracking.wandb)
