@@ -266,7 +266,9 @@ def test_budget_sweep_survives_a_controller_restart_and_never_overspends(wb_home
     def one_ended():
         return [t for t in s.trials if t.get("released") and t.get("run_id")]
 
-    _wait_for(one_ended, 400, "a trial to end")
+    # Polled often: the two trials run together and end close together, and the kill must land
+    # while the controller still has the other to wait for (a finished sweep has nothing to resume).
+    wait_for(one_ended, 400, "a trial to end", every=0.02)
     controller = ProcessIdentity.from_dict(s.data()["controller"])
     assert controller.signal(signal.SIGKILL)
     _wait_for(lambda: not controller.alive(), 60, "the controller to die")
