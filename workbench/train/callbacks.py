@@ -93,16 +93,16 @@ class RunDirCallback(TrainerCallback):
         step_s = elapsed / done_here if done_here > 0 else None
         self._pending = {"step": step, "total_steps": total, "eta_s": eta, "elapsed_s": elapsed,
                          "step_s": step_s, "last_loss": logs.get("loss"), "epoch": state.epoch}
-        if "loss" not in logs:  # a validation line: its pass counts in the next step's pace
-            pass
-        elif done_here > 0 and self._first_log is None:
-            self._first_log = (elapsed, done_here)
-        elif self._first_log is not None and done_here > self._first_log[1]:
-            # The steady pace (after the first log) and what the first log took beyond it: what
-            # the plan learns as step time and as the start-up's last part (plan.history).
-            e1, d1 = self._first_log
-            pace = (elapsed - e1) / (done_here - d1)
-            self._pending.update(pace_s=pace, first_step_extra_s=max(0.0, e1 - d1 * pace))
+        # Training lines only: a validation line's pass counts in the next step's pace.
+        if "loss" in logs and done_here > 0:
+            if self._first_log is None:
+                self._first_log = (elapsed, done_here)
+            elif done_here > self._first_log[1]:
+                # The steady pace (after the first log) and what the first log took beyond it:
+                # what the plan learns as step time and as the start-up's last part (history).
+                e1, d1 = self._first_log
+                pace = (elapsed - e1) / (done_here - d1)
+                self._pending.update(pace_s=pace, first_step_extra_s=max(0.0, e1 - d1 * pace))
         if self._at is not None and step > self._at[1]:
             self._paces = [*self._paces[-19:], (now - self._at[0]) / (step - self._at[1])]
             self._at = (now, step)
