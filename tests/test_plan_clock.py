@@ -139,6 +139,26 @@ def test_the_runs_own_scoring_is_planned_per_pass_and_priced(home):
     assert "Scoring: " in after.summary() and "Scoring: " not in off.summary()
 
 
+@pytest.mark.parametrize("rows", [180, 1500])
+def test_scoring_counts_the_validation_examples_not_the_packed_rows(home, tmp_path, rows):
+    # heldout generates one answer per validation EXAMPLE; packing folds several examples into a
+    # row, and the plan once counted packed rows: 6 prompts planned, 22 scored, a 0.5B run's
+    # total planned 59 % short (issue 21). 1500 rows is past the planner's 512-row sample.
+    import re
+
+    from workbench.data.prepare import prepare_data
+
+    path = _rows(tmp_path / "rows.jsonl", rows)
+    spec = workbench.RunSpec(
+        data={"sources": [{"path": str(path)}], "max_length": 1024, "packing": True},
+        train={"batch_size": 4, "max_steps": 10}, resources={"processes_per_node": 1},
+        eval={"tasks": [{"kind": "heldout", "max_samples": 10_000}]})
+    scored = prepare_data(spec, tmp_path / "prepared").counts["validation"]
+    planned = int(re.search(r"heldout (\d+) prompts", plan(spec).clock["scoring"]).group(1))
+    assert scored > 0
+    assert planned == pytest.approx(scored, rel=0.1 if rows > 512 else 0)
+
+
 def test_an_lm_eval_task_is_named_as_not_estimated(home):
     base = workbench.RunSpec(train={"max_steps": 20}, resources={"processes_per_node": 1})
     p = plan(base.updated(**{"eval.tasks": [{"kind": "lm_eval", "tasks": ["hellaswag"]},

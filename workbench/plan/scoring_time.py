@@ -148,18 +148,16 @@ def scoring_seconds(spec: Any, shape: Any, m: Any, *, on_gpu: bool, gpu: Any,
 
 
 def validation_of(spec: Any, data: Any) -> tuple[int | None, float]:
-    """(validation examples, prompt tokens) of the run's validation split: the counts the data
-    estimate measured when it read every row (the prompts' p95: a batch pads to its longest),
-    else the split's share of the training rows and a whole example's tokens (an over-count)."""
-    vf = spec.data.validation_fraction
+    """(validation examples, prompt tokens) of the run's validation split: the examples the data
+    estimate counted (scoring reads examples, not packed rows) and the prompts' p95 it measured
+    (a batch pads to its longest), else a whole example's tokens (an over-count)."""
     tokens = data.tokens or {}
     val = (tokens.get("splits") or {}).get("validation")
     prompt = float(data.tokens_per_example)
     if val and (val.get("prompt_tokens") or {}).get("p95"):
         prompt = float(val["prompt_tokens"]["p95"])
-    if vf <= 0:
+    if spec.data.validation_fraction <= 0:
         return 0, prompt
     if val and not tokens.get("sampled") and val.get("examples") is not None:
         return int(val["examples"]), prompt
-    rows = None if data.rows is None else max(1, round(data.rows * vf / (1 - vf)))
-    return rows, prompt
+    return data.validation_examples, prompt

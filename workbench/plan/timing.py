@@ -82,6 +82,8 @@ class DataEstimate:
     # data can produce, which activations are sized by. None: unknown, or packed (max_length).
     longest: int | None = None
     longest_of: str = ""  # what it was measured on, for the plan to say
+    # Examples in the validation split (not packed rows: scoring reads examples); None: unknown.
+    validation_examples: int | None = None
 
 
 def _local_tokenizer(spec: RunSpec) -> Any:
@@ -143,6 +145,7 @@ def estimate_data(spec: RunSpec) -> DataEstimate:
                 count = min(count, src.max_rows)
             total = (total or 0) + count
         sample += rows
+    raw = None if unknown else total  # every row, before the validation split
     if unknown:
         total = None
     elif total is not None:
@@ -212,7 +215,23 @@ def estimate_data(spec: RunSpec) -> DataEstimate:
         longest = min(L, math.ceil(max(lengths) * _GUESS_ROOM))
         longest_of = (f"{len(lengths)} sampled rows estimated at {_CHARS_PER_TOKEN} characters per "
                       f"token, x{_GUESS_ROOM}")
-    return DataEstimate(total, per_example, note, tokens, longest, longest_of)
+    return DataEstimate(total, per_example, note, tokens, longest, longest_of,
+                        _validation_examples(spec, raw, sample_stats))
+
+
+def _validation_examples(spec: RunSpec, raw: int | None, stats: Any) -> int | None:
+    """Examples the validation split will hold: the split is by content hash, so the sample's
+    share of validation examples (exact when the sample read every row), else the fraction."""
+    vf = spec.data.validation_fraction
+    if vf <= 0:
+        return 0
+    if raw is None:
+        return None
+    splits = stats.splits if stats is not None else {}
+    val, train = splits.get("validation"), splits.get("train")
+    seen = (val.examples if val else 0) + (train.examples if train else 0)
+    share = (val.examples if val else 0) / seen if seen else vf
+    return round(raw * share)
 
 
 def _packed_rows(lengths: list[float], block: int) -> list[float]:
