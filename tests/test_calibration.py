@@ -274,7 +274,9 @@ def test_earlier_runs_of_other_shapes_scale_the_plan_and_its_own_shape_wins(home
     assert "another model shape (wide-tiny:" in line and "newest near" in line, line
     assert scaled.clock["step_s"] == pytest.approx(3 * before["step_s"], rel=1e-6)
     assert scaled.clock["startup_s"] == pytest.approx(2 * before["startup_s"], rel=1e-6)
-    assert scaled.clock["finish_s"] == pytest.approx(4.0)
+    # Another shape's finish (its save of other weights) is not carried over; the run's own is.
+    assert scaled.clock["finish_s"] == pytest.approx(before["finish_s"])
+    assert before["finish_s"] != pytest.approx(4.0)
     with history.open("a") as fh:
         fh.write(json.dumps(recorded("same", tiny, 1.5)) + "\n")
     own = plan(SPEC)
@@ -282,6 +284,7 @@ def test_earlier_runs_of_other_shapes_scale_the_plan_and_its_own_shape_wins(home
     assert any("corrected from 1 earlier run(s) on local, newest same" in a
                for a in own.assumptions)
     assert own.clock["step_s"] == pytest.approx(1.5 * before["step_s"], rel=1e-6)
+    assert own.clock["finish_s"] == pytest.approx(4.0)
 
 
 def test_the_projection_warns_once_it_passes_the_limit():

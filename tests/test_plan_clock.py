@@ -50,8 +50,8 @@ def home(tmp_path, monkeypatch):
     return tmp_path
 
 
-def _store_calibration(optimizer_params_per_s: float, load_bytes_per_s: float | None = None
-                       ) -> None:
+def _store_calibration(optimizer_params_per_s: float, load_bytes_per_s: float | None = None,
+                       save_bytes_per_s: float | None = None) -> None:
     """A calibration of this machine as `workbench targets check local` would store it, with the
     FLOPs figures fixed and the optimizer's (and the weights' load) rate chosen by the test."""
     from workbench.plan.calibrate import device_identity
@@ -59,7 +59,8 @@ def _store_calibration(optimizer_params_per_s: float, load_bytes_per_s: float | 
     calibration_file("local").write_text(json.dumps({
         "target": "local", "date": "2026-12-01", "device": device_identity(False),
         "dtype": "float32", "matmul_gflops": 20.0, "layers": {"256": 8.0, "1024": 20.0},
-        "optimizer_params_per_s": optimizer_params_per_s, "load_bytes_per_s": load_bytes_per_s}))
+        "optimizer_params_per_s": optimizer_params_per_s, "load_bytes_per_s": load_bytes_per_s,
+        "save_bytes_per_s": save_bytes_per_s}))
 
 
 def test_a_calibrated_optimizer_rate_prices_full_fine_tuning_more_than_lora(home):
@@ -98,6 +99,25 @@ def test_the_start_up_makes_every_ranks_weights_ready_at_the_measured_load_rate(
     # Two ranks on one host: each loads the weights, at once, and trains them where they are.
     assert two == pytest.approx(2 * one, rel=0.05)
     assert startup(2, 1e9) - startup(1, 1e9) > one  # the second rank's load, DDP's set-up
+
+
+def test_the_finish_saves_what_the_method_trained_at_the_measured_save_rate(home):
+    # A fixed 3 s finish was 10x the tiny model's (0.2 s after its scoring and validation), and
+    # full fine-tuning of Qwen2.5-0.5B saves ~2 GB of float32 weights (4.5 s, idle, measured).
+    full = {"model": {"id": "Qwen/Qwen2.5-0.5B"}, "method": {"kind": "full"},
+            "train": {"max_steps": 4}, "resources": {"processes_per_node": 1}}
+    lora = {**full, "method": {"kind": "lora"}}
+
+    def finish(spec: dict, rate: float) -> float:
+        _store_calibration(1e8, 1e9, rate)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CalibrationWarning)  # read, not refused
+            return plan(spec).clock["finish_s"]
+
+    assert finish(full, 1e9) - finish(full, 2e9) >= 0.9  # ~2 GB at 1 GB/s instead of 2
+    assert finish(lora, 1e9) - finish(lora, 2e9) < 0.1  # an adapter of a few MB
+    assert finish(full, 1e9) > finish(lora, 1e9) + 1.5
+    assert plan({**lora, "model": {"id": "builtin:tiny-llama"}}).clock["finish_s"] < 1.5
 
 
 def test_validation_passes_are_held_and_planned(home):

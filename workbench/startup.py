@@ -1,4 +1,5 @@
-"""How long an attempt holds its resources before its first step: the planner's start-up estimate.
+"""How long an attempt holds its resources before its first step and after its last: the
+planner's start-up and finish estimates.
 
 Every attempt (launch, automatic restart, Slurm requeue, resume) pays it, and the budget bills it
 (:mod:`workbench.budget`), so a plan's time and cost show it apart from training:
@@ -29,6 +30,11 @@ Basis of each phase (seconds; ``None`` where the input is unknown):
   ``_sync_module_states``), from rank 0 at the link's rate (the GPU table's ``interconnect_gbps``).
   CPU ranks train the weights where they were loaded (workbench.train.run gives them the device
   ``cpu``: the Trainer's move to accelerate's ``cpu:N`` copied every weight of every rank).
+
+The finish (:func:`finish_estimate`) is what follows the last step besides the last validation
+pass and the ``eval:`` scoring, which the plan times apart: the trained weights' save (the LoRA
+adapter in float32, or the whole model at the dtype the ranks hold it in) at the rate calibration
+measured (``measure_save``), else 0.5 GB/s, and the ranks' exit, EXIT_S.
 """
 
 from __future__ import annotations
@@ -43,6 +49,10 @@ DISK_BYTES_PER_S = 1e9
 LOAD_BYTES_PER_S = 1e9  # weights made ready in memory, uncalibrated
 TOKENISE_ROWS_PER_S = 300.0
 STRATEGY_S = {"ddp": 2.0, "zero1": 10.0, "zero2": 10.0, "zero3": 20.0}
+SAVE_BYTES_PER_S = 0.5e9  # weights written by save_model, uncalibrated
+# The ranks' exit and the supervisor's last write: the tiny model's finish was 0.2 s once its
+# scoring (1.6 s) and validation (0.02 s) were taken out (idle, this 2-core machine).
+EXIT_S = 0.3
 _BYTES_PER_PARAM = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
 
 
@@ -101,3 +111,15 @@ def startup_estimate(spec: RunSpec, params: float | None = None, rows: int | Non
         "tokenise": None if rows is None else rows / TOKENISE_ROWS_PER_S,
         "strategy": set_up,
     }
+
+
+def finish_estimate(spec: RunSpec, params: float, trainable: float, *,
+                    load_dtype: str | None = None, save_bytes_per_s: float | None = None) -> float:
+    """Seconds from the last step to the end beside validation and scoring (see the module):
+    ``params``/``trainable`` the model's and the trained parameters, ``load_dtype`` what the
+    ranks hold the weights in, ``save_bytes_per_s`` the target's measured save rate."""
+    if spec.method.kind == "full":
+        saved = params * _BYTES_PER_PARAM.get(load_dtype or spec.model.dtype, 2)
+    else:
+        saved = trainable * 4  # the adapter, float32
+    return EXIT_S + saved / (save_bytes_per_s or SAVE_BYTES_PER_S)

@@ -88,6 +88,9 @@ class Calibration:
     # Bytes per second of weights made ready in memory at the load dtype (measure_load): the
     # start-up's load phase. None: not measured (workbench.startup's default).
     load_bytes_per_s: float | None = None
+    # Bytes per second of weights on the device written as a safetensors file (measure_save): the
+    # finish's save of the trained weights. None: not measured (workbench.startup's default).
+    save_bytes_per_s: float | None = None
 
     def train_gflops(self, hidden: int) -> tuple[float, int]:
         """(GFLOP/s of a forward+backward at the measured hidden size nearest ``hidden``, that
@@ -202,6 +205,21 @@ def measure_load(on_gpu: bool) -> float:
         return 4 * n / _time(load, sync)
 
 
+def measure_save(on_gpu: bool) -> float:
+    """Bytes per second of float32 weights on the device written to a safetensors file (into the
+    page cache, as a run's last save lands): what ``save_model`` spends the finish on."""
+    import tempfile
+
+    import torch
+    from safetensors.torch import save_file
+
+    n = 16 * 2**20  # 64 MB, past the caches, quick
+    w = torch.ones(n, dtype=torch.float32, device="cuda" if on_gpu else "cpu")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "w.safetensors")
+        return 4 * n / _time(lambda: save_file({"w": w}, path), lambda: None)
+
+
 def calibrate(target: str = "local", *, spec: Any = None, dtype: str | None = None) -> Calibration:
     """Measure this machine for ``target`` and store it (WORKBENCH_HOME/calibration/TARGET.json).
 
@@ -272,7 +290,7 @@ def measure_here(target: str, on_gpu: bool, dtype: str, hiddens: tuple[int, ...]
 
     matmul, layers = measure(on_gpu, dtype, hiddens)
     optimizer = measure_optimizer(on_gpu)
-    load = measure_load(on_gpu)
+    load, save = measure_load(on_gpu), measure_save(on_gpu)
     ident = device_identity(on_gpu)
     if old is not None and old.device == ident and old.dtype == dtype:
         layers = {**old.layers, **layers}
@@ -280,7 +298,8 @@ def measure_here(target: str, on_gpu: bool, dtype: str, hiddens: tuple[int, ...]
     where = f"Slurm job {job} on {socket.gethostname()}" if job else socket.gethostname()
     return Calibration(target=target, date=_dt.date.today().isoformat(), device=ident,
                        dtype=dtype, matmul_gflops=matmul, layers=layers,
-                       optimizer_params_per_s=optimizer, where=where, load_bytes_per_s=load)
+                       optimizer_params_per_s=optimizer, where=where, load_bytes_per_s=load,
+                       save_bytes_per_s=save)
 
 
 def store(cal: Calibration) -> Path:
@@ -314,12 +333,12 @@ def load_calibration(target: str, device: dict[str, Any] | None = None, dtype: s
             raise ValueError(f"unknown source {cal.source!r}")
         cal.matmul_gflops = float(cal.matmul_gflops)
         cal.layers = {str(int(k)): float(v) for k, v in cal.layers.items()}
-        for rate in ("optimizer_params_per_s", "load_bytes_per_s"):
+        rates = ("optimizer_params_per_s", "load_bytes_per_s", "save_bytes_per_s")
+        for rate in rates:
             if getattr(cal, rate) is not None:
                 setattr(cal, rate, float(getattr(cal, rate)))
         if cal.matmul_gflops <= 0 or any(v <= 0 for v in cal.layers.values()) or any(
-                v is not None and v <= 0 for v in (cal.optimizer_params_per_s,
-                                                   cal.load_bytes_per_s)):
+                v is not None and v <= 0 for v in (getattr(cal, r) for r in rates)):
             raise ValueError("throughputs must be positive")
     except (OSError, ValueError, TypeError) as exc:
         skip(f"it cannot be read ({exc}); run `workbench targets check {target}` to measure "
@@ -350,6 +369,7 @@ class TimeBasis:
     optimizer_rate: float | None
     calibration: dict[str, Any]
     load_rate: float | None = None  # measured bytes/s of weights made ready (measure_load)
+    save_rate: float | None = None  # measured bytes/s of weights saved (measure_save)
 
 
 def time_basis(target: str, gpu: Any, on_gpu: bool, dtype: str, hidden: int,
@@ -389,7 +409,7 @@ def time_basis(target: str, gpu: Any, on_gpu: bool, dtype: str, hidden: int,
                            f"({cal.device.get('name')}, {cal.device.get('cores')} "
                            f"{'GPUs' if on_gpu else 'cores'})"), key, cal.optimizer_params_per_s,
                      {"source": cal.source, "date": cal.date, "where": cal.where or None},
-                     cal.load_bytes_per_s)
+                     cal.load_bytes_per_s, cal.save_bytes_per_s)
 
 
 PROBE_TAG = "WORKBENCH-CALIBRATION "  # the line the probe's remote side prints its figures on

@@ -5,8 +5,8 @@ run did (status.json: supervisor start, first step, last step, bill), gives the 
 ``measured`` for status.json's last write and appends one line to
 ``WORKBENCH_HOME/calibration/runs.jsonl``. :func:`correction` gives the planner the median ratio
 measured / modelled of the nearest earlier runs (same target, device, model shape, method and world
-size; without any, of other model shapes nearest in size) for step time and start-up, and their
-median finish (last step to the end).
+size; without any, of other model shapes nearest in size) for step time and start-up, and the
+median finish (last step to the end) of runs of the same shape.
 :func:`check_report` is ``workbench plan --check RUN``.
 """
 
@@ -20,9 +20,6 @@ from pathlib import Path
 from typing import Any
 
 _NEAREST = 5  # earlier runs a correction is taken from (the newest of the nearest)
-# Last step to the supervisor's end (artefact saved, ranks exit) before any run measured it:
-# 3-8 s for the tiny model on this 2-core machine shared by several sessions.
-FINISH_S = 3.0
 
 
 def runs_file() -> Path:
@@ -122,7 +119,9 @@ def peak_memory(rd: Any) -> float | None:
 class Correction:
     step: float  # multiply the modelled step time by this
     startup: float  # and the modelled start-up by this
-    finish: float  # seconds from the last step to the end (save, exit)
+    # Seconds from the last step to the end (save, exit) of earlier runs of this very shape;
+    # None from other shapes (they save other weights: the planner models it).
+    finish: float | None
     runs: int  # how many earlier runs it is taken from
     names: tuple[str, ...] = ()  # their run folders, oldest first
     # The model shapes of those runs when none was of the planned shape (their ratio measured /
@@ -194,7 +193,7 @@ def correction(target: str, device: str, shape: str, method: str,
            if r.get("model_startup_s") and r.get("measured_startup_s") is not None]
     ends = [r["finish_s"] for r in near if r.get("finish_s") is not None]
     return Correction(step, statistics.median(ups) if ups else 1.0,
-                      statistics.median(ends) if ends else FINISH_S, len(near),
+                      statistics.median(ends) if ends and same else None, len(near),
                       tuple(str(r.get("run")) for r in near if r.get("run")),
                       () if same else tuple(dict.fromkeys(str(r.get("shape")) for r in near)))
 

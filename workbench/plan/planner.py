@@ -42,7 +42,7 @@ from workbench.plan.timing import (
 )
 from workbench.precision import DeviceKind, Precision, resolve_precision
 from workbench.spec import ParallelSpec, RunSpec
-from workbench.startup import startup_estimate
+from workbench.startup import finish_estimate, startup_estimate
 
 
 def _resolve_gpu(spec: RunSpec, gpu_type: str | None) -> tuple[GpuType, bool]:
@@ -144,7 +144,7 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
         steps = None
     # The clock: the target's calibration (else the table), then what earlier runs measured.
     from workbench.plan.calibrate import time_basis
-    from workbench.plan.history import FINISH_S, correction
+    from workbench.plan.history import correction
     from workbench.plan.stepclock import planned as measured_step
 
     tb = time_basis(spec.target, gpu, on_gpu, precision.compute_dtype, shape.hidden,
@@ -155,8 +155,12 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
     assumptions.append(tb.line + step_line)
     shape_key = f"{shape.model_id}:{shape.params}"
     corr = correction(spec.target, device_key, shape_key, spec.method.kind, res.world_size)
-    time_scale, startup_scale, finish = (corr.step, corr.startup, corr.finish) if corr else (
-        1.0, 1.0, FINISH_S)
+    time_scale, startup_scale = (corr.step, corr.startup) if corr else (1.0, 1.0)
+    trainable = shape.params if spec.method.kind == "full" else shape.lora_params(
+        spec.method.lora_r, spec.method.target_modules)
+    finish = corr.finish if corr and corr.finish is not None else finish_estimate(
+        spec, shape.params, trainable, load_dtype=precision.load_dtype,
+        save_bytes_per_s=tb.save_rate)
     if corr:
         assumptions.append(corr.line(spec.target))
     run = _Run(tokens_per_step, steps, time_gpu, n_devices, on_gpu, tb.optimizer_rate)
@@ -284,8 +288,6 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
 
     reasons.extend(stage.notes)
     model_step, flops_step = seconds_of(chosen.strategy)
-    trainable = shape.params if spec.method.kind == "full" else shape.lora_params(
-        spec.method.lora_r, spec.method.target_modules)
     clock = {"target": spec.target, "device": device_key, "shape": shape_key,
              "method": spec.method.kind, "world_size": res.world_size,
              "model_step_s": model_step, "model_startup_s": sum(v for v in model_startup.values()

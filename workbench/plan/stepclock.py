@@ -2,7 +2,7 @@
 
 A FLOPs model misses what dominates small models' steps (the lm_head and the loss over the whole
 vocabulary, embeddings, LoRA's small matmuls, the optimizer, framework overhead), so
-:func:`measure_step` builds the run's model from its config with 1 and 2 layers (random weights,
+:func:`measure_step` builds the run's model from its config with 1 and a few layers (random weights,
 nothing downloaded), applies the run's method (LoRA on its target modules, or full), and times a
 few steps of it through the run's own Trainer (:mod:`workbench.train.steprank`: the run's training
 arguments, Trainer class, collator and per-step callbacks, so the Trainer's logging, collectives
@@ -38,6 +38,18 @@ from typing import Any
 from workbench.plan.calstore import CalibrationError, CalibrationWarning
 
 _SEQ_NEAR = 1.25  # a measurement at tokens per example within this factor is scaled, else unused
+# The layer counts the step is timed at: 1 and up to _WIDE, as long as the wider model's layers
+# stay under _WIDE_PARAMS parameters. 1 and 2 layers of a 0.5B model differ by ~0.1 s in a
+# ~1 s step, under the noise: the slope, x22 to the whole model, planned its step anywhere from
+# 0.3x to 1.4x the measured one over three calibrations (issue 21).
+_WIDE, _WIDE_PARAMS = 4, 1e9
+
+
+def fit_layers(shape: Any) -> tuple[int, int]:
+    """(fewer, more) layers of ``shape`` the step is measured at; the line through them is
+    extrapolated to the model's ``shape.layers``."""
+    per_layer = shape.params / max(1, shape.layers)  # an over-count: embeddings are in params
+    return 1, max(2, min(shape.layers, _WIDE, int(_WIDE_PARAMS // max(1.0, per_layer))))
 
 
 @dataclass(frozen=True)
@@ -139,7 +151,8 @@ def measure_step(spec: Any, shape: Any, seq: int, dtype: str, load_dtype: str, t
                  on_gpu: bool, ranks: int = 1) -> tuple[float, float, float, float, float, float]:
     """(seconds per step, of which forward + backward, a rank's import seconds, a generate call's
     prefill and per-new-token seconds, heldout's first metrics call) of the whole model, fitted
-    on 1 and 2 layers of it, measured in ``ranks`` worker processes at once."""
+    on two layer counts of it (:func:`fit_layers`), measured in ``ranks`` worker processes at
+    once."""
     import os
     import shutil
     import socket
@@ -151,7 +164,7 @@ def measure_step(spec: Any, shape: Any, seq: int, dtype: str, load_dtype: str, t
         port = sock.getsockname()[1]
     scratch = Path(tempfile.mkdtemp(prefix="wb-stepclock-"))  # the ranks' scratch run dirs
     job = json.dumps({"spec": spec.model_dump(mode="json"), "vocab": shape.vocab,
-                      "layers": shape.layers, "seq": seq, "dtype": dtype,
+                      "layers": shape.layers, "fit_layers": fit_layers(shape), "seq": seq, "dtype": dtype,
                       "load_dtype": load_dtype, "on_gpu": on_gpu, "scratch": str(scratch)})
     procs, logs = [], []
     t0 = time.time()
@@ -211,7 +224,8 @@ def planned(spec: Any, shape: Any, on_gpu: bool, dtype: str, device: str,
     if m is None:
         return None, None, ""
     step = m.at(tokens_per_example, spec.train.grad_accum)
+    few, more = fit_layers(shape)
     return m, step, (
-        f"; step {step:.3g} s from a real step of this model measured here (1 and 2 of its "
-        f"layers at {m.seq} tokens x {spec.train.batch_size} per rank, extrapolated to "
+        f"; step {step:.3g} s from a real step of this model measured here ({few} and {more} of "
+        f"its layers at {m.seq} tokens x {spec.train.batch_size} per rank, extrapolated to "
         f"{shape.layers})")

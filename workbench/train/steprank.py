@@ -2,18 +2,18 @@
 
 :mod:`workbench.plan.stepclock` starts this module (``python -m workbench.train.steprank``) in as
 many processes as the run has ranks on a node, its job in the environment. Each builds the run's
-model from its config with 1 and 2 layers, and :func:`time_train_steps` trains it for a few
-steps with what :func:`workbench.train.run.main` trains with: its ``training_arguments``, its
-Trainer class, its collator and its per-step callbacks (metrics.jsonl and status.json, the
-snapshot and budget checks), in a scratch run directory of its own. Every cost the run pays per
-step is then in the time: the Trainer's per-step logging (loss and gradient-norm reads, token
-counts, each a collective across ranks), LoRA dropout, the learning-rate schedule, the data
-loader and collation, the callbacks' writes. A hand loop of forward + backward + clip + AdamW,
-timed before, planned the Trainer's step 1.4-4x short (issue 21). It also times the run's
-scoring (greedy ``generate``, at two forced new-token counts so prefill and per-token decode
-separate) and heldout's first metrics call; the plan side (stepclock) fits all of it over the
-layers and stores it. Here, not in :mod:`workbench.plan`, because it runs the training code,
-which the plan must not import.
+model from its config with 1 and a few layers (``stepclock.fit_layers``), and
+:func:`time_train_steps` trains it for a few steps with what :func:`workbench.train.run.main`
+trains with: its ``training_arguments``, its Trainer class, its collator and its per-step
+callbacks (metrics.jsonl and status.json, the snapshot and budget checks), in a scratch run
+directory of its own. Every cost the run pays per step is then in the time: the Trainer's per-step
+logging (loss and gradient-norm reads, token counts, each a collective across ranks), LoRA
+dropout, the learning-rate schedule, the data loader and collation, the callbacks' writes. A hand
+loop of forward + backward + clip + AdamW, timed before, planned the Trainer's step 1.4-4x short
+(issue 21). It also times the run's scoring (greedy ``generate``, at two forced new-token counts
+so prefill and per-token decode separate) and heldout's first metrics call; the plan side
+(stepclock) fits all of it over the layers and stores it. Here, not in :mod:`workbench.plan`,
+because it runs the training code, which the plan must not import.
 
 The scratch run differs from the run only where a measurement must: a few steps (``_WARM`` warm
 up, then ``_CALLS`` timed), one micro-batch per step (gradient accumulation is planned from the
@@ -53,7 +53,7 @@ def main() -> None:
     spec = RunSpec.coerce(job["spec"])
     run_dir = _scratch_run_dir(spec, Path(job["scratch"]) / f"rank-{os.environ['RANK']}")
     # The Trainer joins the ranks' process group itself (gloo on CPU), as in the run.
-    fits = [(n, *_measure_layers(spec, job, n, run_dir)) for n in (1, 2)]
+    fits = [(n, *_measure_layers(spec, job, n, run_dir)) for n in job["fit_layers"]]
     (l1, w1, f1, p1, d1, n1), (l2, w2, f2, p2, d2, n2) = fits
     n = job["layers"]
 
