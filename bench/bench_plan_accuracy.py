@@ -14,6 +14,7 @@ gives the measured figures:
              started), plus what the first step took beyond the steady pace (status
              first_step_extra_s: its warm-up, part of the start-up as issue 21 counts it)
   total_s    the supervisor's start to its end, what the bill counts
+  scoring_s  the run's own ``eval:`` scoring passes (eval.jsonl's seconds), part of total_s
   cost       status.json's bill
   memory     the largest peak of any rank (logs/memory-rank-N.json: a CPU rank's peak RSS)
 
@@ -100,7 +101,8 @@ def cases(half_b: Path | None) -> list[dict[str, Any]]:
 def planned(p: Any) -> dict[str, Any]:
     c = p.clock or {}
     return {"step_s": c.get("step_s"), "startup_s": c.get("startup_s"),
-            "total_s": c.get("total_s"), "cost": p.cost, "memory_gib": p.memory.total,
+            "total_s": c.get("total_s"), "scoring_s": c.get("scoring_s"), "cost": p.cost,
+            "memory_gib": p.memory.total,
             "tokens_per_step": p.tokens_per_step, "basis": c.get("basis")}
 
 
@@ -125,15 +127,25 @@ def measure(job: Any) -> dict[str, Any]:
             "status_step_s": status.get("step_s"),
             "startup_s": status["started"] - start + (status.get("first_step_extra_s") or 0.0),
             "total_s": status["ended"] - start,
+            "scoring_s": sum(e.get("seconds") or 0.0 for e in _eval_rows(job.run_dir)),
             "cost": status.get("cost"),
             "memory_gib": max(peaks) if peaks else None,
             "tokens_per_step": (tokens[-1] / steps[-1]["step"]) if tokens else None,
             "steps": status.get("step")}
 
 
+def _eval_rows(rd: Any) -> list[dict[str, Any]]:
+    """The run's eval.jsonl rows: each scoring pass's task with the seconds it took."""
+    path = rd.path / "eval.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+
 def errors(plan_: dict[str, Any], meas: dict[str, Any]) -> dict[str, float | None]:
     out = {}
-    for k in ("step_s", "startup_s", "total_s", "cost", "memory_gib", "tokens_per_step"):
+    for k in ("step_s", "startup_s", "total_s", "scoring_s", "cost", "memory_gib",
+              "tokens_per_step"):
         p, m = plan_.get(k), meas.get(k)
         out[k] = round(p / m - 1, 4) if p and m else None
     return out

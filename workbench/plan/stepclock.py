@@ -2,7 +2,7 @@
 
 A FLOPs model misses what dominates small models' steps (the lm_head and the loss over the whole
 vocabulary, embeddings, LoRA's small matmuls, the optimizer, framework overhead), so
-:func:`measure_step` builds the run's model from its config with 1 and a few layers (random weights,
+:func:`measure_step` builds the run's model from its config with a few layers (random weights,
 nothing downloaded), applies the run's method (LoRA on its target modules, or full), and times a
 few steps of it through the run's own Trainer (:mod:`workbench.train.steprank`: the run's training
 arguments, Trainer class, collator and per-step callbacks, so the Trainer's logging, collectives
@@ -38,18 +38,20 @@ from typing import Any
 from workbench.plan.calstore import CalibrationError, CalibrationWarning
 
 _SEQ_NEAR = 1.25  # a measurement at tokens per example within this factor is scaled, else unused
-# The layer counts the step is timed at: 1 and up to _WIDE, as long as the wider model's layers
-# stay under _WIDE_PARAMS parameters. 1 and 2 layers of a 0.5B model differ by ~0.1 s in a
-# ~1 s step, under the noise: the slope, x22 to the whole model, planned its step anywhere from
-# 0.3x to 1.4x the measured one over three calibrations (issue 21).
-_WIDE, _WIDE_PARAMS = 4, 1e9
+# The layer counts the step is timed at: up to _WIDE layers and half as many, as long as the wider
+# model's layers stay under _WIDE_PARAMS parameters. On a 0.5B model (full fine-tuning, 2 threads)
+# 1 and 4 layers stepped in 3.15 and 3.75 s, then 8 in 5.04 and 24 in 10.03: the first layers
+# hide under the lm_head's fixed cost and the slope only settles past them, so a line through
+# 1 and 2 (or 1 and 4) layers planned the step 0.3-0.8x the measured one (issue 21).
+_WIDE, _WIDE_PARAMS = 8, 1e9
 
 
 def fit_layers(shape: Any) -> tuple[int, int]:
     """(fewer, more) layers of ``shape`` the step is measured at; the line through them is
     extrapolated to the model's ``shape.layers``."""
     per_layer = shape.params / max(1, shape.layers)  # an over-count: embeddings are in params
-    return 1, max(2, min(shape.layers, _WIDE, int(_WIDE_PARAMS // max(1.0, per_layer))))
+    more = max(2, min(shape.layers, _WIDE, int(_WIDE_PARAMS // max(1.0, per_layer))))
+    return max(1, more // 2), more
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 :mod:`workbench.plan.stepclock` starts this module (``python -m workbench.train.steprank``) in as
 many processes as the run has ranks on a node, its job in the environment. Each builds the run's
-model from its config with 1 and a few layers (``stepclock.fit_layers``), and
+model from its config with a few layers (``stepclock.fit_layers``), and
 :func:`time_train_steps` trains it for a few steps with what :func:`workbench.train.run.main`
 trains with: its ``training_arguments``, its Trainer class, its collator and its per-step
 callbacks (metrics.jsonl and status.json, the snapshot and budget checks), in a scratch run
@@ -30,7 +30,7 @@ from typing import Any
 
 _WARM = 2  # steps before the timed ones (the first allocates and initialises lazily)
 _CALLS = 4  # timed steps: intervals between consecutive step ends
-_GEN_TOKENS = (2, 8)  # forced new tokens of the two timed generate calls (prefill vs decode)
+_GEN_TOKENS = (2, 16)  # forced new tokens of the two timed generate calls (prefill vs decode)
 
 
 def main() -> None:
