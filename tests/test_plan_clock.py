@@ -101,6 +101,28 @@ def test_the_start_up_makes_every_ranks_weights_ready_at_the_measured_load_rate(
     assert startup(2, 1e9) - startup(1, 1e9) > one  # the second rank's load, DDP's set-up
 
 
+def test_a_cpu_full_fine_tunes_first_step_makes_its_optimizer_state_in_the_start_up(home):
+    # The 0.5B full fine-tune's first step took 4.1 s beyond the next ones (idle): its gradients
+    # and AdamW's states, ~6 GB, made in new memory. Planned apart from the step, as start-up.
+    full = {"model": {"id": "Qwen/Qwen2.5-0.5B"}, "method": {"kind": "full"},
+            "train": {"max_steps": 4}, "resources": {"processes_per_node": 1}}
+    lora = {**full, "method": {"kind": "lora"}}
+
+    def first(spec: dict, rate: float) -> float:
+        _store_calibration(1e8, rate)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CalibrationWarning)  # read, not refused
+            return plan(spec).startup_s["first step"]
+
+    assert first(full, 1e9) > 4  # at least gradients + two fp32 states of ~500M parameters
+    assert first(full, 1e9) == pytest.approx(2 * first(full, 2e9))
+    assert first(lora, 1e9) < 0.2  # a few million adapter weights
+    two = plan({**full, "resources": {"processes_per_node": 2}}).startup_s["first step"]
+    assert two == pytest.approx(2 * first(full, 1e9))  # both ranks at once on one host
+    gpu = plan({**full, "resources": {"gpus_per_node": 1, "gpu_type": "H100"}})
+    assert not gpu.startup_s["first step"]
+
+
 def test_the_finish_saves_what_the_method_trained_at_the_measured_save_rate(home):
     # A fixed 3 s finish was 10x the tiny model's (0.2 s after its scoring and validation), and
     # full fine-tuning of Qwen2.5-0.5B saves ~2 GB of float32 weights (4.5 s, idle, measured).

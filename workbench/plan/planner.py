@@ -171,7 +171,8 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
     model_startup = startup_estimate(spec, params=shape.params,
                                      python_s=measured.import_s if measured else None,
                                      load_dtype=precision.load_dtype,
-                                     load_bytes_per_s=tb.load_rate, link_bytes_per_s=link)
+                                     load_bytes_per_s=tb.load_rate, link_bytes_per_s=link,
+                                     trainable=trainable)
     startup = {k: (v * startup_scale if v is not None else None) for k, v in model_startup.items()}
     startup_total = sum(v for v in startup.values() if v)
     startup_h = (startup_total + finish) / 3600  # held before the first step and after the last

@@ -29,7 +29,11 @@ from pathlib import Path
 from typing import Any
 
 _WARM = 2  # steps before the timed ones (the first allocates and initialises lazily)
-_CALLS = 4  # timed steps: intervals between consecutive step ends
+_CALLS = 4  # timed steps at least: intervals between consecutive step ends
+# ... and at least this many seconds of them, up to _MAX_STEPS steps: four intervals of the tiny
+# model's 0.1-0.2 s step were under a second, and two calibrations of one shape planned its step
+# +20 % and +91 % of the run's (idle).
+_MIN_TIMED_S, _MAX_STEPS = 2.0, 64
 _GEN_TOKENS = (2, 16)  # forced new tokens of the two timed generate calls (prefill vs decode)
 
 
@@ -169,7 +173,7 @@ def _scratch_run_dir(spec: Any, path: Path) -> Path:
     from workbench.spec import RunSpec
 
     raw = spec.model_dump(mode="json")
-    raw["train"].update(max_steps=_WARM + _CALLS + 1, grad_accum=1, eval_every=0)
+    raw["train"].update(max_steps=_MAX_STEPS, grad_accum=1, eval_every=0)
     raw["parallel"] = {**raw.get("parallel", {}), "strategy": "auto"}
     rd = RunDir(path).create(RunSpec.coerce(raw))
     rd.plan_file.write_text(json.dumps({"strategy": {
@@ -198,7 +202,7 @@ def time_train_steps(model: Any, run_dir: Path, seq: int, vocab: int, on_gpu: bo
     rd = RunDir(run_dir)
     spec = rd.spec()
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    steps = spec.train.max_steps or _WARM + _CALLS + 1
+    steps = spec.train.max_steps or _MAX_STEPS
     g = torch.Generator().manual_seed(int(os.environ.get("RANK", "0")))
     ids = torch.randint(0, max(2, vocab), (spec.train.batch_size * steps * world, seq),
                         generator=g).tolist()
@@ -229,9 +233,20 @@ def time_train_steps(model: Any, run_dir: Path, seq: int, vocab: int, on_gpu: bo
             sync()  # forward, backward (DDP's all-reduce in it) and the gradient clip
             self.fwd_bwd.append(time.perf_counter() - self.began)
 
-        def on_step_end(self, *a: Any, **kw: Any) -> None:
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             sync()
             self.ends.append(time.perf_counter())
+            if len(self.ends) - 1 - _WARM < _CALLS:
+                return
+            # Enough timed: every rank must stop at the same step (DDP's collectives), so they
+            # agree, at the same steps on every rank, on the one that has timed the least.
+            enough = torch.tensor([float(self.ends[-1] - self.ends[_WARM] >= _MIN_TIMED_S)],
+                                  device=f"cuda:{torch.cuda.current_device()}" if on_gpu
+                                  else "cpu")
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.all_reduce(enough, op=torch.distributed.ReduceOp.MIN)
+            if enough.item() > 0:
+                control.should_training_stop = True
 
     clock = Clock()
     args = training_arguments(spec, rd, has_eval=False)
