@@ -251,7 +251,8 @@ def test_the_measured_step_is_fed_the_batch_the_runs_collator_builds(monkeypatch
     assert 0 < fwd_bwd <= whole
     # Every step of the Trainer's (warm-up and timed) got the run's micro-batch: built here from
     # three 20-token rows by the run's own pack (packed) or plain rows (unpacked) and Collator.
-    assert len(seen) == steprank._WARM + steprank._CALLS + 1
+    # (2 warm-up steps, then at least 4 timed and 2 s of them, at most 64 steps in all.)
+    assert 7 <= len(seen) <= 64
     examples = [{"input_ids": [5] * 20, "labels": [5] * 20} for _ in range(3)]
     rows = pack(examples, 20) if packing else examples
     want = Collator(pad_token_id=0)(rows)
