@@ -97,8 +97,7 @@ def startup_estimate(spec: RunSpec, params: float | None = None, rows: int | Non
         cached = _cached(spec)
     res = spec.resources
     ranks = res.gpus_per_node if res.gpus_per_node > 0 else res.procs_per_node
-    held = None if params is None else params * _BYTES_PER_PARAM.get(
-        load_dtype or spec.model.dtype, 2)  # one rank's weights in memory
+    held = None if params is None else _held_bytes(spec, params, load_dtype)
     rate = load_bytes_per_s or LOAD_BYTES_PER_S
     load = None if held is None or file_bytes is None else max(
         file_bytes / DISK_BYTES_PER_S, ranks * held / rate)
@@ -127,8 +126,18 @@ def _first_step(spec: RunSpec, held: float | None, trainable: float | None, rank
     (the pages' faults, at the load rate), on every rank of the node at once."""
     if trainable is None or held is None or spec.resources.gpus_per_node > 0:
         return None
-    grads = held if spec.method.kind == "full" else trainable * 4  # adapters train in fp32
-    return ranks * (grads + trainable * 8) / rate
+    return ranks * (_trained_bytes(spec, held, trainable) + trainable * 8) / rate
+
+
+def _held_bytes(spec: RunSpec, params: float, load_dtype: str | None) -> float:
+    """One rank's weights in memory, at the dtype it holds them in (None: the spec's)."""
+    return params * _BYTES_PER_PARAM.get(load_dtype or spec.model.dtype, 2)
+
+
+def _trained_bytes(spec: RunSpec, held: float, trainable: float) -> float:
+    """The trained weights' bytes (their gradients', and what the finish saves): the whole model
+    as held for full fine-tuning, else the adapters, which peft keeps in float32."""
+    return held if spec.method.kind == "full" else trainable * 4
 
 
 def finish_estimate(spec: RunSpec, params: float, trainable: float, *,
@@ -136,8 +145,5 @@ def finish_estimate(spec: RunSpec, params: float, trainable: float, *,
     """Seconds from the last step to the end beside validation and scoring (see the module):
     ``params``/``trainable`` the model's and the trained parameters, ``load_dtype`` what the
     ranks hold the weights in, ``save_bytes_per_s`` the target's measured save rate."""
-    if spec.method.kind == "full":
-        saved = params * _BYTES_PER_PARAM.get(load_dtype or spec.model.dtype, 2)
-    else:
-        saved = trainable * 4  # the adapter, float32
+    saved = _trained_bytes(spec, _held_bytes(spec, params, load_dtype), trainable)
     return EXIT_S + saved / (save_bytes_per_s or SAVE_BYTES_PER_S)

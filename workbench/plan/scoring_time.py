@@ -156,8 +156,6 @@ def validation_of(spec: Any, data: Any) -> tuple[int | None, float]:
     prompt = float(data.tokens_per_example)
     if val and (val.get("prompt_tokens") or {}).get("p95"):
         prompt = float(val["prompt_tokens"]["p95"])
-    if spec.data.validation_fraction <= 0:
-        return 0, prompt
     if val and not tokens.get("sampled") and val.get("examples") is not None:
         return int(val["examples"]), prompt
     return data.validation_examples, prompt

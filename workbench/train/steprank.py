@@ -16,7 +16,8 @@ so prefill and per-token decode separate) and heldout's first metrics call; the 
 because it runs the training code, which the plan must not import.
 
 The scratch run differs from the run only where a measurement must: a few steps (``_WARM`` warm
-up, then ``_CALLS`` timed), one micro-batch per step (gradient accumulation is planned from the
+up, then at least ``_CALLS`` and ``_MIN_TIMED_S`` seconds of them timed, the ranks agreeing when
+to stop), one micro-batch per step (gradient accumulation is planned from the
 forward + backward share), no evaluation, snapshots and the budget stop never fire (their per-step
 checks still run), and DDP across ranks where the run would use ZeRO (its step is planned as DDP).
 """
