@@ -152,7 +152,10 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
     time_gpu, device_key = tb.gpu, tb.device_key
     measured, step_m, step_line = measured_step(spec, shape, on_gpu, precision.compute_dtype,
                                                 device_key, data.tokens_per_example)
-    assumptions.append(tb.line + step_line)
+    assumptions.append(tb.line + step_line + (
+        f"; memory per process from the same step's peak ({measured.peak_gib:.2f} GiB at "
+        f"{measured.seq} tokens per example)" if measured and measured.peak_gib and not on_gpu
+        else ""))
     shape_key = f"{shape.model_id}:{shape.params}"
     corr = correction(spec.target, device_key, shape_key, spec.method.kind, res.world_size)
     time_scale, startup_scale = (corr.step, corr.startup) if corr else (1.0, 1.0)
@@ -187,8 +190,19 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
     stage = stage_cost(spec, data.tokens_per_example)
     stage_x = stage_time_factor(stage, spec.method.kind, data.tokens_per_example)
 
+    # On CPU a measured step's peak resident memory (the allocator's and the libraries' own
+    # included) corrects the formula's: their difference at the measured tokens per example goes
+    # to the overhead of the strategy it measured, DDP.
+    ddp = Strategy(spec.method.kind, "ddp", False, False)
+    mem_fix = (measured.peak_gib - estimate_memory(
+        _setup(spec, shape, on_gpu, measured.seq, gpu), ddp).total
+               if measured and measured.peak_gib and not on_gpu else None)
+
     def memory_of(st: Strategy) -> MemoryBreakdown:
-        return stage_memory(estimate_memory(s, st), stage, shape, s.compute_bytes,
+        mem = estimate_memory(s, st)
+        if mem_fix is not None and st == ddp:
+            mem = replace(mem, overhead=max(0.0, mem.overhead + mem_fix))
+        return stage_memory(mem, stage, shape, s.compute_bytes,
                             s.world if st.parallel == "zero3" else 1)
 
     # A measured step of this run's shape sets the clock; the FLOPs model ranks the strategies.

@@ -70,6 +70,9 @@ class StepMeasure:
     gen_token_s: float | None = None
     # heldout's first metrics call in a process: importing sacrebleu and rouge-score dominates it.
     metrics_s: float | None = None
+    # A CPU rank's peak resident memory (GiB) while it trained and generated, the whole model:
+    # what the memory formula's CPU figure is corrected by (None on a GPU and in older files).
+    peak_gib: float | None = None
 
     def at(self, seq: float, grad_accum: int) -> float:
         """Seconds per optimizer step at ``seq`` tokens per example (linear in tokens)."""
@@ -123,7 +126,8 @@ def lookup(target: str, key: str, seq: float) -> StepMeasure | None:
         rows = [StepMeasure(**r) for r in raw.get(key, [])]
         for r in rows:
             if not (r.step_s > 0 and 0 < r.fwd_bwd_s <= r.step_s and r.seq > 0) or any(
-                    v is not None and not v > 0 for v in (r.gen_prefill_s, r.gen_token_s, r.metrics_s)):
+                    v is not None and not v > 0
+                    for v in (r.gen_prefill_s, r.gen_token_s, r.metrics_s, r.peak_gib)):
                 raise ValueError(f"non-positive or inconsistent times in {r}")
     except (OSError, ValueError, TypeError, AttributeError) as exc:
         warnings.warn(f"step measurement {path} not used: it cannot be read ({exc}); run "
@@ -150,11 +154,12 @@ def store(target: str, m: StepMeasure) -> None:
 
 
 def measure_step(spec: Any, shape: Any, seq: int, dtype: str, load_dtype: str, threads: int,
-                 on_gpu: bool, ranks: int = 1) -> tuple[float, float, float, float, float, float]:
+                 on_gpu: bool, ranks: int = 1
+                 ) -> tuple[float, float, float, float, float, float, float | None]:
     """(seconds per step, of which forward + backward, a rank's import seconds, a generate call's
-    prefill and per-new-token seconds, heldout's first metrics call) of the whole model, fitted
-    on two layer counts of it (:func:`fit_layers`), measured in ``ranks`` worker processes at
-    once."""
+    prefill and per-new-token seconds, heldout's first metrics call, a CPU rank's peak resident
+    GiB) of the whole model, fitted on two layer counts of it (:func:`fit_layers`), measured in
+    ``ranks`` worker processes at once."""
     import os
     import shutil
     import socket
@@ -200,20 +205,22 @@ def measure_step(spec: Any, shape: Any, seq: int, dtype: str, load_dtype: str, t
             if q.poll() is None:
                 q.kill()
         shutil.rmtree(scratch, ignore_errors=True)
-    # The slowest rank sets the pace of a synchronous step; rank 0 alone scores in the run.
+    # The slowest rank sets the pace of a synchronous step; rank 0 alone scores in the run; the
+    # plan's memory is per process, the largest.
+    peaks = [o.get("peak_gib") for o in outs]
     return (max(o["step_s"] for o in outs), max(o["fwd_bwd_s"] for o in outs),
             max(o["import_s"] for o in outs), outs[0]["gen_prefill_s"], outs[0]["gen_token_s"],
-            outs[0]["metrics_s"])
+            outs[0]["metrics_s"], None if None in peaks else max(peaks))
 
 
 def calibrate_step(target: str, spec: Any, shape: Any, seq: int, dtype: str, load_dtype: str,
                    on_gpu: bool, device: str) -> StepMeasure:
     """Measure the run's step (and a rank's start) on this machine and store it under its key."""
     ranks = spec.resources.gpus_per_node if on_gpu else spec.resources.procs_per_node
-    whole, fwd_bwd, import_s, prefill, per_token, metrics_s = measure_step(
+    whole, fwd_bwd, import_s, prefill, per_token, metrics_s, peak = measure_step(
         spec, shape, seq, dtype, load_dtype, rank_threads(spec, on_gpu), on_gpu, max(1, ranks))
     m = StepMeasure(run_key(spec, shape, on_gpu, dtype, device), seq, whole, fwd_bwd, import_s,
-                    prefill, per_token, metrics_s)
+                    prefill, per_token, metrics_s, peak)
     store(target, m)
     return m
 

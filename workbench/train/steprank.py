@@ -52,6 +52,7 @@ def main() -> None:
     import torch
 
     import_s = time.time() - float(os.environ["WB_STEPCLOCK_T0"])
+    base = _status_gib("VmRSS")  # a rank's resident memory once it has imported, before a model
     job = json.loads(os.environ["WB_STEPCLOCK_JOB"])
     from workbench.spec import RunSpec
 
@@ -59,7 +60,7 @@ def main() -> None:
     run_dir = _scratch_run_dir(spec, Path(job["scratch"]) / f"rank-{os.environ['RANK']}")
     # The Trainer joins the ranks' process group itself (gloo on CPU), as in the run.
     fits = [(n, *_measure_layers(spec, job, n, run_dir)) for n in job["fit_layers"]]
-    (l1, w1, f1, p1, d1, n1), (l2, w2, f2, p2, d2, n2) = fits
+    (l1, w1, f1, p1, d1, n1, m1), (l2, w2, f2, p2, d2, n2, m2) = fits
     n = job["layers"]
 
     def at_n(one: float, two: float, floor: float = 0.0) -> float:
@@ -83,11 +84,17 @@ def main() -> None:
                       # of the 1-layer model's bytes. Two layers' decode differ by a few ms on a
                       # big vocabulary, under the noise, and a clamped 0 left out every layer.
                       "gen_token_s": at_n(d1, d2, d1 * max(0, n2 - n1) / max(1, n1)),
-                      "metrics_s": metrics_s}), flush=True)
+                      "metrics_s": metrics_s,
+                      # None where the peak cannot be read (a GPU rank's is its allocator's;
+                      # not Linux)
+                      "peak_gib": base + at_n(m1, m2) if base and m1 and m2 else None}),
+          flush=True)
 
 
 def _measure_layers(spec: Any, job: dict[str, Any], layers: int, run_dir: Path
-                    ) -> tuple[float, float, float, float, int]:
+                    ) -> tuple[float, float, float, float, int, float | None]:
+    """(step, forward + backward, generate's prefill, its per-token decode, the weights, the
+    rank's peak resident GiB while it trained and generated) of the model cut to ``layers``."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -99,6 +106,7 @@ def _measure_layers(spec: Any, job: dict[str, Any], layers: int, run_dir: Path
     if getattr(text, "layer_types", None) is not None:
         text.layer_types = list(text.layer_types)[:layers]
     on_gpu = bool(job["on_gpu"])
+    before = _reset_peak()
     torch.manual_seed(0)
     # The attention kernel the run's load_model asks for (workbench.train.fastpath), so the
     # packed batch is attended as in the run (sdpa's block mask, or flash's varlen).
@@ -120,8 +128,44 @@ def _measure_layers(spec: Any, job: dict[str, Any], layers: int, run_dir: Path
     ctx = (torch.autocast("cuda", dtype=getattr(torch, job["dtype"]))
            if on_gpu and job["dtype"] != job["load_dtype"] else _null())
     # After the steps, as the run scores after its steps.
+    generate = _time_generate(model, ids, ctx, on_gpu)
     weights = sum(p.numel() for p in model.parameters())
-    return (*step, *_time_generate(model, ids, ctx, on_gpu), weights)
+    peak = _status_gib("VmHWM")
+    # What this layer count added to the rank's resident memory at its peak: what an earlier
+    # layer count left behind is not its own.
+    grew = None if on_gpu or before is None or peak is None else peak - before
+    return (*step, *generate, weights, grew)
+
+
+def _reset_peak() -> float | None:
+    """Start this process's peak resident memory afresh (Linux: /proc/self/clear_refs), after
+    handing the last layer count's freed memory back; its resident GiB now (None where /proc
+    cannot say)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: what is freed stays counted, a little over
+        pass
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return None
+    return _status_gib("VmRSS")
+
+
+def _status_gib(field: str) -> float | None:
+    """/proc/self/status's ``field`` (VmRSS: resident now; VmHWM: its peak since the last
+    reset) in GiB; None where /proc cannot say (not Linux)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 2**20  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _attention_kwargs(spec: Any, cfg: Any, load_dtype: str) -> dict[str, Any]:
@@ -210,6 +254,9 @@ def time_train_steps(model: Any, run_dir: Path, seq: int, vocab: int, on_gpu: bo
     rows: dict[str, list[Any]] = {"input_ids": ids, "labels": ids}
     if spec.data.packing:  # one example per row: where examples start does not change the cost
         rows["position_ids"] = [list(range(seq))] * len(ids)
+    # Arrow-backed, as the run's dataset is; the lists would stay in the measured peak memory.
+    dataset = datasets.Dataset.from_dict(rows)
+    del rows, ids
     billing = Billing(spec, rd.status())
     snapshots = SnapshotCallback(spec, billing)
     # Their per-step checks (and the collective agreeing on them) run; they never fire here.
@@ -252,7 +299,7 @@ def time_train_steps(model: Any, run_dir: Path, seq: int, vocab: int, on_gpu: bo
     clock = Clock()
     args = training_arguments(spec, rd, has_eval=False)
     trainer = snapshotting_trainer_class()(
-        model=model, args=args, train_dataset=datasets.Dataset.from_dict(rows),
+        model=model, args=args, train_dataset=dataset,
         data_collator=Collator(pad_token_id=0),
         callbacks=[RunDirCallback(rd, world), snapshots, clock], run_dir=rd, keep=1)
     trainer.train()
