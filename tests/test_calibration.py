@@ -313,3 +313,29 @@ def test_the_projection_warns_once_it_passes_the_limit():
     assert "passes the budget limit 50" in over["budget_warning"]
     under = project({**basis, "limit": 1000.0}, now, 1.0, [1.0], 100)
     assert under["budget_warning"] is None
+
+
+def test_the_learnt_finish_leaves_out_the_last_validation_pass_and_the_scoring(home):
+    """A run's end after its last step: a validation pass (metrics.jsonl, 6 s), the scoring
+    (eval.jsonl, 2 s) and the save. The plan counts the first two apart (eval_s, scoring_s), so
+    what the next plan learns as the finish is the rest."""
+    from workbench.plan.history import record_run, runs_file
+    from workbench.rundir import RunDir
+
+    rd = RunDir(home / "runs" / "ended").create(workbench.RunSpec(train={"max_steps": 2}))
+    rd.plan_file.write_text(json.dumps({"tokens_per_step": 64, "clock": {
+        "target": "local", "device": "cpu", "shape": "m:1", "method": "lora", "world_size": 1,
+        "model_step_s": 1.0, "model_eval_s": 5.0, "model_startup_s": 8.0, "steps": 2,
+        "step_s": 1.0, "startup_s": 8.0}}))
+    t0 = 1000.0
+    for step, at in ((1, t0 + 10), (2, t0 + 11)):
+        rd.append_metrics({"step": step, "time": at, "loss": 2.0})
+    rd.append_metrics({"step": 2, "time": t0 + 17.5, "eval_loss": 1.9, "eval_runtime": 6.0})
+    (rd.path / "eval.jsonl").write_text(json.dumps(
+        {"phase": "after", "task": "heldout", "step": 2, "seconds": 2.0}) + "\n")
+    rd.write_status(state="succeeded", attempt_started=t0, started=t0 + 9, step=2, step_s=1.0,
+                    pace_s=1.0, first_step_extra_s=0.0, elapsed_s=2.0, ended=t0 + 21.0)
+    measured = record_run(rd, {})
+    assert measured is not None and measured["finish_s"] == pytest.approx(10.0)  # 11 -> 21
+    row = json.loads(runs_file().read_text().splitlines()[-1])
+    assert row["finish_s"] == pytest.approx(10.0 - 6.0 - 2.0)

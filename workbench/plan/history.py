@@ -75,7 +75,7 @@ def record_run(rd: Any, final: dict[str, Any]) -> dict[str, Any] | None:
     row.update(run=rd.path.name, model_step_s=clock.get("model_step_s"),
                model_eval_s=clock.get("model_eval_s"), planned_steps=clock.get("steps"),
                model_startup_s=clock.get("model_startup_s"), measured_step_s=m["step_s"],
-               measured_startup_s=m["startup_s"], finish_s=_finish_unscored(rd, m["finish_s"]),
+               measured_startup_s=m["startup_s"], finish_s=_finish_alone(rd, m["finish_s"]),
                planned_step_s=clock.get("step_s"),
                planned_startup_s=clock.get("startup_s"), steps=m["steps"])
     peak = peak_memory(rd)
@@ -88,9 +88,10 @@ def record_run(rd: Any, final: dict[str, Any]) -> dict[str, Any] | None:
     return m
 
 
-def _finish_unscored(rd: Any, finish: float | None) -> float | None:
-    """The finish less the ``after`` scoring eval.jsonl timed: the plan counts scoring apart
-    (clock.scoring_s), so the learnt finish must not carry it too."""
+def _finish_alone(rd: Any, finish: float | None) -> float | None:
+    """The finish less what the plan counts apart: the ``after`` scoring eval.jsonl timed
+    (clock.scoring_s) and the validation pass logged after the last step (clock.eval_s counts
+    the one at the end), so the learnt finish carries neither a second time."""
     if finish is None:
         return None
     from workbench.evaluate import results
@@ -100,7 +101,11 @@ def _finish_unscored(rd: Any, finish: float | None) -> float | None:
                      if ln.get("phase") == "after")
     except (OSError, ValueError, TypeError):
         scored = 0.0
-    return max(0.0, finish - scored)
+    rows = rd.metrics()
+    last_step = max((r["time"] for r in rows if "loss" in r and "time" in r), default=None)
+    validated = sum(float(r.get("eval_runtime") or 0.0) for r in rows if "eval_loss" in r
+                    and last_step is not None and r.get("time", 0.0) >= last_step)
+    return max(0.0, finish - scored - validated)
 
 
 def peak_memory(rd: Any) -> float | None:
