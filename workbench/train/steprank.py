@@ -228,9 +228,10 @@ def _scratch_run_dir(spec: Any, path: Path) -> Path:
 
 def time_train_steps(model: Any, run_dir: Path, seq: int, vocab: int, on_gpu: bool
                      ) -> tuple[float, float]:
-    """(forward + backward of a micro-batch, the whole step) median seconds of the run's Trainer
-    training ``model`` on micro-batches of random ``seq``-token rows, laid out by the run's
-    collator. Every rank calls it at once (the Trainer joins them in its process group)."""
+    """(the whole step, of which forward + backward of the micro-batch) median seconds of the
+    run's Trainer training ``model`` on micro-batches of random ``seq``-token rows, laid out by
+    the run's collator: the order :func:`_measure_layers` returns them in. Every rank calls it at
+    once (the Trainer joins them in its process group)."""
     import os
     import statistics
 
@@ -309,7 +310,7 @@ def time_train_steps(model: Any, run_dir: Path, seq: int, vocab: int, on_gpu: bo
     if not whole:
         raise RuntimeError(f"the Trainer took {len(clock.ends)} of {steps} steps")
     step = statistics.median(whole)
-    return min(step, statistics.median(clock.fwd_bwd[_WARM + 1:])), step
+    return step, min(step, statistics.median(clock.fwd_bwd[_WARM + 1:]))
 
 
 if __name__ == "__main__":
