@@ -10,10 +10,10 @@ directory of its own. Every cost the run pays per step is then in the time: the 
 logging (loss and gradient-norm reads, token counts, each a collective across ranks), LoRA
 dropout, the learning-rate schedule, the data loader and collation, the callbacks' writes. A hand
 loop of forward + backward + clip + AdamW, timed before, planned the Trainer's step 1.4-4x short
-(issue 21). It also times the run's scoring (greedy ``generate``, at two forced new-token counts
-so prefill and per-token decode separate) and heldout's first metrics call; the plan side
-(stepclock) fits all of it over the layers and stores it. Here, not in :mod:`workbench.plan`,
-because it runs the training code, which the plan must not import.
+(issue 21). It also times the run's scoring (greedy ``generate`` on rank 0, as the run scores,
+at two forced new-token counts so prefill and per-token decode separate) and heldout's first
+metrics call; the plan side (stepclock) fits all of it over the layers and stores it. Here, not
+in :mod:`workbench.plan`, because it runs the training code, which the plan must not import.
 
 The scratch run differs from the run only where a measurement must: a few steps (``_WARM`` warm
 up, then at least ``_CALLS`` and ``_MIN_TIMED_S`` seconds of them timed, the ranks agreeing when
@@ -93,8 +93,11 @@ def main() -> None:
 
 def _measure_layers(spec: Any, job: dict[str, Any], layers: int, run_dir: Path
                     ) -> tuple[float, float, float, float, int, float | None]:
-    """(step, forward + backward, generate's prefill, its per-token decode, the weights, the
-    rank's peak resident GiB while it trained and generated) of the model cut to ``layers``."""
+    """(step, forward + backward, generate's prefill, its per-token decode (rank 0's; 0 on the
+    others), the weights, the rank's peak resident GiB while it trained and generated) of the
+    model cut to ``layers``."""
+    import os
+
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -127,8 +130,13 @@ def _measure_layers(spec: Any, job: dict[str, Any], layers: int, run_dir: Path
     ids = torch.randint(0, max(2, job["vocab"]), (spec.train.batch_size, job["seq"]), device=dev)
     ctx = (torch.autocast("cuda", dtype=getattr(torch, job["dtype"]))
            if on_gpu and job["dtype"] != job["load_dtype"] else _null())
-    # After the steps, as the run scores after its steps.
-    generate = _time_generate(model, ids, ctx, on_gpu)
+    # After the steps, as the run scores after its steps, and on rank 0 alone, as the run
+    # scores, the others waiting: a decode step is bound by memory bandwidth, which two CPU ranks
+    # decoding at once share (the 0.5B shape's 2-process scoring was planned 16-18 % long).
+    alone = int(os.environ.get("RANK", "0")) == 0
+    generate = _time_generate(model, ids, ctx, on_gpu) if alone else (0.0, 0.0)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
     weights = sum(p.numel() for p in model.parameters())
     peak = _status_gib("VmHWM")
     # What this layer count added to the rank's resident memory at its peak: what an earlier
