@@ -25,13 +25,14 @@ _ROWS = list(teaching_rows("train"))[:48]
 _WRONG = {r["output"]: _ROWS[(i + 5) % len(_ROWS)]["output"] for i, r in enumerate(_ROWS)}
 
 DPO_STEPS = 8
-ORPO_STEPS = 12
+ORPO_STEPS = 16
 KTO_STEPS = 12
 GRPO_STEPS = 8
 KILL_CHECKPOINT = {"every_steps": 2, "keep": 2}  # DPO's and GRPO's killed runs
-# ORPO's and KTO's runs are killed once a step past their snapshot (every 5 steps) is logged, so
-# the steps after the snapshot are trained twice, before and after the kill; 12 steps leave
-# the kill several steps to land before the run ends.
+# ORPO's and KTO's runs are killed once a step past their snapshot (every 5 steps) is logged and
+# before the next snapshot's step, so the steps after the snapshot are trained twice, before and
+# after the kill. ORPO's snapshots are written in the background and may be committed a few
+# steps late on a fast machine: its 16 steps leave a second window (steps 11-14) for the kill.
 ONE_SNAPSHOT = {"every_steps": 5, "keep": 2}
 
 
@@ -73,15 +74,21 @@ def train_lines(job) -> list[dict]:
 
 def kill_rank_1_and_resume(job, steps: int, snapshot: int = 2, past: bool = False) -> int:
     """Kill rank 1 with SIGKILL once the run has a snapshot at step ``snapshot`` or later (and,
-    with ``past``, has also logged a step after it), wait for the automatic restart to finish the
-    run, check it resumed from that snapshot and logged every later step once, and return the
-    step it resumed from."""
+    with ``past``, has also logged a step after it, its snapshots being every ``snapshot``
+    steps), wait for the automatic restart to finish the run, check it resumed from that
+    snapshot and logged every later step once, and return the step it resumed from."""
 
     def ready() -> bool:
         at = (job.status().get("snapshot") or {}).get("step") or 0
-        return at >= snapshot and (not past or any(m["step"] > at for m in train_lines(job)))
+        if at < snapshot or not past:
+            return at >= snapshot
+        # Snapshots are taken every ``snapshot`` steps and committed in the background, so the
+        # status may name one while the next is already being written: kill only between a step
+        # logged past the snapshot and the step that starts the next one.
+        last = max((m["step"] for m in train_lines(job)), default=0)
+        return at < last < at + snapshot
 
-    wait_for(ready, 600, f"the snapshot of {job.name} at step {snapshot}")
+    wait_for(ready, 600, f"the snapshot of {job.name} at step {snapshot}", every=0.05)
     victim = next(p for p in of_attempt(job.status()) if p.role == "rank" and p.rank == 1)
     assert victim.signal(signal.SIGKILL), "rank 1 ended before it could be killed"
     succeeded(job)

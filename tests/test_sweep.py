@@ -256,18 +256,29 @@ def _run_cost(run_dir: str) -> float:
 
 @pytest.mark.slow
 def test_budget_sweep_survives_a_controller_restart_and_never_overspends(wb_home):
-    """4 grid trials, 2 at once, a limit too small for all four; the controller is killed -9
+    """4 grid trials, one at a time, a limit too small for all four; the controller is killed -9
     once a trial has ended and a new Python process resumes the sweep."""
-    limit = 120.0  # 60 s of two processes: four trials of 6 steps (~20 s held each, idle) cannot all fit
+    from workbench.spec import RunSpec
+    from workbench.sweep.runner import trial_price
+
+    # The limit is set from this machine's clock, not a fixed figure (a trial here takes 8-20 s
+    # held, with the machine's speed): one trial's cost, measured now, and what the controller
+    # sets aside before starting one. It pays for the first trial and the reserve of a second,
+    # never for the third's reserve on top of three trials, so the limit bites.
+    alone = workbench.launch({**SPEC, "name": "sw-alone"})
+    assert alone.wait(progress=False, timeout=400) == "succeeded"
+    trial_cost = _run_cost(alone.run_dir.path)
+    reserve = max(trial_price(RunSpec.parse({**SPEC, "method": {"lora_r": r}}))[1] for r in (4, 8))
+    limit = reserve + 1.5 * trial_cost
     s = workbench.sweep(SPEC, space={"train.lr": [1e-3, 3e-3], "method.lora_r": [4, 8]},
-                        concurrent=2, budget=limit, pruner="none")
+                        concurrent=1, budget=limit, pruner="none")
     assert s.data()["trials_total"] == 4
 
     def one_ended():
         return [t for t in s.trials if t.get("released") and t.get("run_id")]
 
-    # Polled often: the two trials run together and end close together, and the kill must land
-    # while the controller still has the other to wait for (a finished sweep has nothing to resume).
+    # Polled often: the kill must land before the controller has started, watched and ended the
+    # next trial (a finished sweep has nothing to resume).
     wait_for(one_ended, 400, "a trial to end", every=0.02)
     controller = ProcessIdentity.from_dict(s.data()["controller"])
     assert controller.signal(signal.SIGKILL)

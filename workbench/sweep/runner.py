@@ -56,6 +56,16 @@ PRICE_MARGIN = 1.5
 LAUNCH_SETTLE_S = 30.0
 
 
+def trial_price(spec: RunSpec) -> tuple[float | None, float]:
+    """The planner's cost of a trial of ``spec``, and what the controller sets aside before it
+    starts one: that cost times PRICE_MARGIN, plus starting and releasing its processes."""
+    from workbench.plan import plan
+
+    planned = plan(spec).cost
+    per_hour, _ = hourly_price(spec)
+    return planned, (planned or 0.0) * PRICE_MARGIN + per_hour * (KILL_GRACE_S + RELEASE_S) / 3600.0
+
+
 def start_controller(record: rec.SweepRecord) -> procs.ProcessIdentity:
     """Start the detached controller of ``record`` and record its identity."""
     with record.log_file.open("ab") as log:
@@ -97,7 +107,6 @@ class Controller:
         self.registry = Registry()
         self.active: dict[int, Job] = {}
         self.seen_ended: dict[int, float] = {}  # trial -> when its run was first seen ended
-        self.price_per_hour, _ = hourly_price(self.base)
         self.stop_launching: str | None = None  # why no more trials start (budget, a fatal error)
 
     # -- the loop ---------------------------------------------------------------------------------
@@ -253,11 +262,7 @@ class Controller:
             if t is None:
                 return
             spec = trial_spec(self.base, t["params"]).updated(name=t["run_name"])
-            from workbench.plan import plan
-
-            planned = plan(spec).cost
-            need = ((planned or 0.0) * PRICE_MARGIN
-                    + self.price_per_hour * (KILL_GRACE_S + RELEASE_S) / 3600.0)
+            planned, need = trial_price(spec)
             limit = data.get("budget")
             trial_limit = spec.budget.limit
             if limit is not None:
