@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import shutil
 import statistics
 import time
@@ -73,10 +74,16 @@ def test_a_calibration_from_another_device_is_not_used(home):
     calibration_file("local").write_text(json.dumps({
         "target": "local", "date": "2026-12-01", "device": other, "dtype": "float32",
         "matmul_gflops": 500.0, "layers": {"64": 300.0, "256": 800.0, "1024": 900.0}}))
-    with pytest.warns(CalibrationWarning, match="Some Other CPU 9000"):
+    here = re.escape(device_identity(False)["name"])
+    with pytest.warns(CalibrationWarning, match=rf"Some Other CPU 9000 .*planned on {here} "):
         p = plan(SPEC)
     assert p.clock["step_s"] == pytest.approx(table)
     assert not any(a.startswith("calibrated") for a in p.assumptions)
+    # Nor a CPU's for a GPU run, and the warning names the GPU the run is planned on.
+    gpu = {**SPEC, "resources": {"gpus_per_node": 1, "gpu_type": "H100"}}
+    with pytest.warns(CalibrationWarning, match="Some Other CPU 9000 .*planned on H100 GPUs"):
+        p = plan(gpu)
+    assert "not calibrated" in p.clock["basis"]
 
 
 @pytest.mark.parametrize("text", ["{not json", json.dumps({"target": "local"}),

@@ -345,15 +345,23 @@ def load_calibration(target: str, device: dict[str, Any] | None = None, dtype: s
              "again (the planner uses the GPU table meanwhile)")
         return None
     if device is not None and {k: cal.device.get(k) for k in device} != device:
-        skip(f"it was measured on {cal.device.get('name')} ({cal.device.get('cores')} cores), "
-             f"not on {device.get('name')} ({device.get('cores')} cores); run `workbench targets "
-             f"check {target}` on this device")
+        skip(f"it was measured on {_described(cal.device)}, the run is planned on "
+             f"{_described(device)}; run `workbench targets check {target}` on that device")
         return None
     if dtype is not None and cal.dtype != dtype:
         skip(f"it was measured at {cal.dtype}, the run trains at {dtype}; run "
              f"workbench.plan.calibrate({target!r}, spec=spec)")
         return None
     return cal
+
+
+def _described(device: dict[str, Any]) -> str:
+    """A device identity (``device_identity``, or the part of it a plan asks for) in words."""
+    if device.get("kind") == "gpu":
+        return f"{device.get('gpu_type') or device.get('name') or 'unknown'} GPUs"
+    if device.get("name"):
+        return f"{device['name']} ({device.get('cores')} cores)"
+    return "a CPU"
 
 
 @dataclass(frozen=True)
