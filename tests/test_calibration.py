@@ -114,7 +114,7 @@ def test_a_corrupt_step_measurement_warns_and_falls_back(home, text):
 def test_a_real_run_teaches_the_next_plan_and_projects_its_cost_live(home):
     spec = {**SPEC, "budget": {"price_per_cpu_core_hour": 1.0, "limit": 100.0}}
     formula = plan(spec)  # memory from the formula alone: nothing measured yet
-    calibrate("local", spec=workbench.RunSpec.coerce(spec))  # this run's own step, measured
+    calibrate("local", spec=spec)  # a dict, as plan and launch take it: this run's own step
     first = plan(spec)
     assert "from a real step of this model" in first.clock["basis"], first.clock["basis"]
     wide = _wider_model(home)  # another model shape: what the run teaches carries over

@@ -225,7 +225,12 @@ def calibrate(target: str = "local", *, spec: Any = None, dtype: str | None = No
 
     With a spec, the model's hidden size and the run's dtype are measured too, and the stored
     layer figures of other sizes are kept. Only the machine this runs on can be measured: a
-    remote target's calibration is written by a process on that target."""
+    remote target's calibration is written by a process on that target. ``spec``: a RunSpec, a
+    dict or a YAML path, as ``plan`` and ``launch`` take it."""
+    if spec is not None:
+        from workbench.spec import RunSpec
+
+        spec = RunSpec.coerce(spec)
     on_gpu = bool(spec is not None and spec.resources.gpus_per_node > 0)
     if spec is None:
         try:
