@@ -22,6 +22,8 @@ from workbench.errors import BudgetError, JobFailedError, RunBusyError, Workbenc
 from workbench.registry import Registry, RunRecord
 from workbench.rundir import (
     BUDGET_STOPPED,
+    CANCEL_REQUESTED,
+    FAILED,
     PENDING,
     QUEUED,
     TERMINAL,
@@ -34,6 +36,26 @@ from workbench.spec import RunSpec
 # final bill. A supervisor killed in between never marks ``released``: wait() does not hang on it.
 RELEASE_WAIT_S = 60.0
 _WRITE_POLL_S = 0.05  # how often Job.wait looks whether status.json was rewritten
+
+
+def submit_attempt(backend: Backend, rd: RunDir, spec: RunSpec, claim: dict[str, Any],
+                   **options: Any) -> str | None:
+    """Hand the run to ``backend`` (``claim``: the status of a run being submitted) unless a
+    cancel was asked for; None then, with nothing started. The caller holds the run's attempt
+    lock, so a cancel asked meanwhile waits for this to return; one asked while the backend
+    started the run is carried out here, once the backend knows what it started."""
+    if not rd.start_unless_cancelled(**claim):
+        return None
+    try:
+        job_id = backend.submit(rd.path, spec, **options)
+    except BaseException as exc:  # refused: the run ends failed, not queued for ever
+        why = str(exc) or type(exc).__name__
+        rd.update_status(lambda s: None if s.get("state") in TERMINAL else s.update(
+            state=FAILED, ended=time.time(), error=why))
+        raise
+    if rd.status().get(CANCEL_REQUESTED) is not None:
+        backend.cancel(rd.path, job_id)
+    return job_id
 
 
 def get_job(id_or_name: str, registry: Registry | None = None) -> Job:
@@ -229,6 +251,7 @@ class Job:
             if not free:
                 raise RunBusyError(f"run {self.id} is being resumed by another caller right now; "
                                    "follow it with job.status() or job.wait() instead")
+            self.run_dir.forget_cancel()  # a cancel asked for from here on stops this resume
             live = self._live_processes(grace_s=15.0)
             if live:
                 raise RunBusyError(
@@ -280,20 +303,27 @@ class Job:
         check_enforceable(RunSpec.from_yaml(self.run_dir.spec_file).updated(**merged), spent)
         if changes:
             self.run_dir.resume_file.write_text(yaml.safe_dump(merged), encoding="utf-8")
-        spec = self.run_dir.spec()
-        self.run_dir.write_status(state=QUEUED, error=None, stop_reason=None, stop_request=None,
-                                  note=None, ended=None)
-        job_id = self.backend.submit(self.run_dir.path, spec)
-        self.registry.update_run(self.id, backend_job_id=job_id, state=QUEUED)
+        job_id = submit_attempt(self.backend, self.run_dir, self.run_dir.spec(), {
+            "state": QUEUED, "error": None, "stop_reason": None, "stop_request": None,
+            "note": None, "ended": None})
+        self.registry.update_run(self.id, backend_job_id=job_id or self.record.backend_job_id,
+                                 state=self.run_dir.status().get("state", QUEUED))
         self.record = self.registry.get_run(self.id)
         return self
 
     def cancel(self, timeout: float = 30.0, stop_request: str | None = None) -> str:
         """Stop every process of the run; the run ends 'cancelled' (unless it already ended).
 
-        ``stop_request="prune"`` (a sweep stopping a clearly worse trial) ends it 'pruned'."""
-        self.backend.cancel(self.run_dir.path, self.record.backend_job_id, timeout=timeout,
-                            stop_request=stop_request)
+        The request is final: a run still being prepared ends at once and is never submitted,
+        and a launch or resume handing the run to its target stops what it started (this call
+        waits up to ``timeout`` for that hand-over to end). ``stop_request="prune"`` (a sweep
+        stopping a clearly worse trial) ends it 'pruned'."""
+        if self.run_dir.request_cancel(stop_request).get("state", PENDING) not in TERMINAL:
+            with self.run_dir.attempt_lock(wait_s=timeout) as free:
+                pass  # free: no hand-over is under way, so what runs is in the status
+            if free and not self.done:
+                self.backend.cancel(self.run_dir.path, self.record.backend_job_id,
+                                    timeout=timeout, stop_request=stop_request)
         return self.state
 
     def deploy(self, *more: Any, **kwargs: Any) -> Any:

@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any
 from workbench.backends import Backend, get_backend
 from workbench.errors import LaunchError
 from workbench.home import runs_dir
-from workbench.jobs import Job
+from workbench.jobs import Job, submit_attempt
 from workbench.registry import Registry, RunRecord
-from workbench.rundir import PENDING, QUEUED, RunDir, write_json_atomic
+from workbench.rundir import CANCEL_REQUESTED, PENDING, QUEUED, RunDir, write_json_atomic
 from workbench.spec import RunSpec
 
 if TYPE_CHECKING:
@@ -99,7 +99,8 @@ def _prepare_data(spec: RunSpec, rd: RunDir, force: bool = False,
         return
     key = files_key(spec)  # before reading the sources, as prepare_data's own key is
     summary = prepare_data(spec, rd.data_dir, cache=True)
-    rd.write_status(data=summary.counts)
+    if rd.write_status(data=summary.counts).get(CANCEL_REQUESTED) is not None:
+        return  # cancelled while the data was read: the launch submits nothing, so no tokens
     if on_target is not None:  # its tokenizer is there: the ranks tokenise
         rd.write_status(prepare={"skipped": f"model folder {on_target.path} is on "
                                             f"{on_target.where}, not here: the ranks tokenise"})
@@ -126,6 +127,10 @@ def _prepare_data(spec: RunSpec, rd: RunDir, force: bool = False,
         plan = _plan(spec, force, longest=longest)
     write_json_atomic(rd.plan_file, {**plan, "data_tokens": {**stats.to_dict(), "sampled": False}})
 
+
+# How long a launch waits for the run's attempt lock, which a cancel or a status check of the
+# new run holds only for a moment.
+HAND_OVER_WAIT_S = 60.0
 
 # Launches from threads of one process (a notebook's executor, two widgets at once) take turns:
 # transformers' lazy imports are not thread-safe (two first imports at once raised ImportError
@@ -188,9 +193,16 @@ def _launch(spec: RunSpec | dict | str | Path | None, force: bool,
         if standby is not None:
             standby.discard()
         raise
-    job_id = (backend.submit(rd.path, spec) if standby is None
-              else backend.submit(rd.path, spec, standby=standby))  # type: ignore[call-arg]
-    registry.update_run(rd.path.name, backend_job_id=job_id, state=QUEUED)
+    options = {} if standby is None else {"standby": standby}
+    with rd.attempt_lock(wait_s=HAND_OVER_WAIT_S) as free:
+        job_id = submit_attempt(backend, rd, spec, {"state": QUEUED}, **options) if free else None
+    if job_id is None and standby is not None:  # cancelled while it was prepared: none started
+        standby.discard()
+    if not free:
+        raise LaunchError(f"run {rd.path.name} is being started by another caller; "
+                          f"follow it with workbench.get_job({rd.path.name!r})")
+    registry.update_run(rd.path.name, backend_job_id=job_id,
+                        state=rd.status().get("state", QUEUED))
     return Job(registry.get_run(rd.path.name), registry=registry, backend=backend)
 
 

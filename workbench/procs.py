@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
+from workbench.rundir import CANCEL_REQUESTED
+
 if TYPE_CHECKING:
     from workbench.rundir import RunDir
 
@@ -163,14 +165,17 @@ def start_attempt(rd: RunDir, supervisor: ProcessIdentity, **changes: Any) -> No
     """Record ``supervisor`` as the start of a new attempt (unless it already is) with ``changes``.
 
     Called by whoever sees the supervisor first (the backend that started it, or the supervisor
-    itself): the attempt counter moves once per supervisor, whichever of them writes first.
+    itself): the attempt counter moves once per supervisor, whichever of them writes first. Once a
+    cancel was asked for, ``changes`` leave the state alone: a supervisor that saw the request
+    first may have recorded the run's end already, and the request stands.
     """
 
     def start(status: dict[str, Any]) -> None:
         if not any(supervisor.same(p) for p in of_attempt(status)):
             status["attempt"] = int(status.get("attempt") or 0) + 1
             status["processes"] = [supervisor.to_dict()]
-            status.update(changes)
+            status.update({k: v for k, v in changes.items()
+                           if k != "state" or status.get(CANCEL_REQUESTED) is None})
 
     rd.update_status(start)
 

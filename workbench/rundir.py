@@ -39,6 +39,12 @@ TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED, BUDGET_STOPPED, PRUNED})
 PRUNE_REQUEST = "prune"
 
 
+# status.json's ``cancel_requested``: when a cancel was first asked for. Once set, no attempt
+# starts: the launch and resume paths refuse to submit, a supervisor exits before its ranks,
+# and no later write clears it (only a resume, for a request that ended the previous attempt).
+CANCEL_REQUESTED = "cancel_requested"
+
+
 def cancelled_state(status: dict[str, Any]) -> str:
     """The terminal state of a run whose processes were stopped on request (see PRUNE_REQUEST)."""
     return PRUNED if status.get("stop_request") == PRUNE_REQUEST else CANCELLED
@@ -142,17 +148,62 @@ class RunDir:
             write_json_atomic(self.status_file, status)
         return status
 
-    @contextlib.contextmanager
-    def attempt_lock(self) -> Iterator[bool]:
-        """Held by whoever starts an attempt (resume) across its check and its submit; yields
-        False at once when someone else holds it. Readers that would judge the run dead look
-        here first: while it is held, a new supervisor is on its way."""
-        with (self.path / ".attempt.lock").open("a") as lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                yield False
+    # -- cancel requests ------------------------------------------------------------------------
+    def request_cancel(self, stop_request: str | None = None) -> dict[str, Any]:
+        """Record that a cancel was asked for (the first request's time stands) and return the
+        status. A run still ``pending`` (being prepared: no backend has it yet) ends here, as
+        cancelled; the path that would submit it sees the request and refuses."""
+
+        def ask(status: dict[str, Any]) -> None:
+            status.setdefault(CANCEL_REQUESTED, time.time())
+            if status.get("state", PENDING) in TERMINAL:
                 return
+            if stop_request:
+                status["stop_request"] = stop_request
+            if status.get("state", PENDING) == PENDING:
+                status.update(state=cancelled_state(status), ended=time.time())
+
+        return self.update_status(ask)
+
+    def start_unless_cancelled(self, **changes: Any) -> bool:
+        """Apply ``changes`` (the start of a submit, or of a supervisor) unless a cancel was asked
+        for: then the run is recorded as ended (if it is not yet) and False says start nothing.
+        One locked write, so a request is either seen here or made after this start was recorded
+        (and then stops what started)."""
+        started: list[bool] = []
+
+        def start(status: dict[str, Any]) -> None:
+            if status.get(CANCEL_REQUESTED) is None:
+                status.update(changes)
+                started.append(True)
+            elif status.get("state", PENDING) not in TERMINAL:
+                status.update(state=cancelled_state(status), ended=time.time())
+
+        self.update_status(start)
+        return bool(started)
+
+    def forget_cancel(self) -> None:
+        """Drop the request that ended the run (a resume calls this on an ended run, before its
+        checks): only a cancel asked for after this stops the resumed attempt."""
+        self.update_status(lambda status: status.pop(CANCEL_REQUESTED, None)
+                           if status.get("state") in TERMINAL else None)
+
+    @contextlib.contextmanager
+    def attempt_lock(self, wait_s: float = 0.0) -> Iterator[bool]:
+        """Held by whoever starts an attempt (launch, resume) across its check and its submit;
+        yields False when someone else holds it for ``wait_s`` seconds. Readers that would judge
+        the run dead look here first: while it is held, a new supervisor is on its way."""
+        deadline = time.monotonic() + wait_s
+        with (self.path / ".attempt.lock").open("a") as lock:
+            while True:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        yield False
+                        return
+                    time.sleep(0.05)
             try:
                 yield True
             finally:

@@ -31,9 +31,11 @@ from workbench.budget import KILL_GRACE_S, AttemptBill
 from workbench.errors import ResourceError
 from workbench.rundir import (
     BUDGET_STOPPED,
+    CANCEL_REQUESTED,
     FAILED,
     RUNNING,
     SUCCEEDED,
+    TERMINAL,
     RunDir,
     cancelled_state,
 )
@@ -214,16 +216,42 @@ def supervise(run_dir: str, role: NodeRole = NodeRole(), standby: Ranks | None =
     spec = rd.spec()
     cmd = torchrun_command(rd.path, spec.resources.procs_per_node, role)
     write = rd.write_status if role.writes_status else _node_log
-    bill = AttemptBill(rd, spec, role.writes_status)  # the resources are held from now on
     me = procs.ProcessIdentity.me("supervisor")
+    cancel_at: list[float] = []
+    child: list[subprocess.Popen] = []
+    ranks: dict[int, psutil.Process] = {}  # every descendant of torchrun seen so far
+
+    def on_signal(signum: int, frame: object) -> None:
+        if not cancel_at:
+            cancel_at.append(time.time())
+            print(f"supervisor: signal {signum}, stopping the ranks", flush=True)
+            if child:
+                _signal_group(child[-1].pid, signal.SIGTERM)
+                # Ranks run in sessions of their own: the group signal does not reach them.
+                procs.kill_all(ranks.values(), signal.SIGTERM)
+
+    # Before the start is recorded: a cancel that sees this supervisor signals it, and the
+    # signal must stop the start, not kill the process before it records how the run ended.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_signal)
     # Still budget_stopped: nothing resumed it (job.resume() queues it first), so this is a
     # requeue or a rerun of the batch script. Its budget is spent, however little of the limit
     # the stop left unbilled: starting the ranks would only bill their start-up.
     stopped_before = rd.status().get("state") == BUDGET_STOPPED
+    running = {"state": RUNNING, "supervisor_pid": os.getpid(), "host": socket.gethostname(),
+               "command": cmd, "stop_reason": None, "note": None}
     if role.writes_status:
         procs.start_attempt(rd, me)  # unless the backend that started us recorded it already
-    write(state=RUNNING, supervisor_pid=os.getpid(), host=socket.gethostname(), command=cmd,
-          stop_reason=None, note=None)
+        started = rd.start_unless_cancelled(**running)  # with the check: one locked write
+    else:  # node 0 records the run's end; this node only must not start its ranks
+        started = rd.status().get(CANCEL_REQUESTED) is None
+        write(**running)
+    if not started or cancel_at:  # a cancel came first: no ranks, nothing held, nothing billed
+        print("supervisor: cancelled before the ranks started", flush=True)
+        if role.writes_status:
+            rd.update_status(_ended_on_request)
+        return 0
+    bill = AttemptBill(rd, spec, role.writes_status)  # the resources are held from now on
     try:
         gpus = _lease_gpus(rd, spec, me)
     except ResourceError as exc:  # other local runs hold the cards: nothing started, say who
@@ -239,26 +267,11 @@ def supervise(run_dir: str, role: NodeRole = NodeRole(), standby: Ranks | None =
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)  # torchrun and the ranks inherit it
         write(gpus=gpus)
     _fetch_from_storage(rd, spec.checkpoint.storage, role)
-    cancel_at: list[float] = []
-    child: list[subprocess.Popen] = []
-    ranks: dict[int, psutil.Process] = {}  # every descendant of torchrun seen so far
-
-    def on_signal(signum: int, frame: object) -> None:
-        if not cancel_at:
-            cancel_at.append(time.time())
-            print(f"supervisor: signal {signum}, stopping the ranks", flush=True)
-            if child:
-                _signal_group(child[-1].pid, signal.SIGTERM)
-                # Ranks run in sessions of their own: the group signal does not reach them.
-                procs.kill_all(ranks.values(), signal.SIGTERM)
-
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, on_signal)
     restarts, resumed_from = 0, _newest_committed_step(rd)
     bill.stopped = stopped_before or bill.spent()  # spent already: no start-up, no step
     rc: int | None = None
     since = log_sizes(rd)
-    while not bill.stopped:
+    while not bill.stopped and not cancel_at:  # a cancel before the (re)start starts nothing
         since = log_sizes(rd)
         rc = _run_ranks(rd, cmd, child, cancel_at, write, role, me, ranks, bill, standby)
         standby = None  # a restart starts torchrun afresh
@@ -312,6 +325,13 @@ def supervise(run_dir: str, role: NodeRole = NodeRole(), standby: Ranks | None =
             print(f"supervisor: could not record the run's timing: {exc}", flush=True)
     write(**closing)
     return 0
+
+
+def _ended_on_request(status: dict[str, object]) -> None:
+    """A start refused on a cancel request: the run ends cancelled (or pruned) unless its end
+    was recorded already (by the refusal itself, or by the cancel)."""
+    if status.get("state") not in TERMINAL:
+        status.update(state=cancelled_state(status), ended=time.time())
 
 
 def _lease_gpus(rd: RunDir, spec: RunSpec, me: procs.ProcessIdentity) -> list[str] | None:

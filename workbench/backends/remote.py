@@ -17,11 +17,12 @@ import shlex
 import subprocess
 import tarfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from workbench.rundir import RunDir, write_json_atomic
+from workbench.rundir import CANCEL_REQUESTED, RunDir, write_json_atomic
 from workbench.secrets import remote_quote
 from workbench.targets import HostSpec, SSHOptions, TargetError
 
@@ -325,7 +326,7 @@ def _sync_once(transport: Transport, remote_dir: str, local_dir: Path, python: s
         if rel == "status.json":
             if data:
                 try:
-                    write_json_atomic(local_dir / rel, json.loads(data))
+                    RunDir(local_dir).update_status(_mirror_of(json.loads(data)))
                 except json.JSONDecodeError:
                     pass  # cannot happen with an atomic writer; keep the last good copy
             continue
@@ -338,6 +339,19 @@ def _sync_once(transport: Transport, remote_dir: str, local_dir: Path, python: s
             fh.write(data)
             fh.truncate()
     return {k: bool(v) for k, v in answer["alive"].items()}, behind
+
+
+def _mirror_of(remote: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
+    """The change that makes the local status.json the remote one, except for a cancel request:
+    it is recorded where the cancel was asked for (here), and no copy of the host's may drop it."""
+    def mirror(local: dict[str, Any]) -> None:
+        asked = local.get(CANCEL_REQUESTED)
+        local.clear()
+        local.update(remote)
+        if asked is not None:
+            local.setdefault(CANCEL_REQUESTED, asked)
+
+    return mirror
 
 
 def read_remote(transport: Transport, remote_dir: str, path: str, offset: int,
