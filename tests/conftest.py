@@ -3,9 +3,14 @@ user's runs and the notebooks executed by nbval (kernels inherit this environmen
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,6 +18,62 @@ _HOME = Path(tempfile.mkdtemp(prefix="workbench-test-home-"))
 os.environ["WORKBENCH_HOME"] = str(_HOME)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never depend on the hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+# Fixtures that start a real server, cluster or browser (the course hub, the Slurm cluster and
+# sshd, the lab server and its browser page, vLLM) or a shared real run: a test that uses one,
+# directly or through other fixtures, is marked slow. Fixtures and tests that launch a run
+# themselves are found by what they call (_launches), so a new one needs no entry here.
+SLOW_FIXTURES = frozenset({"finished_job", "served_run", "hub", "cluster", "lab_server", "page",
+                           "servers", "lab"})
+
+
+@functools.cache
+def _launches(path: str) -> frozenset[str]:
+    """Names of the functions in the module at ``path`` that start a real run: they call
+    ``workbench.launch`` (or ``launch``) outside ``pytest.raises`` (a refused launch starts
+    nothing), or call such a function of the same module."""
+    tree = ast.parse(Path(path).read_text(encoding="utf-8"))
+    funcs = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    found: set[str] = set()
+
+    def calls(node: ast.AST) -> bool:
+        if isinstance(node, ast.With) and any(
+                isinstance(i.context_expr, ast.Call) and ast.unparse(i.context_expr.func)
+                == "pytest.raises" for i in node.items):
+            return False
+        if isinstance(node, ast.Call):
+            name = ast.unparse(node.func)
+            if name in ("workbench.launch", "launch") or name in found:
+                return True
+        return any(calls(child) for child in ast.iter_child_nodes(node))
+
+    while True:
+        more = {f.name for f in funcs if f.name not in found and calls(f)}
+        if not more:
+            return frozenset(found)
+        found |= more
+
+
+def _starts_a_run(func: Callable[..., Any]) -> bool:
+    try:
+        path = inspect.getsourcefile(func)
+    except TypeError:  # a built-in
+        return False
+    return path is not None and getattr(func, "__name__", "") in _launches(path)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark slow (what `make test-fast` leaves out) each test that starts a real run or server:
+    itself, or through a fixture it uses (SLOW_FIXTURES, or one that launches a run)."""
+    for item in items:
+        if item.get_closest_marker("slow") or not isinstance(item, pytest.Function):
+            continue
+        info = item._fixtureinfo
+        fixtures = [d.func for defs in info.name2fixturedefs.values() for d in defs]
+        if (SLOW_FIXTURES & set(item.fixturenames) or _starts_a_run(item.function)
+                or any(_starts_a_run(f) for f in fixtures)):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
@@ -32,6 +93,16 @@ def registry(tmp_path: Path):
     from workbench.registry import Registry
 
     return Registry(tmp_path / "registry.sqlite")
+
+
+@pytest.fixture(scope="session")
+def students_reach():
+    """For the session, other users may traverse down to what the course tests' Unix users'
+    processes import, wherever the clone lives (tests/course/reach.py); modes restored after."""
+    from tests.course.reach import reachable, students_imports
+
+    with reachable(students_imports()) as changed:
+        yield changed
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ import re
 import signal
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -29,10 +30,9 @@ ORPO_STEPS = 16
 KTO_STEPS = 12
 GRPO_STEPS = 8
 KILL_CHECKPOINT = {"every_steps": 2, "keep": 2}  # DPO's and GRPO's killed runs
-# ORPO's and KTO's runs are killed once a step past their snapshot (every 5 steps) is logged and
-# before the next snapshot's step, so the steps after the snapshot are trained twice, before and
-# after the kill. ORPO's snapshots are written in the background and may be committed a few
-# steps late on a fast machine: its 16 steps leave a second window (steps 11-14) for the kill.
+# ORPO's and KTO's runs are killed once a step past their snapshot (every 5 steps) is logged (they
+# hold there: launch_held), so the steps after the snapshot are trained twice, before and after
+# the kill.
 ONE_SNAPSHOT = {"every_steps": 5, "keep": 2}
 
 
@@ -72,11 +72,28 @@ def train_lines(job) -> list[dict]:
     return [m for m in job.metrics() if "loss" in m and "event" not in m]
 
 
-def kill_rank_1_and_resume(job, steps: int, snapshot: int = 2, past: bool = False) -> int:
-    """Kill rank 1 with SIGKILL once the run has a snapshot at step ``snapshot`` or later (and,
-    with ``past``, has also logged a step after it, its snapshots being every ``snapshot``
-    steps), wait for the automatic restart to finish the run, check it resumed from that
-    snapshot and logged every later step once, and return the step it resumed from."""
+def launch_held(spec: dict, after: int, folder: Path) -> tuple[workbench.Job, Path]:
+    """``spec`` launched to hold before each step past ``after`` while the hold file returned
+    exists (HOLD_ENV): a kill lands on a live run at a known step, whatever the machine's speed."""
+    from workbench.train.callbacks import HOLD_ENV  # imports transformers: not at conftest's load
+
+    hold = folder / f"hold-{spec['name']}"
+    hold.write_text(str(after))
+    os.environ[HOLD_ENV] = str(hold)  # the run's processes take it from the launching one
+    try:
+        return workbench.launch(spec), hold
+    finally:
+        os.environ.pop(HOLD_ENV)
+
+
+def kill_rank_1_and_resume(job, hold: Path, steps: int, snapshot: int = 2,
+                           past: bool = False) -> int:
+    """Kill rank 1 with SIGKILL once the run (launched by launch_held, to hold at step
+    ``snapshot``, or the step after it with ``past``) has a snapshot at step ``snapshot`` or
+    later (and, with ``past``, has also logged a step after it, its snapshots being every
+    ``snapshot`` steps), let it go on, wait for the automatic restart to finish the run, check it
+    resumed from that snapshot and logged every later step once, and return the step it resumed
+    from."""
 
     def ready() -> bool:
         at = (job.status().get("snapshot") or {}).get("step") or 0
@@ -88,9 +105,12 @@ def kill_rank_1_and_resume(job, steps: int, snapshot: int = 2, past: bool = Fals
         last = max((m["step"] for m in train_lines(job)), default=0)
         return at < last < at + snapshot
 
-    wait_for(ready, 600, f"the snapshot of {job.name} at step {snapshot}", every=0.05)
-    victim = next(p for p in of_attempt(job.status()) if p.role == "rank" and p.rank == 1)
-    assert victim.signal(signal.SIGKILL), "rank 1 ended before it could be killed"
+    try:
+        wait_for(ready, 600, f"the snapshot of {job.name} at step {snapshot}")
+        victim = next(p for p in of_attempt(job.status()) if p.role == "rank" and p.rank == 1)
+        assert victim.signal(signal.SIGKILL), "rank 1 ended before it could be killed"
+    finally:
+        hold.unlink()  # the restarted ranks (seconds later) train on through
     succeeded(job)
     assert job.status()["restarts"] == 1
     resumed = re.search(r"resuming from step-(\d+)", job.logs(tail=None, name="rank-0.log"))
@@ -121,9 +141,11 @@ def dpo_job(tmp_path_factory):
 def orpo_job(tmp_path_factory):
     """ORPO in 2 processes (DDP), killed -9 after its one snapshot and after a step past it, and
     resumed: its test compares the steps trained twice; test_serve.py serves its adapter."""
-    job = workbench.launch(pref_spec("orpo", "orpo", pref_data(tmp_path_factory, "pairs"),
-                                     ORPO_STEPS, checkpoint=ONE_SNAPSHOT))
-    kill_rank_1_and_resume(job, ORPO_STEPS, ONE_SNAPSHOT["every_steps"], past=True)
+    every = ONE_SNAPSHOT["every_steps"]
+    job, hold = launch_held(pref_spec("orpo", "orpo", pref_data(tmp_path_factory, "pairs"),
+                                      ORPO_STEPS, checkpoint=ONE_SNAPSHOT), every + 1,
+                            tmp_path_factory.mktemp("hold"))
+    kill_rank_1_and_resume(job, hold, ORPO_STEPS, every, past=True)
     return job
 
 
@@ -131,10 +153,12 @@ def orpo_job(tmp_path_factory):
 def kto_job(tmp_path_factory):
     """KTO in 2 processes under ZeRO-2, killed -9 after its one snapshot and a step past it, and
     resumed: its test compares the steps trained twice; test_serve.py serves its adapter."""
-    job = workbench.launch(pref_spec("kto-zero2", "kto", pref_data(tmp_path_factory, "unpaired"),
-                                     KTO_STEPS, parallel={"strategy": "zero2"},
-                                     checkpoint=ONE_SNAPSHOT))
-    kill_rank_1_and_resume(job, KTO_STEPS, ONE_SNAPSHOT["every_steps"], past=True)
+    every = ONE_SNAPSHOT["every_steps"]
+    job, hold = launch_held(pref_spec("kto-zero2", "kto", pref_data(tmp_path_factory, "unpaired"),
+                                      KTO_STEPS, parallel={"strategy": "zero2"},
+                                      checkpoint=ONE_SNAPSHOT), every + 1,
+                            tmp_path_factory.mktemp("hold"))
+    kill_rank_1_and_resume(job, hold, KTO_STEPS, every, past=True)
     return job
 
 

@@ -27,6 +27,7 @@ from workbench.cli import main
 from workbench.errors import SpecError
 from workbench.home import runs_dir
 from workbench.registry import Registry
+from workbench.train.callbacks import HOLD_ENV
 
 _wait_for = wait_for
 
@@ -133,25 +134,35 @@ def _rank_pids(job) -> dict[int, int]:
 
 
 @pytest.mark.slow
-def test_launcher_killed_with_sigkill_restarts_from_the_snapshot_and_says_why():
-    # 40 steps: the kill lands right after the first snapshot, well before the end even on an
-    # idle machine (a kill after the last snapshot resumes at the final step: see the note).
-    job = workbench.launch({"name": "kill-launcher", "train": {"max_steps": 40, "log_every": 1},
-                            "data": {"validation_fraction": 0.0},
-                            "checkpoint": {"every_steps": 2}})
-    _wait_for(lambda: (job.status().get("snapshot") or {}).get("step"), 300, "a first snapshot")
-    status = job.status()
-    launcher = psutil.Process(status["launcher_pid"])
-    # The process that spawns the ranks on one node (it replaced torchrun there).
-    assert "workbench.launcher" in " ".join(launcher.cmdline())
-    # This run's launcher by identity, not a reused pid: the one its attempt recorded. (Its
-    # command line names a standby folder, not the run dir, when the standby started it.)
-    recorded = [p for p in status["processes"] if p["role"] == "launcher"]
-    assert [(p["pid"], p["create_time"]) for p in recorded] == [
-        (launcher.pid, launcher.create_time())]
-    old = {r: psutil.Process(p) for r, p in _rank_pids(job).items()}
-    assert len(old) == 2
-    launcher.send_signal(signal.SIGKILL)
+def test_launcher_killed_with_sigkill_restarts_from_the_snapshot_and_says_why(tmp_path,
+                                                                              monkeypatch):
+    # The run holds after step 2 (a hold file: HOLD_ENV) until the kill, so the kill lands
+    # right after the first snapshot on a machine of any speed (a kill after the last snapshot
+    # resumes at the final step: see the note).
+    hold = tmp_path / "hold"
+    hold.write_text("2")
+    monkeypatch.setenv(HOLD_ENV, str(hold))
+    try:
+        job = workbench.launch({"name": "kill-launcher",
+                                "train": {"max_steps": 40, "log_every": 1},
+                                "data": {"validation_fraction": 0.0},
+                                "checkpoint": {"every_steps": 2}})
+        _wait_for(lambda: (job.status().get("snapshot") or {}).get("step"), 300,
+                  "a first snapshot")
+        status = job.status()
+        launcher = psutil.Process(status["launcher_pid"])
+        # The process that spawns the ranks on one node (it replaced torchrun there).
+        assert "workbench.launcher" in " ".join(launcher.cmdline())
+        # This run's launcher by identity, not a reused pid: the one its attempt recorded. (Its
+        # command line names a standby folder, not the run dir, when the standby started it.)
+        recorded = [p for p in status["processes"] if p["role"] == "launcher"]
+        assert [(p["pid"], p["create_time"]) for p in recorded] == [
+            (launcher.pid, launcher.create_time())]
+        old = {r: psutil.Process(p) for r, p in _rank_pids(job).items()}
+        assert len(old) == 2
+        launcher.send_signal(signal.SIGKILL)
+    finally:
+        hold.unlink()  # the restarted ranks (seconds later) train on through
     # The ranks of the killed launcher are stopped (they would otherwise train on beside the
     # restarted ones).
     _wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE

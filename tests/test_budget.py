@@ -29,7 +29,7 @@ from workbench.errors import BudgetError, ResourceError
 from workbench.home import runs_dir
 from workbench.registry import Registry
 from workbench.snapshots import newest_verified
-from workbench.train.callbacks import BudgetSpentAtStart, SnapshotCallback
+from workbench.train.callbacks import HOLD_ENV, BudgetSpentAtStart, SnapshotCallback
 from workbench.widgets.job_view import JobView
 
 pytestmark = pytest.mark.slow
@@ -274,21 +274,29 @@ def test_a_budget_stopped_run_resumes_with_a_larger_budget_and_the_bill_carries_
         job.resume(**{"model.id": "other"})
 
 
-def test_a_restart_inside_an_attempt_is_billed_and_the_limit_holds():
+def test_a_restart_inside_an_attempt_is_billed_and_the_limit_holds(tmp_path, monkeypatch):
     # A rank killed with -9 after the first snapshot: the supervisor starts the ranks again and
     # the bill must cover both start-ups (the limit, 1000 s of wall time, is only a ceiling).
-    job = workbench.launch({**_spec("budget-restart", 2000.0, max_steps=9),
-                            "checkpoint": {"every_steps": 3}})
-    held_from = _supervisor_started(job)
-    _wait_for(lambda: (job.status().get("snapshot") or {}).get("step"), 300, "a first snapshot")
-    log = job.run_dir.logs_dir / "rank-1.log"
-    pid = int(re.search(r"rank 1/2 pid (\d+)", log.read_text()).group(1))
-    rank1 = psutil.Process(pid)
-    assert "-m workbench.train" in " ".join(rank1.cmdline())
-    # Not a reused PID: the rank 1 this attempt recorded (pid and start time).
-    assert [(p["pid"], p["create_time"]) for p in job.status()["processes"]
-            if p["role"] == "rank" and p["rank"] == 1] == [(pid, rank1.create_time())]
-    rank1.send_signal(signal.SIGKILL)
+    # The run holds after step 3 (a hold file: HOLD_ENV) until the kill, on a machine of any speed.
+    hold = tmp_path / "hold"
+    hold.write_text("3")
+    monkeypatch.setenv(HOLD_ENV, str(hold))
+    try:
+        job = workbench.launch({**_spec("budget-restart", 2000.0, max_steps=9),
+                                "checkpoint": {"every_steps": 3}})
+        held_from = _supervisor_started(job)
+        _wait_for(lambda: (job.status().get("snapshot") or {}).get("step"), 300,
+                  "a first snapshot")
+        log = job.run_dir.logs_dir / "rank-1.log"
+        pid = int(re.search(r"rank 1/2 pid (\d+)", log.read_text()).group(1))
+        rank1 = psutil.Process(pid)
+        assert "-m workbench.train" in " ".join(rank1.cmdline())
+        # Not a reused PID: the rank 1 this attempt recorded (pid and start time).
+        assert [(p["pid"], p["create_time"]) for p in job.status()["processes"]
+                if p["role"] == "rank" and p["rank"] == 1] == [(pid, rank1.create_time())]
+        rank1.send_signal(signal.SIGKILL)
+    finally:
+        hold.unlink()  # the restarted ranks (seconds later) train on through
     assert job.wait(timeout=900, progress=False) == "succeeded", job.logs(tail=30)
     status = job.status()
     assert status["restarts"] == 1 and status["step"] == 9

@@ -5,7 +5,10 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,8 +31,18 @@ def _lines(job) -> list[dict]:
 def _launch_pair():
     """Two real 2-process runs that differ only in lr (and name), started together; the first
     is watched by a JobView from launch to end, recording what its chart held at each change.
+    The first holds after step 10 (a hold file: HOLD_ENV) until its chart has shown part of the
+    curve, so the view sees it mid-run on a machine of any speed.
     Cached so that tests/test_compare.py reuses the same runs."""
-    a = workbench.launch({"name": "cmp-a", "train": {"max_steps": 30, "lr": 3e-3}})
+    from workbench.train.callbacks import HOLD_ENV
+
+    hold = Path(tempfile.mkdtemp(prefix="wb-hold-")) / "hold"
+    hold.write_text("10")
+    os.environ[HOLD_ENV] = str(hold)
+    try:
+        a = workbench.launch({"name": "cmp-a", "train": {"max_steps": 30, "lr": 3e-3}})
+    finally:
+        os.environ.pop(HOLD_ENV)
     b = workbench.launch({"name": "cmp-b", "train": {"max_steps": 30, "lr": 1e-3}})
     view = JobView(a, interval=0.2, redraw_s=REDRAW_S)
     started = time.monotonic()
@@ -41,10 +54,13 @@ def _launch_pair():
         counts = (len(data[0].x), len(data[2].x))
         if not seen or counts != seen[-1]:
             seen.append(counts)
+        if counts[0] > 0 and hold.exists():
+            hold.unlink()  # the chart has shown part of the curve: let the run end
         if done:
             break
         time.sleep(0.05)  # polling interval of the watcher, not an assertion's wait
     watched_s = time.monotonic() - started
+    hold.unlink(missing_ok=True)  # the view never showed a point: the assertions say so
     assert a.wait(timeout=600, progress=False) == "succeeded", a.logs(tail=30)
     assert b.wait(timeout=600, progress=False) == "succeeded", b.logs(tail=30)
     return a, b, view, seen, watched_s

@@ -12,6 +12,7 @@ metrics.jsonl. One run serves both: each real run costs ~30 s of the suite.
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import struct
 import time
@@ -28,9 +29,9 @@ from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
-# Enough steps that the run outlasts the kernel's restart on a fast machine too (a step of the
-# tiny model in 2 processes takes 0.07-0.3 s here; a restart 1-3 s).
-STEPS, LR = 60, 3e-3
+# The run holds after its first step until the kernel's restart is over (a hold file: HOLD_ENV),
+# so it outlasts the restart on a machine of any speed.
+STEPS, LR = 12, 3e-3
 
 
 def _stdout(cell) -> str:
@@ -38,8 +39,21 @@ def _stdout(cell) -> str:
 
 
 @pytest.fixture(scope="module")
-def restarted():
+def restarted(tmp_path_factory):
     """The run, launched from a kernel that is restarted mid-run; what the fresh kernel printed."""
+    from workbench.train.callbacks import HOLD_ENV
+
+    hold = tmp_path_factory.mktemp("hold") / "hold"
+    hold.write_text("1")
+    os.environ[HOLD_ENV] = str(hold)  # the kernel, and the run it launches, take it from here
+    try:
+        return _restart_while_it_trains(hold)
+    finally:
+        os.environ.pop(HOLD_ENV)
+        hold.unlink(missing_ok=True)
+
+
+def _restart_while_it_trains(hold: Path):
     name = f"restart-{secrets.token_hex(3)}"
     launch = nbformat.v4.new_code_cell(
         "import workbench\n"
@@ -66,6 +80,7 @@ def restarted():
         assert not psutil.pid_exists(old_kernel) or psutil.Process(old_kernel).status() == \
             psutil.STATUS_ZOMBIE
         gone = time.time()
+        hold.unlink()  # the run, held after its first step, trains on
 
         def trained_on() -> bool:  # the kernel that launched it is gone; the run trains on
             ended = job.state != "running"  # read before the metrics: it may end in between

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import pytest
 
-import workbench
 from tests.preference_runs import (
     DPO_STEPS,
     GRPO_STEPS,
@@ -24,6 +23,7 @@ from tests.preference_runs import (
     USER_REWARD,
     grpo_spec,
     kill_rank_1_and_resume,
+    launch_held,
     pref_data,
     pref_spec,
     train_lines,
@@ -58,9 +58,10 @@ def test_dpo_in_two_processes_logs_reward_margins_and_accuracies(dpo_job):
 
 
 def test_dpo_killed_mid_run_resumes_on_the_same_curve(dpo_job, tmp_path_factory):
-    job = workbench.launch(pref_spec("dpo-kill", "dpo", pref_data(tmp_path_factory, "pairs"),
-                                     DPO_STEPS, checkpoint=KILL_CHECKPOINT))
-    at = kill_rank_1_and_resume(job, DPO_STEPS)
+    job, hold = launch_held(pref_spec("dpo-kill", "dpo", pref_data(tmp_path_factory, "pairs"),
+                                      DPO_STEPS, checkpoint=KILL_CHECKPOINT),
+                            KILL_CHECKPOINT["every_steps"], tmp_path_factory.mktemp("hold"))
+    at = kill_rank_1_and_resume(job, hold, DPO_STEPS)
     _same_curve(dpo_job, job, ("loss", "rewards/margins"), range(at + 1, DPO_STEPS + 1))
 
 
@@ -128,8 +129,9 @@ def test_grpo_in_two_processes_logs_rewards_spread_and_kl_with_a_shipped_user_re
 
 def test_grpo_killed_mid_run_resumes_from_its_snapshot_on_the_same_curve(grpo_job,
                                                                          tmp_path_factory):
-    job = workbench.launch(grpo_spec("grpo-kill", pref_data(tmp_path_factory, "prompts")))
-    kill_rank_1_and_resume(job, GRPO_STEPS)
+    job, hold = launch_held(grpo_spec("grpo-kill", pref_data(tmp_path_factory, "prompts")),
+                            KILL_CHECKPOINT["every_steps"], tmp_path_factory.mktemp("hold"))
+    kill_rank_1_and_resume(job, hold, GRPO_STEPS)
     # Sampling is seeded (per rank) and the snapshot holds every rank's RNG state, so the resumed
     # run samples the same completions and gets the same rewards as the uninterrupted one.
     _same_curve(grpo_job, job, ("loss", "reward", "reward_std", "rewards/length/mean", "kl",

@@ -14,18 +14,19 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import zipfile
 
 import psutil
 import pytest
 
 import workbench
+from tests.waiting import wait_for
 from workbench.evaluate import results
 from workbench.procs import of_attempt
 from workbench.reproduce import compare_bundle, pip_freeze, scrub, write_bundle
 from workbench.rundir import RunDir
 from workbench.snapshots import MANIFEST, newest_verified, snapshots, verify
+from workbench.train.callbacks import HOLD_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -68,18 +69,27 @@ def test_snapshots_are_verified_pruned_and_latest_points_to_the_newest(uninterru
     assert uninterrupted.status()["snapshot"]["path"] == "step-30"
 
 
-def test_kill_9_of_a_rank_resumes_by_itself_and_continues_the_same_curve(uninterrupted):
-    job = workbench.launch({"name": "snap-b", **SPEC})
-    deadline = time.time() + 300
-    while time.time() < deadline and (job.status().get("step") or 0) < 13:
-        time.sleep(0.2)
-    assert (job.status().get("step") or 0) >= 13, job.logs(tail=20)
-    # The victim is rank 1 by its recorded identity (status.json lists each rank with its pid
-    # and start time), not whichever training process happens to have the larger PID.
-    victim = next(p for p in of_attempt(job.status()) if p.role == "rank" and p.rank == 1)
-    assert victim.alive(), victim
-    assert "-m workbench.train" in " ".join(psutil.Process(victim.pid).cmdline())  # a rank
-    os.kill(victim.pid, signal.SIGKILL)
+def test_kill_9_of_a_rank_resumes_by_itself_and_continues_the_same_curve(uninterrupted, tmp_path,
+                                                                         monkeypatch):
+    # The run holds before step 14 (a hold file, workbench.train.callbacks.HOLD_ENV): the kill
+    # lands on a live rank, after step-10 is committed, on a machine of any speed.
+    hold = tmp_path / "hold"
+    hold.write_text("13")
+    monkeypatch.setenv(HOLD_ENV, str(hold))
+    try:
+        job = workbench.launch({"name": "snap-b", **SPEC})
+        wait_for(lambda: max(_losses(job), default=0) >= 13 and (
+            (job.status().get("snapshot") or {}).get("step") or 0) >= 10, 300,
+            "step 13 logged and step-10 committed")
+        assert max(_losses(job)) == 13, sorted(_losses(job))  # held: no step past the hold
+        # The victim is rank 1 by its recorded identity (status.json lists each rank with its
+        # pid and start time), not whichever training process happens to have the larger PID.
+        victim = next(p for p in of_attempt(job.status()) if p.role == "rank" and p.rank == 1)
+        assert victim.alive(), victim
+        assert "-m workbench.train" in " ".join(psutil.Process(victim.pid).cmdline())  # a rank
+        os.kill(victim.pid, signal.SIGKILL)
+    finally:
+        hold.unlink()  # the next attempt (started by the supervisor, seconds later) runs through
     # The newest committed when it died; one whose writes were done may still commit after.
     committed = job.status()["snapshot"]["step"]
     assert job.wait(timeout=600, progress=False) == "succeeded", job.logs(tail=30)

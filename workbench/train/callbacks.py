@@ -5,6 +5,7 @@ Only global rank 0 writes, so the run directory has one writer per file whatever
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -20,6 +21,12 @@ _SPEED_KEYS = ("train_runtime", "train_tokens_per_second")  # per-step noise, no
 # status.json (step, ETA, cost) is rewritten with fsync at most this often; metrics.jsonl gets
 # every step at once. Rewriting it every step cost the tiny model's run ~5 % of its speed.
 STATUS_EVERY_S = 0.5
+
+
+# A hold file (HoldCallback): while the file this names exists, every rank waits before each step
+# past the step number the file holds. Tests use it to act on a live run at a known step (kill
+# a rank after a snapshot), whatever the machine's speed. Unset, no callback is added.
+HOLD_ENV = "WORKBENCH_HOLD_FILE"
 
 
 class BudgetSpentAtStart(Exception):
@@ -256,3 +263,31 @@ class SnapshotCallback(TrainerCallback):
 
     def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self.last_snapshot = time.time()
+
+
+class HoldCallback(TrainerCallback):
+    """Holds every rank before each step after step N while the hold file exists (HOLD_ENV).
+
+    The file holds N as text; removing the file lets the ranks go on. Each rank waits on its
+    own, so none enters the next step's collectives while the others wait.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        while True:
+            try:
+                with open(self.path) as fh:
+                    after = int(fh.read().strip() or 0)
+            except (FileNotFoundError, ValueError):
+                return
+            if state.global_step < after:
+                return
+            time.sleep(0.05)
+
+
+def hold_callbacks() -> list[TrainerCallback]:
+    """[HoldCallback] when the environment names a hold file (HOLD_ENV), else none."""
+    path = os.environ.get(HOLD_ENV)
+    return [HoldCallback(path)] if path else []

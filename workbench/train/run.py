@@ -335,7 +335,7 @@ def main(run_dir: str) -> int:
     from workbench.evaluate.callback import EvalCallback
     from workbench.models import resolve_model
     from workbench.snapshots import Uploader, agreed_resume_point, newest_verified, storage_prefix
-    from workbench.train.callbacks import BudgetSpentAtStart, RunDirCallback, SnapshotCallback
+    from workbench.train.callbacks import BudgetSpentAtStart, RunDirCallback, SnapshotCallback, hold_callbacks
     from workbench.train.preload import import_training_libraries, imports_done
 
     import_training_libraries()  # done already in a standby rank
@@ -395,7 +395,8 @@ def main(run_dir: str) -> int:
         # In-run scoring (eval:) answers validation prompts: SFT rows. Preference stages report
         # TRL's own validation metrics (rewards/accuracies); job.evaluate() scores them after.
         callbacks=[RunDirCallback(rd, world), snapshots,
-                   *([] if stage else [EvalCallback(rd, spec, tokenizer, billing, snapshots)])],
+                   *([] if stage else [EvalCallback(rd, spec, tokenizer, billing, snapshots)]),
+                   *hold_callbacks()],
         run_dir=rd, keep=spec.checkpoint.keep, uploader=uploader, billing=billing,
     )
     _startup("trainer")
