@@ -124,8 +124,13 @@ test: remote-deps
 # Course mode (docs/course.md): JupyterHub's proxy, configurable-http-proxy, comes from npm into
 # .course/node_modules; `workbench course start` and tests/course find it there.
 CHP_VERSION := 5.3.0
-.PHONY: course-deps
-course-deps: .course/node_modules/.bin/configurable-http-proxy
+.PHONY: course-deps course-sudo
+course-deps: .course/node_modules/.bin/configurable-http-proxy course-sudo
+
+# The course service starts each student's work as that student through sudo (docs/course.md).
+course-sudo:
+	@command -v sudo >/dev/null || { apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q sudo; }
 
 .course/node_modules/.bin/configurable-http-proxy:
 	mkdir -p .course

@@ -134,6 +134,17 @@ class CourseError(WorkbenchError, RuntimeError):
     """A course request was refused: not allowed, over a cap, or the course file is wrong."""
 
 
+class CourseSpecError(CourseError):
+    """A student's spec names what the course does not allow: one ``(field_path, message)`` pair
+    per refused field in ``problems``, each message saying what the course allows."""
+
+    def __init__(self, problems: list[tuple[str, str]]) -> None:
+        self.problems = problems
+        lines = ["the course does not allow this spec:"]
+        lines += [f"  {path}: {msg}" for path, msg in problems]
+        super().__init__("\n".join(lines))
+
+
 class InsufficientCreditError(CourseError):
     """A run's hold would take a student's credit below zero: nothing was started."""
 

@@ -27,6 +27,7 @@ import yaml
 
 from tests.waiting import wait_for
 from workbench.course.client import CourseClient
+from workbench.course.config import Course
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -67,7 +68,10 @@ def wait_until(what: str, check: Any, timeout: float, log: Path | None = None) -
 def _students_python(root: Path) -> Path:
     """A venv the students' Unix users can run (jupyterhub-singleuser, workbench_lab): the
     interpreter copied out of its 0700 home under /root into ``root``, the project's venv added
-    as a site dir, this checkout first on PYTHONPATH (set in the spawner's environment)."""
+    as a site dir, this checkout first on PYTHONPATH (set in the spawner's environment). The
+    students reach the last two wherever the clone lives through the students_reach fixture."""
+    from tests.course.reach import project_site
+
     base, ver = Path(sys.base_prefix), f"python{sys.version_info[0]}.{sys.version_info[1]}"
     py = root / "python"
     (py / "bin").mkdir(parents=True)
@@ -81,9 +85,8 @@ def _students_python(root: Path) -> Path:
     subprocess.run([str(py / "bin" / ver), "-m", "venv", "--without-pip", str(root / "venv")],
                    check=True, env=env)
     site = root / "venv" / "lib" / ver / "site-packages"
-    project_site = next(Path(p) for p in sys.path if p.endswith("site-packages"))
     (site / "workbench_project.pth").write_text(
-        f"import site; site.addsitedir({str(project_site)!r})\n")
+        f"import site; site.addsitedir({str(project_site())!r})\n")
     conf = root / "venv" / "etc" / "jupyter" / "jupyter_server_config.d"
     conf.mkdir(parents=True)
     (conf / "workbench_lab.json").write_text(json.dumps(
@@ -101,7 +104,7 @@ def service_pids(course_json: Path) -> list[int]:
 
 
 @pytest.fixture(scope="session")
-def hub() -> Iterator[dict[str, Any]]:
+def hub(students_reach: list) -> Iterator[dict[str, Any]]:  # students_reach: tests/course/reach.py
     assert os.geteuid() == 0, "the course tests create Unix users: run them as root (CI does)"
     tag = secrets.token_hex(3)
     users = {"a": f"wbc{tag}a", "b": f"wbc{tag}b", "teacher": f"wbc{tag}t"}
@@ -129,15 +132,18 @@ def hub() -> Iterator[dict[str, Any]]:
         "hub": {"port": port, "hub_port": free_port(), "proxy_api_port": free_port(),
                 "service_port": free_port()},
     }
+    # The students' servers and their work (run as them by the service, through sudo) use a
+    # Python their users can execute; `init` passes its library path to the service.
+    python = _students_python(root)
+    course["student_python"] = str(python)
     course_file = root / "course.yaml"
     course_file.write_text(yaml.safe_dump(course))
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "LD_LIBRARY_PATH": str(root / "python" / "lib")}
     subprocess.run([sys.executable, "-m", "workbench.cli", "course", "init", str(course_file)],
                    check=True, env=env)
     # A test-only service whose token may issue tokens for the users (what a login would do)
-    # and start their servers; the servers run a Python the students' users can execute.
+    # and start their servers.
     admin_token = secrets.token_hex(16)
-    python = _students_python(root)
     # The project venv's JupyterLab assets and labextensions (the built Workbench panel) and
     # kernelspecs (their "python" runs the students' interpreter); the server reports its
     # activity every 10 s, so the culler (idle_minutes: 1) leaves a server in use alone.
@@ -195,3 +201,38 @@ def hub() -> Iterator[dict[str, Any]]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+@pytest.fixture(scope="session")
+def classroom(students_reach: list) -> Iterator[dict[str, Any]]:
+    """A class without a hub, for what runs as whom (test_isolation.py, test_course_eval.py):
+    two students (``ana``, ``ben``: real users with random names) and a function that makes a
+    :class:`Course` for them with the students' interpreter; the users and folders go at the end."""
+    assert os.geteuid() == 0, "the course tests create Unix users: run them as root (CI does)"
+    tag = secrets.token_hex(3)
+    users = {"ana": f"wbi{tag}a", "ben": f"wbi{tag}b"}
+    for name in users.values():
+        subprocess.run(["useradd", "-m", "-s", "/bin/bash", name], check=True)
+    root = Path(tempfile.mkdtemp(prefix="wbclass-"))
+    root.chmod(0o755)
+    python = _students_python(root)
+    old = os.environ.get("LD_LIBRARY_PATH")
+    os.environ["LD_LIBRARY_PATH"] = str(root / "python" / "lib")  # what the hub config passes
+
+    def course(**over: Any) -> Course:
+        state = root / f"state-{secrets.token_hex(3)}"
+        state.mkdir(mode=0o711)
+        return Course.model_validate({
+            "name": "iso", "instructors": ["teacher"], "students": list(users.values()),
+            "default_credit": 10, "state_dir": str(state), "student_python": str(python),
+            "prices": {"cpu_core_hour": 36}, **over})
+
+    try:
+        yield {"users": users, "root": root, "python": python, "course": course}
+    finally:
+        if old is None:
+            os.environ.pop("LD_LIBRARY_PATH", None)
+        else:
+            os.environ["LD_LIBRARY_PATH"] = old
+        for name in users.values():
+            subprocess.run(["pkill", "-KILL", "-u", name], check=False)
+            subprocess.run(["userdel", "-r", name], check=False, capture_output=True)
+        shutil.rmtree(root, ignore_errors=True)

@@ -11,6 +11,7 @@ course's CPU price.
 from __future__ import annotations
 
 import json
+import math
 import os
 import pwd
 import shutil
@@ -42,8 +43,25 @@ SMALL_RUN = {"name": "small", "train": {"max_steps": 6, "eval_every": 0},
 
 
 def _runs_on_disk(hub: dict[str, Any]) -> list[str]:
-    runs = hub["state"] / "home" / "runs"
-    return sorted(p.name for p in runs.iterdir()) if runs.exists() else []
+    """Every run in the service's home and in each student's own space."""
+    folders = [hub["state"] / "home" / "runs",
+               *(hub["state"] / "students").glob("*/workbench/runs")]
+    return sorted(p.name for f in folders if f.exists() for p in f.iterdir())
+
+
+def _run_dir(hub: dict[str, Any], key: str, run_id: str) -> Path:
+    return hub["state"] / "students" / hub["users"][key] / "workbench" / "runs" / run_id
+
+
+def _metered(hub: dict[str, Any], run_id: str) -> int:
+    """The charge recomputed from what the service's meter observed of the run's newest attempt
+    (its start and end, and the rate of its resources): whole fen, rounded up, at most the
+    hold. An independent oracle for the ledger's charge."""
+    ledger = Ledger(f"sqlite:///{hub['state'] / 'ledger.sqlite'}")
+    h = ledger.run_hold(run_id)
+    seen = json.loads((hub["state"] / "meters" / f"{h.hold_id}.json").read_text())
+    fen = seen["rate"] * (seen["end"] - seen["start"]) / 3600 * 100
+    return min(h.amount, math.ceil(round(fen, 6)))
 
 
 def _settled(client: CourseClient, run_id: str) -> dict[str, Any] | None:
@@ -70,14 +88,20 @@ def test_a_student_launches_through_workbench_launch_within_credit(
     assert type(job).__name__ == "CourseJob"
     run_id = job.id
     hub["a_run"], hub["a_job"] = run_id, job
-    assert run_id in _runs_on_disk(hub)  # owned by the service, not in A's home
+    # The run is A's: in A's space, written by A's Unix user, not by the service.
+    run_dir = _run_dir(hub, "a", run_id)
+    assert (run_dir / "spec.yaml").stat().st_uid == pwd.getpwnam(hub["users"]["a"]).pw_uid
     view = wait_until("A's run to end and settle", lambda: _settled(a, run_id), 300, hub["log"])
     # Under heavy load a run may still outlast its hold: its budget stop then ends it, and the
     # charge stays within the hold either way.
     assert view["state"] in ("succeeded", "budget_stopped"), view
-    status = json.loads((hub["state"] / "home" / "runs" / run_id / "status.json").read_text())
+    status = json.loads((run_dir / "status.json").read_text())
     assert 0 < view["charge"] <= view["hold"] <= 2000
-    assert status["cost"] * 100 <= view["charge"] < status["cost"] * 100 + 1  # whole fen, up
+    # Billed from what the service saw, not from the file A's run wrote: from the launch's
+    # hand-over (after the data was prepared) to the last process's end, so never more than
+    # the run's own bill, which starts before the data step.
+    assert view["charge"] == _metered(hub, run_id)
+    assert view["charge"] <= status["cost"] * 100 + 1
     me = a.me()
     assert me["held"] == 0 and me["balance"] == 2000 - view["charge"]
 
@@ -92,7 +116,7 @@ def test_a_students_evaluate_resume_and_deploy_go_through_the_service(
     a, job, run_id = hub["client"]["a"], hub["a_job"], hub["a_run"]
     monkeypatch.setenv("WORKBENCH_COURSE_URL", hub["service"])
     monkeypatch.setenv("JUPYTERHUB_API_TOKEN", hub["tokens"]["a"])
-    run_dir = hub["state"] / "home" / "runs" / run_id
+    run_dir = _run_dir(hub, "a", run_id)
     balance = a.me()["balance"]
     started = time.time()
     report = job.evaluate("heldout", max_samples=4)
@@ -108,7 +132,6 @@ def test_a_students_evaluate_resume_and_deploy_go_through_the_service(
     me = a.me()
     assert me["held"] == 0 and me["balance"] == balance - report["charge"]
 
-    before = json.loads((run_dir / "status.json").read_text())
     job.resume(**{"train.max_steps": 9})
     assert a.run(run_id)["kind"] == "resume" and a.me()["held"] > 0
     view = wait_until("A's resumed run to settle", lambda: _settled(a, run_id), 300, hub["log"])
@@ -116,8 +139,8 @@ def test_a_students_evaluate_resume_and_deploy_go_through_the_service(
     assert view["state"] in ("succeeded", "budget_stopped"), view
     if view["state"] == "succeeded":
         assert after["step"] == 9
-    added = (after["cost"] - before["cost"]) * 100  # the resume's bill, not the whole run's
-    assert added <= view["charge"] < added + 1 and view["charge"] <= view["hold"]
+    # The resume's own attempt, as the meter saw it, not the whole run's.
+    assert view["charge"] == _metered(hub, run_id) and view["charge"] <= view["hold"]
     assert a.me()["balance"] == me["balance"] - view["charge"]
 
     with pytest.raises(InsufficientCreditError, match="1000.00 CNY.*nothing was started"):
@@ -251,7 +274,7 @@ def test_a_student_cannot_see_others_runs_or_raise_their_credit(hub: dict[str, A
                         capture_output=True, text=True)
     assert ls.returncode == 0 and "state" in ls.stdout
     for path in (hub["state"] / "ledger.sqlite", hub["state"] / "course.json",
-                 hub["state"] / "home" / "runs" / hub["a_run"] / "status.json"):
+                 _run_dir(hub, "a", hub["a_run"]) / "status.json"):
         read = subprocess.run(["runuser", "-u", user_b, "--", "cat", str(path)],
                               capture_output=True, text=True)
         assert read.returncode != 0 and "Permission denied" in read.stderr, path
@@ -417,3 +440,39 @@ def test_the_idle_culler_stopped_the_servers_left_idle(hub: dict[str, Any]) -> N
                    == {},
                    240, hub["log"])
     assert "Culling server" in hub["log"].read_text(errors="replace")
+
+
+@pytest.mark.parametrize("route, body, words", [
+    ("grant", {"student": "X", "amount": "nan"}, "positive number"),
+    ("grant", {"student": "X", "amount": float("inf")}, "positive number"),
+    ("grant", {"student": "X", "amount": -5}, "positive number"),
+    ("grant", {"student": "X", "amount": True}, "positive number"),
+    ("grant", {"student": "X", "amount": 5, "sneaky": 1}, "unknown field"),
+    ("evaluate/RUN", {"max_samples": "junk"}, "whole number"),
+    ("evaluate/RUN", {"max_samples": 0}, "whole number"),
+    ("resume/RUN", {"changes": {"train.max_steps": "many"}}, "whole number"),
+    ("sweep", {"spec": "/srv/other/spec.yaml", "space": {"train.lr": [1e-3]}}, "mapping"),
+    ("launch", "/srv/other/spec.yaml", "JSON object"),
+    ("launch", {"model": {"trust_remote_code": True}}, "model.trust_remote_code"),
+    ("launch", {"serve": {"python": "/tmp/x"}}, "serve.python"),
+    ("quote", {"train": {"learning_rate": 1}}, "learning_rate"),
+])
+def test_bad_input_to_the_service_is_a_400_that_says_what_to_send(
+        hub: dict[str, Any], route: str, body: Any, words: str) -> None:
+    """Nothing a student sends ends in a 500 or a traceback, and none of it moves money."""
+    key = "teacher" if route == "grant" else "a"
+    body = {**body, "student": hub["users"]["b"]} if route == "grant" else body
+    before = hub["client"]["b"].me()["balance"], hub["client"]["a"].me()["balance"]
+    code, answer = http("POST", hub["service"] + route.replace("RUN", hub["a_run"]),
+                        hub["tokens"][key], body)
+    assert code == 400 and words in answer["message"], (code, answer)
+    assert "Traceback" not in json.dumps(answer)
+    assert (hub["client"]["b"].me()["balance"], hub["client"]["a"].me()["balance"]) == before
+
+
+def test_someone_not_in_the_course_gets_a_403_not_a_500(hub: dict[str, Any]) -> None:
+    code, answer = http("POST", hub["service"] + "grant", hub["tokens"]["teacher"],
+                        {"student": "nobody-here", "amount": 5})
+    assert code == 400 and "not a student" in answer["message"], answer
+    code, answer = http("POST", hub["service"] + "launch", hub["tokens"]["teacher"], {})
+    assert code == 403 and "not a student" in answer["message"], answer

@@ -28,8 +28,9 @@ def _course(tmp_path: Path, **over: object) -> Path:
 def test_init_writes_private_files_the_hub_can_load(tmp_path: Path) -> None:
     config = init(_course(tmp_path))
     state = config.parent
-    assert stat.S_IMODE(state.stat().st_mode) == 0o700
-    for name in ("course.json", "jupyterhub_config.py", "jupyterhub_cookie_secret"):
+    # Students pass through to their own spaces; they list nothing and read none of these.
+    assert stat.S_IMODE(state.stat().st_mode) == 0o711
+    for name in ("course.json", "jupyterhub_config.py", "jupyterhub_cookie_secret", "sudoers"):
         assert stat.S_IMODE((state / name).stat().st_mode) == 0o600, name
 
     class _Cfg(dict):  # what traitlets' get_config() returns, enough to execute the file
@@ -80,18 +81,19 @@ def test_the_course_prices_every_run_whatever_the_spec_says(tmp_path: Path) -> N
     priced = priced_spec(course, cheeky)
     assert priced.budget.price_per_cpu_core_hour == 2.0
     assert priced.budget.limit is None and priced.budget.currency == "CNY"
-    gpu = priced_spec(course, RunSpec(resources={"gpus_per_node": 1, "gpu_type": "A100-80G"},
-                                      budget={"price_per_gpu_hour": 0.01}))
+    gpu = priced_spec(load_course(_course(tmp_path, hardware={"local": "A100-80G"})),
+                      RunSpec(resources={"gpus_per_node": 1, "gpu_type": "A100-80G"},
+                              budget={"price_per_gpu_hour": 0.01}))
     assert gpu.budget.price_per_gpu_hour == 7.5
 
 
 @pytest.mark.parametrize("spec, words", [
     ({"resources": {"gpus_per_node": 2, "gpu_type": "A100-80G"}}, "allows 1 per run"),
     ({"resources": {"processes_per_node": 4}}, "4 CPU processes"),
-    ({"resources": {"gpus_per_node": 1, "gpu_type": "H100"}}, "no price for GPU type 'H100'"),
+    ({"resources": {"gpus_per_node": 1}}, "no price for GPU type 'H100'"),
     ({"target": "slurm:big"}, "not one of this course's targets"),
 ])
 def test_specs_over_a_cap_are_refused(tmp_path: Path, spec: dict, words: str) -> None:
-    course = load_course(_course(tmp_path))
+    course = load_course(_course(tmp_path, hardware={"local": "H100"}))
     with pytest.raises(CourseError, match=words):
         priced_spec(course, RunSpec.parse(spec))

@@ -194,3 +194,32 @@ def test_a_student_chats_with_an_endpoint_that_wants_its_key(course_home: dict) 
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_every_course_endpoint_gets_a_key_of_its_own(course_home: dict,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A course deploy always asks workbench.serve.deploy for a key, a new one each time, so a
+    classmate on the same hub machine cannot use (or bill, or keep alive) someone's endpoint.
+    The real vLLM behind the key is tested in tests/serve; here deploy is replaced by a recorder
+    (vLLM takes 50-100 s to start here) and what is under test is what the meter asks for."""
+    import workbench.serve as serve
+
+    meter = _meter(course_home["root"], credit=5)
+    run_hold = meter.ledger.hold("ana", 10, actor="ana", note="launch r1")
+    meter.ledger.attach_run(run_hold, "r1", str(course_home["root"] / "r1"))
+    asked: list[dict] = []
+
+    class _Up:
+        url, models = "http://127.0.0.1:1", ["m"]
+
+    def recorder(*dirs: Path, **kw: object) -> _Up:
+        asked.append(kw)
+        return _Up()
+
+    monkeypatch.setattr(serve, "deploy", recorder)
+    meter.deploy("ana", ["r1"], name="one")
+    meter.undeploy("ana", "one.ana")
+    meter.deploy("ana", ["r1"], name="two")
+    keys = [kw.get("api_key") for kw in asked]
+    assert all(isinstance(k, str) and len(k) >= 24 for k in keys), keys
+    assert keys[0] != keys[1]

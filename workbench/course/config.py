@@ -15,15 +15,17 @@ A course file names the people, the money and the limits of one class::
     serve_target: local               # where endpoints are served: local (the hub) or a target
     state_dir: /srv/workbench-course  # only the service's user reads it: ledger, runs, prices
 
-``init`` resolves it into ``STATE_DIR/course.json`` (what the service reads) and
-``STATE_DIR/jupyterhub_config.py`` (what ``workbench course start`` runs), both mode 0600 in a
-0700 folder: students' kernels run as their own Unix users and cannot read or change either.
+``init`` resolves it into ``STATE_DIR/course.json`` (what the service reads),
+``STATE_DIR/jupyterhub_config.py`` (what ``workbench course start`` runs) and ``STATE_DIR/sudoers``
+(the rule that lets the service start work as each student), all mode 0600 in a 0711 folder:
+students' kernels run as their own Unix users and can neither list nor read any of them.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pwd
 import secrets
 import shutil
 import sys
@@ -87,6 +89,17 @@ class Course(_Strict):
     # Where students' endpoints are served: the hub machine, or one of ``targets`` (an SSH host,
     # a Slurm partition), through workbench.serve.deploy(target=...).
     serve_target: str = "local"
+    # What students' specs may name besides files in their own space (docs/course.md): models
+    # and datasets ([]: the built-in ones), judge URLs or endpoint names, and the one
+    # environment variable of the service that holds the judges' key.
+    models: list[str] = Field(default_factory=list)
+    datasets: list[str] = Field(default_factory=list)
+    judges: list[str] = Field(default_factory=list)
+    judge_key_env: str | None = None
+    hardware: dict[str, str] = Field(default_factory=dict)  # target -> GPU type it is priced at
+    # The interpreter students' work runs with (None: the service's); every student must be
+    # able to run it and import workbench with it.
+    student_python: str | None = None
     state_dir: str = "/srv/workbench-course"
     database: str | None = None  # a SQLAlchemy URL; None: sqlite in state_dir
     hub: Hub = Field(default_factory=Hub)
@@ -110,6 +123,11 @@ class Course(_Strict):
     @property
     def state(self) -> Path:
         return Path(self.state_dir)
+
+    @property
+    def spaces(self) -> Path:
+        """Where each student's own space is (workbench.course.students)."""
+        return self.state / "students"
 
     @property
     def database_url(self) -> str:
@@ -172,7 +190,9 @@ def hub_config(course: Course) -> str:
     service = {
         "name": SERVICE_NAME, "url": course.service_url,
         "command": [sys.executable, "-m", "workbench.course.service", str(state / "course.json")],
-        "environment": {"WORKBENCH_HOME": str(state / "home")},
+        "environment": {"WORKBENCH_HOME": str(state / "home"),
+                        # the students' interpreter may need its library path (students.py)
+                        **{k: os.environ[k] for k in ("LD_LIBRARY_PATH",) if os.environ.get(k)}},
     }
     scope = f"access:services!service={SERVICE_NAME}"
     lines = [
@@ -226,10 +246,15 @@ def init(course_file: str | Path) -> Path:
     course = load_course(course_file)
     state = course.state
     state.mkdir(parents=True, exist_ok=True)
-    os.chmod(state, 0o700)  # the ledger, prices and every student's runs are the service's alone
+    # Students pass through to their own space (students/NAME) and list nothing; every file
+    # here is the service's alone (0600).
+    os.chmod(state, 0o711)
     (state / "home").mkdir(mode=0o700, exist_ok=True)
     _write_private(state / "course.json", course.model_dump_json(indent=2))
     _write_private(state / "jupyterhub_config.py", hub_config(course))
+    from workbench.course.students import sudoers_rule
+
+    _write_private(state / "sudoers", sudoers_rule(course, pwd.getpwuid(os.geteuid()).pw_name))
     secret = state / "jupyterhub_cookie_secret"
     if not secret.exists():
         _write_private(secret, secrets.token_hex(32))

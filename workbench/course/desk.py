@@ -1,13 +1,15 @@
-"""The course desk: price a student's run, hold it against their credit, launch it, settle it.
+"""The course desk: admit a student's run, hold it against their credit, start it as the
+student, settle it from the service's own meter.
 
-The order is what keeps a student inside their credit: the spec is priced by the course
-(:mod:`~workbench.course.policy`) and planned; the planned cost (times ``hold_margin``) is held in
-the ledger, refused there if the credit is short, *before* anything is written; the run is then
-launched with ``budget.limit`` equal to the hold, so its own budget stop (:mod:`workbench.budget`)
-ends it before it could cost more. :meth:`CourseDesk.settle_ended` charges each ended run what
-its status.json billed, once its supervisor has ``released`` the resources, and releases the hold.
-Runs are owned by the service's WORKBENCH_HOME; the ledger's ``runs`` table tags each with its
-student. Nothing here speaks HTTP (:mod:`workbench.course.service` does).
+The order is what keeps a student inside their credit: the spec is admitted and priced by the
+course (:mod:`~workbench.course.policy`) and planned as the student; the planned cost (times
+``hold_margin``) is held in the ledger, refused there if the credit is short, *before* anything
+is written; the run is then launched as the student (:mod:`~workbench.course.students`, in the
+student's own space) with ``budget.limit`` equal to the hold, and the service meters the attempt
+itself (:mod:`~workbench.course.meter`): from the moment the launch handed it its resources to
+the moment its last process is gone, stopped before it could pass the hold.
+:meth:`CourseDesk.settle_ended` charges each ended attempt its metered bill and releases the
+hold. Nothing here speaks HTTP (:mod:`workbench.course.service` does).
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ from typing import Any
 
 from workbench.course.config import Course
 from workbench.course.ledger import Ledger, RunHold
+from workbench.course.meter import Meter
+from workbench.course.students import Worker, parse_answer, read_json, space
 from workbench.errors import (
     CourseError,
     InsufficientCreditError,
-    WorkbenchError,
 )
 
 SERVICE_ACTOR = "course-service"
@@ -42,6 +45,7 @@ class CourseDesk:
     def __init__(self, course: Course, ledger: Ledger | None = None) -> None:
         self.course = course
         self.ledger = ledger or Ledger(course.database_url)
+        self.meter = Meter(course)
         self._locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
 
@@ -61,13 +65,17 @@ class CourseDesk:
 
     # -- launching -------------------------------------------------------------------------------
     def quote(self, user: str, spec: Any) -> dict[str, Any]:
-        """What a launch would hold, without holding it."""
-        from workbench.course.policy import check_plan, priced_spec
-        from workbench.plan import plan
-        from workbench.spec import RunSpec
+        """What a launch would hold, without holding it: the spec admitted and priced by the
+        course, planned as the student."""
+        from types import SimpleNamespace
 
-        priced = priced_spec(self.course, RunSpec.coerce(spec))
-        result = plan(priced)
+        from workbench.course.policy import admit, cards, check_plan
+
+        student = self._student(user)
+        priced = admit(self.course, str(space(self.course, student)), spec)
+        figures = Worker(self.course, student, {"verb": "quote", "spec": _data(priced)},
+                         gpus=cards(priced) > 0).answer()
+        result = SimpleNamespace(cost=figures.get("cost"), hours=figures.get("hours"))
         cost = check_plan(self.course, result)
         hold = self.course.minor(cost * self.course.hold_margin)
         return {"spec": priced, "plan": result, "hold": hold, "planned_cost": cost,
@@ -84,23 +92,33 @@ class CourseDesk:
             return self._locks.setdefault(student, threading.Lock())
 
     def _launch(self, student: str, spec: Any) -> dict[str, Any]:
-        from workbench.launching import launch
-        from workbench.registry import Registry
+        from workbench.course.policy import cards
 
         self._check_concurrent(student)
         q = self.quote(student, spec)
         hold_id = self._hold(student, q["hold"], f"launch {q['spec'].name}")
         limited = q["spec"].updated(**{"budget.limit": q["hold"] / self.course.minor_per_unit})
         try:
-            # An explicit registry: the service's own, never the course hook in launch().
-            job = launch(limited, registry=Registry())
+            answer = Worker(self.course, student, {"verb": "launch", "spec": _data(limited)},
+                            gpus=cards(limited) > 0).answer()
         except BaseException:
             # Nothing ran: the whole hold comes back.
             self.ledger.settle(hold_id, 0, actor=SERVICE_ACTOR, note="launch refused")
             raise
-        self.ledger.attach_run(hold_id, job.id, str(job.run_dir.path))
-        return {"run": job.id, "student": student, "hold": q["hold"], "hold_text": q["hold_text"],
-                "planned_cost": q["planned_cost"], "currency": self.course.currency}
+        self.ledger.attach_run(hold_id, answer["run"], answer["run_dir"])
+        self._meter(hold_id, student, answer, limited, q["hold"])
+        return {"run": answer["run"], "student": student, "hold": q["hold"],
+                "hold_text": q["hold_text"], "planned_cost": q["planned_cost"],
+                "currency": self.course.currency}
+
+    def _meter(self, hold_id: int, student: str, answer: dict[str, Any], spec: Any,
+               hold: int) -> None:
+        import pwd
+
+        from workbench.course.policy import hourly_rate
+
+        self.meter.begin(hold_id, student, pwd.getpwnam(student).pw_uid, answer["run"],
+                         answer.get("pid"), hourly_rate(spec), hold)
 
     def _check_concurrent(self, student: str, more: int = 1) -> None:
         """Refuse ``more`` runs when the student's runs going, an open sweep counting as its
@@ -127,9 +145,9 @@ class CourseDesk:
                                          self.course.money) from None
 
     def resume(self, user: str, run_id: str, changes: dict[str, Any]) -> dict[str, Any]:
-        """Hold what the resumed run may cost, then resume it with its budget limit at what it
-        had spent plus the hold; settled (the cost it adds) like a launch."""
-        from workbench.jobs import get_job
+        """Hold what the resumed run may cost, then resume it as the student; the new attempt is
+        metered and settled like a launch."""
+        from workbench.course.policy import cards
 
         student = self._student(user)
         with self._lock(student):
@@ -142,76 +160,85 @@ class CourseDesk:
                 raise CourseError(f"a course resume may change train.max_steps or train.epochs, "
                                   f"not {sorted(bad)} (the course sets the budget)")
             self._check_concurrent(student)
-            job = get_job(run_id)
-            spent = float(job.status().get("cost") or 0.0)
+            # The run's spec as the student's worker reads it, admitted again like a launch's.
+            known = Worker(self.course, student, {"verb": "spec", "run": run_id}).answer()
+            spec = known["spec"]
+            for key, value in changes.items():
+                section, name = key.split(".", 1)
+                spec.setdefault(section, {})[name] = value
+            spec.pop("budget", None)
             # The whole run's plan: a resume from a snapshot adds at most that much.
-            q = self.quote(student, job.spec.updated(**changes) if changes else job.spec)
+            q = self.quote(student, spec)
             hold_id = self._hold(student, q["hold"], f"resume {run_id}")
-            limit = spent + q["hold"] / self.course.minor_per_unit
+            limit = float(known.get("spent") or 0.0) + q["hold"] / self.course.minor_per_unit
             try:
-                job.resume(**changes, **{"budget.limit": limit})
+                answer = Worker(self.course, student, {
+                    "verb": "resume", "run": run_id,
+                    "changes": {**changes, "budget.limit": limit}},
+                    gpus=cards(q["spec"]) > 0).answer()
             except BaseException:
                 self.ledger.settle(hold_id, 0, actor=SERVICE_ACTOR, note="resume refused")
                 raise
-            self.ledger.attach_run(hold_id, run_id, str(job.run_dir.path), kind="resume",
-                                   base_cost=spent)
+            self.ledger.attach_run(hold_id, run_id, answer["run_dir"], kind="resume")
+            self._meter(hold_id, student, answer, q["spec"], q["hold"])
         return {"run": run_id, "student": student, "hold": q["hold"],
                 "hold_text": q["hold_text"], "planned_cost": q["planned_cost"],
                 "currency": self.course.currency}
 
     def evaluate(self, user: str, run_id: str, tasks: list[str] | None,
                  knobs: dict[str, Any]) -> dict[str, Any]:
-        """Score an ended run in a process of its own, held for ``eval_minutes`` at the rate of
-        where it runs (:func:`~workbench.course.policy.eval_price`: the run's GPUs on its target,
-        else one CPU core) and killed at that limit; charged for the seconds it ran."""
-        import subprocess
-        import sys
-
-        from workbench.course.policy import eval_price
-        from workbench.jobs import get_job
+        """Score an ended run as the student, held for ``eval_minutes`` at the rate of where it
+        runs (:func:`~workbench.course.policy.eval_price`: the run's GPUs on its target, else
+        one CPU core) and ended at that limit; charged for the seconds the service saw it run."""
+        from workbench.course.policy import admit, cards, eval_price
 
         student = self._student(user)
         h = self._visible(student, run_id)
-        price, where = eval_price(self.course, get_job(run_id).spec)
+        known = Worker(self.course, student, {"verb": "spec", "run": run_id}).answer()
+        spec = {k: v for k, v in known["spec"].items() if k != "budget"}
+        admitted = admit(self.course, str(space(self.course, student)), spec)
+        price, where = eval_price(self.course, admitted)
         rate = f"{self.course.money(self.course.minor(price))} an hour ({where})"
         limit_s = round(self.course.caps.eval_minutes * 60)
         amount = self.course.minor(price * limit_s / 3600)
         hold_id = self._hold(student, amount, f"evaluate {run_id} at {rate}")
         self.ledger.attach_run(hold_id, run_id, h.run_dir or "", kind="evaluate")
-        cmd = ["timeout", "-s", "KILL", str(limit_s), sys.executable, "-m", "workbench.cli",
-               "eval", run_id]
-        if tasks:
-            cmd += ["--tasks", ",".join(tasks)]
-        for key in ("max_samples", "max_new_tokens"):
-            if knobs.get(key) is not None:
-                cmd += [f"--{key.replace('_', '-')}", str(int(knobs[key]))]
-        started = time.time()
+        request = {"verb": "evaluate", "run": run_id, "tasks": tasks or None, "limit_s": limit_s,
+                   **{k: knobs.get(k) for k in ("max_samples", "max_new_tokens")}}
+        worker = Worker(self.course, student, request, gpus=cards(admitted) > 0)
+        rc, out, err, seconds = -1, "", "", float(limit_s)
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            rc, out, err, seconds = worker.run(timeout=limit_s)
         finally:
-            used = min(amount, self.course.minor(price * (time.time() - started) / 3600))
+            used = min(amount, self.course.minor(price * seconds / 3600))
             self.ledger.settle(hold_id, used, actor=SERVICE_ACTOR, note=f"evaluate {run_id}")
-        if proc.returncode != 0:
-            why = "it ran past the course's eval_minutes" if proc.returncode in (-9, 137) else (
-                proc.stderr.strip().splitlines() or ["no output"])[-1]
+        if rc != 0:
+            if rc == -9:
+                why = "it ran past the course's eval_minutes"
+            else:
+                try:
+                    parse_answer(rc, out, err, student)
+                    why = f"exit {rc}"
+                except CourseError as exc:
+                    why = str(exc)
             raise CourseError(f"evaluating {run_id} failed ({why}); charged "
                               f"{self.course.money(used)} at {rate}")
-        return {"run": run_id, "table": proc.stdout.strip(), "charge": used,
+        table = "\n".join(line for line in out.splitlines() if not line.startswith("{"))
+        return {"run": run_id, "table": table.strip(), "charge": used,
                 "charge_text": self.course.money(used), "hold": amount, "rate": price,
                 "rate_text": rate}
 
     # -- settling --------------------------------------------------------------------------------
     def settle_ended(self) -> list[str]:
-        """Charge and release every open hold whose run has ended and released; the run ids."""
-        from workbench.jobs import get_job
-        from workbench.rundir import TERMINAL
-
+        """Meter the attempts going, then charge and release every open hold whose attempt the
+        meter saw end (:mod:`~workbench.course.meter`); the run ids."""
+        self.meter.tick()
         settled = []
         for h in self.ledger.holds(open_only=True):
             if h.kind == "evaluate" and time.time() - h.at > self.course.caps.eval_minutes * 60 \
                     + UNRELEASED_SETTLE_S:
-                # The service died while it ran; `timeout -s KILL` ended it by its limit, which
-                # is all it could have used: the whole hold is charged.
+                # The service died while it ran; the worker ends itself at the limit, which is
+                # all it could have used: the whole hold is charged.
                 amount = h.amount
                 if self.ledger.settle(h.hold_id, amount, actor=SERVICE_ACTOR,
                                       note=f"evaluate {h.run_id} (service restarted)"):
@@ -219,39 +246,29 @@ class CourseDesk:
                 continue
             if h.run_id is None or h.kind not in ("launch", "resume"):
                 continue  # launched moments ago, or an endpoint (workbench.course.endpoints)
-            try:
-                status = get_job(h.run_id).status()
-            except WorkbenchError:
+            a = self.meter.get(h.hold_id)
+            if a is None or a.end is None:
                 continue
-            # Only an end after this hold counts: a resumed run's status.json still carries the
-            # previous attempt's ``released`` while the new attempt is queued.
-            ended = status.get("state") in TERMINAL
-            released = ended and float(status.get("released") or 0) >= h.at
-            ended_at = float(status.get("ended") or 0)
-            stale = ended and ended_at >= h.at and time.time() - ended_at > UNRELEASED_SETTLE_S
-            if not (released or stale):
-                continue
-            # A resume pays only what it added to the run's bill.
-            charge = self.course.minor(max(0.0, float(status.get("cost") or 0.0) - h.base_cost))
-            note = f"run {h.run_id} {status.get('state')}" + ("" if released else " (unreleased)")
+            charge = self.meter.bill(a)
+            note = (f"run {h.run_id}: {a.end - a.start:.0f} s metered at "
+                    f"{a.rate:g} {self.course.currency}/h" + (f" ({a.why})" if a.why else ""))
             if self.ledger.settle(h.hold_id, charge, actor=SERVICE_ACTOR, note=note):
                 settled.append(h.run_id)
         return settled
 
     # -- views -----------------------------------------------------------------------------------
     def _run_view(self, h: RunHold) -> dict[str, Any]:
-        from workbench.jobs import get_job
-
         view: dict[str, Any] = {"run": h.run_id, "student": h.student, "hold": h.amount,
                                 "charge": h.charge, "held_at": h.at, "kind": h.kind or "launch"}
         if h.run_id and h.kind in (None, "launch", "resume"):
-            try:
-                status = get_job(h.run_id).status()
-            except WorkbenchError:
-                status = {}
+            # Progress from the run's status.json, read only if it is the student's own file;
+            # what it costs is the meter's figure, never the file's.
+            status = read_json(f"{h.run_dir}/status.json", h.student) if h.run_dir else {}
             view.update({k: status.get(k) for k in ("state", "step", "total_steps", "last_loss",
-                                                    "cost", "error", "note", "stop_reason")})
-            view["released"] = "released" in status
+                                                    "error", "note", "stop_reason")})
+            a = self.meter.get(h.hold_id)
+            view["cost"] = None if a is None else self.meter.bill(a) / self.course.minor_per_unit
+            view["released"] = a is not None and a.end is not None
         elif h.kind == "sweep" and h.charge is not None:
             # A sweep's own charge is nothing more: what it cost is its trials' charges.
             view["charge"] = sum(self.ledger.charged_trials(h.hold_id).values())
@@ -262,6 +279,7 @@ class CourseDesk:
                                "currency": self.course.currency,
                                "minor_per_unit": self.course.minor_per_unit}
         if user in self.course.students:
+            out["space"] = str(space(self.course, user))  # where the student's files may live
             account = self.ledger.account(user)
             out.update(account.to_dict(), balance_text=self.course.money(account.balance))
             out["runs"] = [self._run_view(h) for h in self.ledger.holds(user)]
@@ -282,10 +300,10 @@ class CourseDesk:
         return h
 
     def stop(self, user: str, run_id: str) -> str:
-        from workbench.jobs import get_job
-
-        self._visible(user, run_id)
-        return get_job(run_id).cancel()
+        """Cancel the run as its student; the meter bills what ran until its processes ended."""
+        h = self._visible(user, run_id)
+        return str(Worker(self.course, h.student, {"verb": "cancel", "run": run_id})
+                   .answer()["state"])
 
     def grant(self, user: str, student: str, amount: float, note: str = "") -> dict[str, Any]:
         if not self.is_instructor(user):
@@ -323,3 +341,7 @@ class CourseDesk:
                                                               a.held, a.balance)),
                         n, self.course.currency])
         return out.getvalue()
+
+
+def _data(spec: Any) -> dict[str, Any]:
+    return dict(spec.model_dump(mode="json"))

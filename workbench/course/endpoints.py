@@ -13,13 +13,16 @@ before the current one ends; when that hold is refused the endpoint is stopped a
 never runs on time nobody paid for. A block is charged in full once its time has passed; the
 block in which the endpoint stopped is charged for the seconds it was up (until the guard's
 exit.json, read where the server ran, else until the meter saw it gone: never less than it
-used). An endpoint with no request running or finished for ``idle_minutes`` (read from vLLM's
-/metrics) is stopped too.
+used). Every endpoint has its own API key, given only to its student and the instructors, so
+only their requests reach it (and its meter). An endpoint with no request running or finished
+for ``idle_minutes`` (read from vLLM's /metrics) is stopped too.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import secrets
 import threading
 import time
 import urllib.request
@@ -68,7 +71,6 @@ class EndpointMeter:
                options: dict[str, Any] | None = None) -> dict[str, Any]:
         """Hold the first block, then serve the student's ``runs`` on one endpoint on the
         course's serve target."""
-        from workbench.jobs import get_job
         from workbench.serve import deploy
         from workbench.serve.endpoint import endpoints_dir
 
@@ -76,8 +78,7 @@ class EndpointMeter:
         price = self._price()
         if not runs:
             raise CourseError("name the run(s) to deploy: workbench.deploy(job)")
-        for run_id in runs:
-            self.desk._visible(student, run_id)
+        dirs = [Path(self.desk._visible(student, run_id).run_dir or "") for run_id in runs]
         options = {k: v for k, v in (options or {}).items() if k in ("merge", "max_model_len")}
         with self.desk._lock(student):
             live = self._live_names(student)
@@ -85,8 +86,9 @@ class EndpointMeter:
                 raise CourseError(f"{student} already has {len(live)} endpoint(s) up "
                                   f"({', '.join(live)}); this course allows "
                                   f"{self.course.caps.endpoints}: undeploy one first")
-            # Endpoint names are one namespace in the service: each student's are prefixed.
-            name = f"{student}-{name or runs[-1]}"
+            # Endpoint names are one namespace in the service: the name (no dot in it) then the
+            # student, so two students' names can never meet.
+            name = f"{_endpoint_name(name or runs[-1])}.{student}"
             amount = self.course.minor(price * self.block_s / 3600)
             hold_id = self.desk._hold(student, amount, f"deploy {name}")
             started = time.time()
@@ -97,7 +99,9 @@ class EndpointMeter:
             with self._guard:
                 self._starting.add(name)
         try:
-            ep = deploy(*[get_job(r) for r in runs], name=name, keep=True, progress=False,
+            # Every course endpoint wants its own key, even on loopback: the hub machine is
+            # shared, and only the owner's view (and instructors') carries it.
+            ep = deploy(*dirs, name=name, keep=True, progress=False, api_key=secrets.token_urlsafe(24),
                         target=self.course.serve_target, **options)
         except BaseException:
             self.ledger.settle(hold_id, min(amount, self.course.minor(
@@ -241,8 +245,8 @@ class EndpointMeter:
                 out["url"] = ep.url
             except WorkbenchError:
                 pass  # unreachable for now: where it listens is all there is to say
-            if ep.api_key:  # a server off the hub machine takes requests with its key only;
-                out["api_key"] = ep.api_key  # views go to the endpoint's student and instructors
+            if ep.api_key:  # the server takes requests with its key only; views go to the
+                out["api_key"] = ep.api_key  # endpoint's student and instructors, nobody else
         try:
             out["stopped_because"] = json.loads(
                 (Path(record.endpoint_dir) / STOP_FILE).read_text())["reason"]
@@ -276,3 +280,10 @@ def _requests_seen(name: str) -> tuple[float, float] | None:
         elif line.startswith("vllm:num_requests_running"):
             running += float(line.rsplit(" ", 1)[-1])
     return done, running
+
+
+def _endpoint_name(name: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]{0,47}", name):
+        raise CourseError(f"endpoint name {name!r}: use letters, digits, '-' and '_' (no dots), "
+                          "at most 48 characters")
+    return name

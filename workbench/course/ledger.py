@@ -200,8 +200,8 @@ class Ledger:
                                             created=time.time() if since is None else since))
 
     def settle(self, hold_id: int, charge: int, actor: str, note: str = "") -> bool:
-        """Charge what the run cost and release its hold, in one transaction. False if the hold
-        was already settled (settling twice writes nothing)."""
+        """Charge what the run cost, at most the hold, and release the hold, in one transaction.
+        False if the hold was already settled (settling twice writes nothing)."""
         with self.engine.begin() as db:
             hold = self._hold_row(db, hold_id)
         with self._write(hold.student) as db:
@@ -209,6 +209,8 @@ class Ledger:
                 entries.c.hold_id == hold_id, entries.c.kind == "release")).first()
             if done:
                 return False
+            # A charge never passes its hold: what the hold did not cover is the course's.
+            charge = min(charge, hold.amount)
             self._add(db, hold.student, "charge", charge, actor, note, hold_id=hold_id)
             self._add(db, hold.student, "release", hold.amount, actor, note, hold_id=hold_id)
             return True

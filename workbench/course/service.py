@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -70,13 +71,17 @@ class _Handler(HubAuthenticated, web.RequestHandler):
         """Run a desk call off the event loop (planning and launching take seconds)."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
-    def body(self) -> dict[str, Any]:
+    def body(self, allowed: tuple[str, ...] | None = None, usage: str = "") -> dict[str, Any]:
+        """The JSON object sent; with ``allowed``, any other key is refused (400, ``usage``)."""
         try:
             data = json.loads(self.request.body or b"{}")
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise _Refused(400, f"the body is not JSON: {exc}") from None
         if not isinstance(data, dict):
             raise _Refused(400, "the body must be a JSON object")
+        unknown = sorted(set(data) - set(allowed)) if allowed is not None else []
+        if unknown:
+            raise _Refused(400, f"unknown field(s) {unknown}; give {usage}")
         return data
 
     def write_error(self, status_code: int, **kwargs: Any) -> None:
@@ -145,34 +150,59 @@ class Stop(_Handler):
         self.finish({"run": run_id, "state": state})
 
 
+def _count(value: Any, what: str) -> int:
+    """A whole number of at least 1 from a JSON body, or 400 saying what to send."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _Refused(400, f"{what} must be a whole number of at least 1, got {value!r}")
+    return value
+
+
+def _amount(value: Any) -> float:
+    """A positive, finite amount of money from a JSON body (a number, not text), or 400."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value <= 0:
+        raise _Refused(400, f'amount must be a positive number in currency units (e.g. 5 or '
+                            f'2.5), got {value!r}')
+    return float(value)
+
+
 class Resume(_Handler):
     async def post(self, run_id: str) -> None:
-        changes = self.body().get("changes") or {}
+        usage = '{"changes": {"train.max_steps": N}}'
+        changes = self.body(("changes",), usage).get("changes") or {}
         if not isinstance(changes, dict):
-            raise _Refused(400, 'give {"changes": {"train.max_steps": N}}')
+            raise _Refused(400, f"give {usage}")
+        changes = {k: _count(v, k) for k, v in changes.items()}
         self.finish(await self.call(self.desk.resume, self.user(), run_id, changes))
 
 
 class Evaluate(_Handler):
     async def post(self, run_id: str) -> None:
-        body = self.body()
+        usage = '{"tasks": ["heldout", ...], "max_samples": N, "max_new_tokens": N}'
+        body = self.body(("tasks", "max_samples", "max_new_tokens"), usage)
         tasks = body.get("tasks")
         if tasks is not None and not (isinstance(tasks, list)
                                       and all(isinstance(t, str) for t in tasks)):
             raise _Refused(400, 'give {"tasks": ["heldout", ...]} (task names) or no tasks')
-        knobs = {k: body[k] for k in ("max_samples", "max_new_tokens") if body.get(k) is not None}
+        knobs = {k: _count(body[k], k) for k in ("max_samples", "max_new_tokens")
+                 if body.get(k) is not None}
         self.finish(await self.call(self.desk.evaluate, self.user(), run_id, tasks, knobs))
 
 
 class Deploy(_Handler):
     async def post(self) -> None:
-        body = self.body()
+        usage = '{"runs": [RUN_ID, ...], "name": optional, "options": optional}'
+        body = self.body(("runs", "name", "options"), usage)
         runs = body.get("runs")
-        if not isinstance(runs, list) or not all(isinstance(r, str) for r in runs):
-            raise _Refused(400, 'give {"runs": [RUN_ID, ...], "name": optional}')
+        if not isinstance(runs, list) or not runs or not all(isinstance(r, str) for r in runs):
+            raise _Refused(400, f"give {usage}")
+        name, options = body.get("name"), body.get("options") or {}
+        if name is not None and not isinstance(name, str):
+            raise _Refused(400, f"name must be text, got {name!r}")
+        if not isinstance(options, dict):
+            raise _Refused(400, 'options must be an object: {"merge": true, "max_model_len": N}')
         self.set_status(201)
-        self.finish(await self.call(self.meter.deploy, self.user(), runs, body.get("name"),
-                                    body.get("options") or {}))
+        self.finish(await self.call(self.meter.deploy, self.user(), runs, name, options))
 
 
 class Endpoints(_Handler):
@@ -187,10 +217,14 @@ class Undeploy(_Handler):
 
 class Sweep(_Handler):
     async def post(self) -> None:
-        body = self.body()
+        usage = '{"spec": {...}, "space": {...}, "options": {"budget": N}}'
+        body = self.body(("spec", "space", "options"), usage)
         options = body.get("options") or {}
         if not isinstance(options, dict):
-            raise _Refused(400, 'give {"spec": {...}, "space": {...}, "options": {"budget": N}}')
+            raise _Refused(400, f"give {usage}")
+        if not isinstance(body.get("spec"), dict):
+            raise _Refused(400, "spec must be a mapping (the course reads no path or text from "
+                                f"its own disk); give {usage}")
         self.set_status(201)
         self.finish(await self.call(self.sweeps.start, self.user(), body.get("spec"),
                                     body.get("space"), options))
@@ -219,14 +253,13 @@ class Students(_Handler):
 
 class Grant(_Handler):
     async def post(self) -> None:
-        body = self.body()
-        try:
-            student, amount = str(body["student"]), float(body["amount"])
-        except (KeyError, TypeError, ValueError):
-            raise _Refused(400, 'give {"student": NAME, "amount": N} (N in currency units)') \
-                from None
-        self.finish(await self.call(self.desk.grant, self.user(), student, amount,
-                                    str(body.get("note", ""))))
+        usage = '{"student": NAME, "amount": N, "note": optional}'
+        body = self.body(("student", "amount", "note"), usage)
+        student, note = body.get("student"), body.get("note", "")
+        if not isinstance(student, str) or not isinstance(note, str):
+            raise _Refused(400, f"give {usage} (student and note as text)")
+        self.finish(await self.call(self.desk.grant, self.user(), student,
+                                    _amount(body.get("amount")), note))
 
 
 class Export(_Handler):

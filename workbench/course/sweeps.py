@@ -45,6 +45,8 @@ from workbench.sweep.record import CANCELLED, ENDED, FAILED, SweepRecord, contro
 OPTIONS = ("strategy", "trials", "objective", "direction", "budget", "concurrent", "seed",
            "pruner", "prune_after")
 COURSE_SET = ("budget.", "resources.")  # space paths the course decides, not the sweep
+SWEEPABLE = ("train.", "method.", "data.")
+NOT_SWEEPABLE = ("method.rewards", "data.sources", "data.clean")
 # Times the service resumes one sweep whose controller died before it ends it instead (a
 # controller that dies at every start must not be restarted forever).
 SERVICE_RESUMES = 3
@@ -59,8 +61,8 @@ class CourseSweeps:
     def start(self, user: str, spec: Any, space: Any, options: dict[str, Any]) -> dict[str, Any]:
         """Hold the sweep's budget, then start the sweep with that budget; a refused hold starts
         nothing and writes no sweep directory."""
-        from workbench.course.policy import priced_spec
-        from workbench.spec import RunSpec
+        from workbench.course.policy import admit
+        from workbench.course.students import space as space_of
         from workbench.sweep.start import sweep
 
         student = self.desk._student(user)
@@ -68,7 +70,8 @@ class CourseSweeps:
         if unknown:
             raise CourseError(f"a course sweep takes {', '.join(OPTIONS)}, not {unknown}")
         with self.desk._lock(student):
-            base = priced_spec(self.course, RunSpec.coerce(spec))
+            base = admit(self.course, str(space_of(self.course, student)), spec)
+            _catalogued(self.course, base)
             concurrent = options.get("concurrent", 1)
             if isinstance(concurrent, int) and not isinstance(concurrent, bool):
                 self.desk._check_concurrent(student, more=concurrent)
@@ -93,6 +96,9 @@ class CourseSweeps:
             if p.path.startswith(COURSE_SET):
                 raise CourseError(f"space[{p.path!r}]: the course sets {p.path} for every run; "
                                   "sweep training or method fields instead")
+            if not p.path.startswith(SWEEPABLE) or p.path.startswith(NOT_SWEEPABLE):
+                raise CourseError(f"space[{p.path!r}]: a course sweep varies train.*, method.* "
+                                  "(not rewards) and data.* (not sources or cleaning) fields")
         budget = options.get("budget")
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
                                    or budget <= 0):
@@ -107,7 +113,8 @@ class CourseSweeps:
             for p in params:
                 changes = [{**c, p.path: v} for c in changes for v in p.grid_values()]
             # Each trial's caps are checked as its launch's would be (a CourseError says which).
-            quotes = [self.desk.quote(student, base.updated(**c))["hold"] for c in changes]
+            quotes = [self.desk.quote(student, base.updated(**c).model_dump(mode="json"))["hold"]
+                      for c in changes]
         if budget is not None:
             return self.course.minor(float(budget))
         if not quotes or not isinstance(trials, int):
@@ -318,3 +325,18 @@ def _final_cost(run_id: str) -> float | None:
     if ended and (status.get("released") or stale):
         return float(status.get("cost") or 0.0)
     return None
+
+
+def _catalogued(course: Any, spec: Any) -> None:
+    """A sweep's trials run in the service's own home: they train only on the course's listed
+    models and datasets, never on files of the student's (a launch runs those as the student)."""
+    from workbench.spec import BUILTIN_DATASET, BUILTIN_MODEL
+
+    if spec.model.id not in (course.models or [BUILTIN_MODEL]):
+        raise CourseError(f"model.id {spec.model.id!r}: a course sweep trains the course's "
+                          f"models ({', '.join(course.models or [BUILTIN_MODEL])})")
+    for i, src in enumerate(spec.data.sources):
+        if src.path not in (course.datasets or [BUILTIN_DATASET]):
+            raise CourseError(f"data.sources.{i}.path {src.path!r}: a course sweep trains on "
+                              "the course's datasets "
+                              f"({', '.join(course.datasets or [BUILTIN_DATASET])})")

@@ -1,0 +1,115 @@
+"""The course's worker: one request of the course service, run as the student it is for.
+
+The service starts it through sudo (:mod:`workbench.course.students`)::
+
+    sudo -n -u NAME -- PYTHON -I -m workbench.course.worker    # a JSON request on stdin
+
+and reads one JSON answer from the last line of its stdout (``{"error", "message"}`` when the
+request was refused). The request names the student's space, which must be the worker's own:
+the worker runs the ordinary library there (WORKBENCH_HOME inside it, files group-readable for
+the service, no GPU unless the request's environment gives one), so a student's spec, data,
+model folder and reward code are read and run with the student's rights only.
+
+Requests: ``quote`` (plan a spec: cost, hours), ``launch`` (a priced spec), ``spec`` (a run's
+spec and what it billed itself), ``resume`` (a run, changes), ``cancel`` (a run), ``evaluate``
+(a run, tasks, max_samples, max_new_tokens, limit_s: the ``workbench eval`` table on stdout
+before the answer), ``whoami``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _home(space: Path) -> Path:
+    return space / "workbench"
+
+
+def _job_answer(job: Any) -> dict[str, Any]:
+    """A run and the process that holds its attempt (the service meters it from there on)."""
+    import psutil
+
+    rid = job.record.backend_job_id or ""
+    pid = int(rid.split(":", 1)[1]) if rid.startswith("local:") else None
+    ctime = psutil.Process(pid).create_time() if pid else None
+    return {"run": job.id, "run_dir": str(job.run_dir.path), "pid": pid, "create_time": ctime}
+
+
+def handle(request: dict[str, Any]) -> dict[str, Any]:
+    verb = request.get("verb")
+    if verb == "whoami":
+        return {"user": pwd.getpwuid(os.geteuid()).pw_name, "home": os.environ["WORKBENCH_HOME"]}
+    if verb == "quote":
+        from workbench.plan import plan
+        from workbench.spec import RunSpec
+
+        result = plan(RunSpec.parse(request["spec"]))
+        return {"cost": result.cost, "hours": result.hours, "fits": result.fits}
+    if verb == "launch":
+        from workbench.launching import launch
+        from workbench.registry import Registry
+        from workbench.spec import RunSpec
+
+        return _job_answer(launch(RunSpec.parse(request["spec"]), registry=Registry()))
+    from workbench.jobs import get_job
+
+    job = get_job(str(request["run"]))
+    if verb == "spec":
+        return {"spec": job.spec.model_dump(mode="json"),
+                "spent": float(job.status().get("cost") or 0.0)}
+    if verb == "resume":
+        return _job_answer(job.resume(**request.get("changes", {})))
+    if verb == "cancel":
+        return {"state": job.cancel()}
+    if verb == "evaluate":
+        from workbench.cli import main as cli
+
+        signal.alarm(int(request.get("limit_s") or 0))  # ends itself at the course's limit
+
+        argv = ["eval", job.id]
+        if request.get("tasks"):
+            argv += ["--tasks", ",".join(request["tasks"])]
+        for key in ("max_samples", "max_new_tokens"):
+            if request.get(key) is not None:
+                argv += [f"--{key.replace('_', '-')}", str(int(request[key]))]
+        rc = cli(argv)
+        sys.stdout.flush()
+        if rc:
+            return {"error": "EvaluationError", "message": f"workbench eval exited {rc}"}
+        return {"run": job.id}
+    return {"error": "BadRequest", "message": f"unknown request {verb!r}"}
+
+
+def main() -> int:
+    request = json.loads(sys.stdin.read() or "{}")
+    if os.geteuid() == 0:
+        print(json.dumps({"error": "CourseError",
+                          "message": "the course worker runs as a student, never as root"}))
+        return 2
+    space = Path(str(request.get("space", "")))
+    if not space.is_dir() or space.stat().st_uid != os.geteuid():
+        print(json.dumps({"error": "CourseError", "message": f"{space} is not this user's space"}))
+        return 2
+    os.umask(0o027)  # the service's group reads what the student's work writes
+    os.chdir(space)
+    os.environ.update({str(k): str(v) for k, v in (request.get("env") or {}).items()})
+    os.environ["WORKBENCH_HOME"] = str(_home(space))
+    os.environ.pop("WORKBENCH_COURSE_URL", None)  # the work itself is plain single-user work
+    from workbench.errors import WorkbenchError
+
+    try:
+        answer = handle(request)
+    except WorkbenchError as exc:
+        answer = {"error": getattr(exc, "kind", type(exc).__name__), "message": str(exc)}
+    print(json.dumps(answer), flush=True)
+    return 3 if "error" in answer else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
