@@ -20,8 +20,8 @@ def main(run_dir: str, out: str) -> None:
     from transformers import Trainer, TrainerCallback
 
     from workbench.data.tokenize import Collator
-    from workbench.models import resolve_model
-    from workbench.rundir import RunDir
+    from workbench.runs.rundir import RunDir
+    from workbench.spec.models import resolve_model
     from workbench.train.run import load_model, load_split, load_tokenizer, training_arguments
 
     rd = RunDir(run_dir)

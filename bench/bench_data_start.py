@@ -77,7 +77,7 @@ def _rows(n: int) -> list[dict]:
 
 
 # Builds the built-in tiny model into WORKBENCH_HOME with the side's own code, untimed.
-_WARM_MODEL = "from workbench.models import resolve_model; resolve_model('builtin:tiny-llama')"
+_WARM_MODEL = "from workbench.spec.models import resolve_model; resolve_model('builtin:tiny-llama')"
 
 
 def _run(label: str, package: Path, home: Path, spec: dict) -> dict:

@@ -126,7 +126,7 @@ def speeds(ep, job, copies: int, batch: int) -> dict:
     own output, so a side that stops early (or runs on) is not credited with the other's work.
     """
     from workbench.assets.teaching import teaching_rows
-    from workbench.infer import load_chat_model
+    from workbench.serve.infer import load_chat_model
 
     prompts = [r["instruction"] for r in teaching_rows("heldout")] * copies
     out = {}

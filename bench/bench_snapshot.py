@@ -117,7 +117,7 @@ def sync_save_seconds(snapshot: Path, repeats: int = 7) -> list[float]:
 def copy_seconds(snapshot: Path, hash_too: bool = False) -> float:
     """A plain copy of the snapshot's files; ``hash_too``: and a sha256 of each copy (the least
     any writer with a sha256 manifest has to do)."""
-    from workbench.snapshots import sha256_file
+    from workbench.runs.snapshots import sha256_file
 
     with tempfile.TemporaryDirectory() as tmp:
         t = time.perf_counter()

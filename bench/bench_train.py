@@ -110,7 +110,7 @@ def job_view_latency(spec) -> dict:
 
 def bare_run(spec, tmp: Path) -> dict:
     from workbench.data.prepare import prepare_data
-    from workbench.rundir import RunDir
+    from workbench.runs.rundir import RunDir
 
     rd = RunDir(tmp / f"bare-{time.time_ns()}").create(spec)
     prepare_data(spec, rd.data_dir)

@@ -8,7 +8,7 @@ without Liger's kernels side by side (alternating rounds), written to one JSON.
 
 Nothing is downloaded: the model is built from Llama-2-7B's config (shipped with the planner)
 with random weights, directly on the device, and the data is synthetic token ids of varied
-lengths. Precision is what the trainer would use (workbench.precision): bf16 frozen base, fp32
+lengths. Precision is what the trainer would use (workbench.spec.precision): bf16 frozen base, fp32
 adapters and AdamW, bf16 autocast on a bf16 GPU. "Packed" is the concatenation workbench packs
 today (examples share one causal mask; position-id packing is issue 16 item 4).
 
@@ -38,10 +38,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # workbench from this checkout
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # GPU machines often have no network: never ask
 
-from workbench.gpus import detect_gpu_type, get_gpu  # noqa: E402
 from workbench.plan import GiB, plan  # noqa: E402
-from workbench.precision import local_device_kind, resolve_precision  # noqa: E402
 from workbench.spec import RunSpec  # noqa: E402
+from workbench.spec.precision import local_device_kind, resolve_precision  # noqa: E402
+from workbench.targets.gpus import detect_gpu_type, get_gpu  # noqa: E402
 
 FULL = {"model": "meta-llama/Llama-2-7b-hf", "batch": 4, "seq": 1024, "steps": 8, "warmup": 2,
         "examples": 256, "min_len": 64, "rounds": 4}

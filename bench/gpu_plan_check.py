@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from workbench.gpus import detect_gpu_type
 from workbench.plan import GiB, model_shape, plan
 from workbench.spec import RunSpec
+from workbench.targets.gpus import detect_gpu_type
 
 DEFAULT_CASES = [
     # (model, batch, seq, gradient checkpointing)

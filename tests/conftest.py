@@ -90,7 +90,7 @@ def tiny_model(wb_home: Path) -> Path:
 
 @pytest.fixture
 def registry(tmp_path: Path):
-    from workbench.registry import Registry
+    from workbench.runs.registry import Registry
 
     return Registry(tmp_path / "registry.sqlite")
 

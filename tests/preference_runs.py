@@ -19,7 +19,7 @@ import pytest
 import workbench
 from tests.waiting import wait_for
 from workbench.assets.teaching import teaching_rows
-from workbench.procs import of_attempt
+from workbench.runs.procs import of_attempt
 
 # Each teaching question with its answer chosen and another answer of the task rejected.
 _ROWS = list(teaching_rows("train"))[:48]

@@ -151,8 +151,8 @@ def test_the_trainer_snapshots_the_weights_of_each_save_step_though_the_copy_lag
     from transformers import AutoModelForCausalLM, TrainerCallback, TrainingArguments
 
     from workbench.assets import builtin_model_path
-    from workbench.rundir import RunDir
-    from workbench.snapshots import snapshot_dir, verify
+    from workbench.runs.rundir import RunDir
+    from workbench.runs.snapshots import snapshot_dir, verify
     from workbench.spec import RunSpec
     from workbench.train.run import snapshotting_trainer_class
 

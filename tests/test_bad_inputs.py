@@ -1,7 +1,7 @@
 """Bad inputs and rough handling a user really gives, each through the entry point they use.
 
 A negative budget (spec, resume, CLI), two launches of one name at the same moment while the
-usual rendezvous ports are taken, and the ranks' launcher (workbench.launcher, torchrun's stand-in on
+usual rendezvous ports are taken, and the ranks' launcher (workbench.runs.launcher, torchrun's stand-in on
 one node) killed with -9 mid-run. Real runs: the built-in
 tiny model in 2 gloo processes.
 """
@@ -25,8 +25,8 @@ import workbench
 from tests.waiting import wait_for
 from workbench.cli import main
 from workbench.errors import SpecError
-from workbench.home import runs_dir
-from workbench.registry import Registry
+from workbench.runs.home import runs_dir
+from workbench.runs.registry import Registry
 from workbench.train.callbacks import HOLD_ENV
 
 _wait_for = wait_for
@@ -64,7 +64,7 @@ def test_a_negative_budget_on_resume_is_refused_and_nothing_is_recorded(finished
 # -- two launches of one name at once ------------------------------------------------------------
 @pytest.mark.slow
 def test_two_launches_of_one_name_at_once_get_their_own_run_directories(monkeypatch):
-    import workbench.launching as launching
+    import workbench.runs.launching as launching
 
     # Two launches in the same second draw ids from a 4-hex-digit random part; make the bad luck
     # certain: both are first offered the same id (the real generator after that).
@@ -152,7 +152,7 @@ def test_launcher_killed_with_sigkill_restarts_from_the_snapshot_and_says_why(tm
         status = job.status()
         launcher = psutil.Process(status["launcher_pid"])
         # The process that spawns the ranks on one node (it replaced torchrun there).
-        assert "workbench.launcher" in " ".join(launcher.cmdline())
+        assert "workbench.runs.launcher" in " ".join(launcher.cmdline())
         # This run's launcher by identity, not a reused pid: the one its attempt recorded. (Its
         # command line names a standby folder, not the run dir, when the standby started it.)
         recorded = [p for p in status["processes"] if p["role"] == "launcher"]
@@ -211,7 +211,7 @@ def _listening(port: int) -> bool:
 ], ids=["missing-bucket", "bad-credentials"])
 def test_unusable_s3_storage_is_refused_at_launch_before_anything_is_written(
         enforce_auth, fragment, monkeypatch):
-    from workbench.snapshots import StorageError
+    from workbench.runs.snapshots import StorageError
 
     with _moto_server(enforce_auth) as endpoint:
         monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)

@@ -26,9 +26,9 @@ import pytest
 import workbench
 from tests.waiting import wait_for
 from workbench.errors import BudgetError, ResourceError
-from workbench.home import runs_dir
-from workbench.registry import Registry
-from workbench.snapshots import newest_verified
+from workbench.runs.home import runs_dir
+from workbench.runs.registry import Registry
+from workbench.runs.snapshots import newest_verified
 from workbench.train.callbacks import HOLD_ENV, BudgetSpentAtStart, SnapshotCallback
 from workbench.widgets.job_view import JobView
 
@@ -67,13 +67,13 @@ def _lines(job) -> list[dict]:
 
 def _markers(job) -> list[str]:
     """What a live run's processes carry on their command lines: its run directory, and the
-    folder of the standby that started them (``python -m workbench.standby FOLDER N``; its
+    folder of the standby that started them (``python -m workbench.runs.standby FOLDER N``; its
     torchrun and ranks name that folder, not the run directory). Read while the run is live."""
     found = [str(job.run_dir.path)]
     for p in psutil.process_iter(["cmdline"]):
         cmd = p.info["cmdline"] or []
-        if "workbench.standby" in cmd:
-            folder = Path(cmd[cmd.index("workbench.standby") + 1])
+        if "workbench.runs.standby" in cmd:
+            folder = Path(cmd[cmd.index("workbench.runs.standby") + 1])
             try:  # the standby this run was handed: its go names the run directory
                 handed = json.loads((folder / "go.json").read_text())["run_dir"]
             except (OSError, ValueError, KeyError):
@@ -147,7 +147,7 @@ def test_a_limit_in_another_currency_than_the_price_is_refused(tmp_path, monkeyp
 
 def test_the_trainer_refuses_its_first_step_when_the_budget_cannot_pay_for_it():
     """The check at on_train_begin, in one process: 10 s billed at 2/s is 20 spent."""
-    from workbench.budget import Billing
+    from workbench.runs.budget import Billing
     from workbench.spec import RunSpec
 
     def begin(limit: float, step_s: float | None) -> None:
@@ -241,7 +241,7 @@ def test_a_requeued_attempt_of_a_spent_run_stops_before_starting_the_ranks(stopp
     launcher = job.run_dir.logs_dir / "launcher.log"
     size = launcher.stat().st_size
     env = {**os.environ, "PYTHONPATH": str(Path(workbench.__file__).parent.parent)}
-    subprocess.run([sys.executable, "-m", "workbench.supervise", str(job.run_dir.path)],
+    subprocess.run([sys.executable, "-m", "workbench.runs.supervise", str(job.run_dir.path)],
                    check=True, timeout=120, env=env)
     status = job.status()
     assert status["state"] == "budget_stopped" and status["attempt_started"] > before["attempt_started"]
@@ -340,8 +340,8 @@ def test_a_resume_without_a_snapshot_starts_a_fresh_curve():
 
 
 def test_the_start_up_estimate_prices_a_download_only_when_the_weights_are_not_here():
+    from workbench.runs.startup import startup_estimate
     from workbench.spec import RunSpec
-    from workbench.startup import startup_estimate
 
     local = startup_estimate(RunSpec(), params=7e9, rows=1000)  # the built-in model is local
     assert local["download"] == 0.0 and local["load"] > 0 and local["tokenise"] > 0

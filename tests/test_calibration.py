@@ -41,7 +41,7 @@ def test_calibration_is_written_with_device_and_date_and_drives_the_plan(home):
     table = plan(SPEC)
     assert "not calibrated" in table.clock["basis"]
     assert table.clock["calibration"] == {"source": "default", "date": None, "where": None}
-    from workbench.target_check import check_target
+    from workbench.targets.check import check_target
 
     report = check_target("local")  # `workbench targets check local` measures this machine
     assert next(c for c in report.checks if c.name == "calibration").ok, str(report)
@@ -328,7 +328,7 @@ def test_the_learnt_finish_leaves_out_the_last_validation_pass_and_the_scoring(h
     (eval.jsonl, 2 s) and the save. The plan counts the first two apart (eval_s, scoring_s), so
     what the next plan learns as the finish is the rest."""
     from workbench.plan.history import record_run, runs_file
-    from workbench.rundir import RunDir
+    from workbench.runs.rundir import RunDir
 
     rd = RunDir(home / "runs" / "ended").create(workbench.RunSpec(train={"max_steps": 2}))
     rd.plan_file.write_text(json.dumps({"tokens_per_step": 64, "clock": {

@@ -27,10 +27,10 @@ import pytest
 
 import workbench
 from tests.waiting import wait_for
-from workbench import procs
-from workbench.home import runs_dir
-from workbench.registry import Registry
-from workbench.rundir import RunDir
+from workbench.runs import procs
+from workbench.runs.home import runs_dir
+from workbench.runs.registry import Registry
+from workbench.runs.rundir import RunDir
 
 pytestmark = pytest.mark.slow
 
@@ -81,15 +81,15 @@ def _alive_of(markers: list[str]) -> list[str]:
 
 def _standby_folders(since: float) -> list[str]:
     """The folders of the standbys this test process started after ``since``
-    (``python -m workbench.standby FOLDER N``)."""
+    (``python -m workbench.runs.standby FOLDER N``)."""
     folders = []
     for p in psutil.Process().children(recursive=True):
         try:
             cmd, started = p.cmdline(), p.create_time()
         except psutil.NoSuchProcess:
             continue
-        if "workbench.standby" in cmd and started >= since - 1.0:
-            folders.append(cmd[cmd.index("workbench.standby") + 1])
+        if "workbench.runs.standby" in cmd and started >= since - 1.0:
+            folders.append(cmd[cmd.index("workbench.runs.standby") + 1])
     return folders
 
 

@@ -13,8 +13,8 @@ import workbench
 from workbench.cli import main
 from workbench.errors import RunNotFoundError, WorkbenchError
 from workbench.evaluate import results
-from workbench.registry import Registry, RunRecord
-from workbench.rundir import RunDir
+from workbench.runs.registry import Registry, RunRecord
+from workbench.runs.rundir import RunDir
 from workbench.spec import RunSpec
 from workbench.widgets.compare import CompareError, compare_df
 

@@ -211,7 +211,7 @@ def test_max_length_truncates_and_the_collator_pads(tokenizer):
 
 def test_model_sources_builtin_folder_hub_and_missing(tiny_model, tmp_path):
     from workbench.errors import ModelNotFoundError
-    from workbench.models import load_config, resolve_model
+    from workbench.spec.models import load_config, resolve_model
 
     assert resolve_model("builtin:tiny-llama") == str(tiny_model)
     assert resolve_model(str(tiny_model)) == str(tiny_model)  # a local folder
@@ -382,7 +382,7 @@ def test_eval_sample_is_bounded_and_deterministic():
 
 
 def test_old_run_dirs_without_tokenized_data_still_load(tmp_path, tokenizer):
-    from workbench.rundir import RunDir
+    from workbench.runs.rundir import RunDir
     from workbench.train.run import load_split
 
     rd = RunDir(tmp_path / "old-run")
@@ -398,7 +398,7 @@ def test_a_run_without_a_validation_split_loads_an_empty_one(tmp_path, tokenizer
     # validation_fraction 0: the tokenised validation split has no rows, and every rank must
     # still load it (it did not: an empty split is saved as zero shards).
     from workbench.data.tokenized import prepare_tokenized
-    from workbench.rundir import RunDir
+    from workbench.runs.rundir import RunDir
     from workbench.train.run import load_split
 
     spec = RunSpec(data={"validation_fraction": 0.0})

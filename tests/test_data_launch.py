@@ -14,8 +14,8 @@ import pytest
 
 import workbench
 from workbench.errors import DataTruncationError
-from workbench.home import runs_dir
-from workbench.registry import Registry
+from workbench.runs.home import runs_dir
+from workbench.runs.registry import Registry
 
 pytestmark = pytest.mark.slow
 

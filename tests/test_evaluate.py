@@ -229,9 +229,9 @@ def test_cli_scores_an_endpoint_on_a_file(tmp_path, judge_server):
 def test_in_run_evaluation_stays_inside_the_budget(tmp_path):
     import time
 
-    from workbench.budget import Billing
     from workbench.evaluate.callback import EvalCallback
-    from workbench.rundir import RunDir
+    from workbench.runs.budget import Billing
+    from workbench.runs.rundir import RunDir
 
     # 1 per CPU-core hour on 2 cores, limit 1: one hour's budget, 10 s spent so far.
     spec = RunSpec.parse({"budget": {"price_per_cpu_core_hour": 1.0, "limit": 1.0}})
@@ -250,9 +250,9 @@ def test_every_steps_scores_beside_only_where_the_node_has_room(tmp_path, monkey
     import os
     import subprocess
 
-    from workbench import leases
     from workbench.evaluate.beside import GPU_POOL_ENV, decide
-    from workbench.procs import ProcessIdentity
+    from workbench.runs.procs import ProcessIdentity
+    from workbench.targets import leases
 
     monkeypatch.setenv("WORKBENCH_HOME", str(tmp_path))
     cores = len(os.sched_getaffinity(0))

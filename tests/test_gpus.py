@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from workbench.errors import WorkbenchError
-from workbench.gpus import (
+from workbench.targets.gpus import (
     GPUTableError,
     UnknownGPUError,
     detect_gpu_type,

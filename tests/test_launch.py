@@ -26,8 +26,8 @@ from workbench.errors import (
     ResourceError,
     SpecError,
 )
-from workbench.home import runs_dir
-from workbench.registry import Registry
+from workbench.runs.home import runs_dir
+from workbench.runs.registry import Registry
 
 pytestmark = pytest.mark.slow
 
@@ -157,7 +157,7 @@ def test_bad_inputs_fail_before_anything_starts(kind, tmp_path, monkeypatch):
 def test_a_standby_ends_with_the_process_that_launched_it():
     # The launching process (a kernel, the CLI) dies while its standby's ranks still wait for
     # the go: the standby must not outlive it.
-    code = ("import time, workbench; from workbench.standby import Standby; "
+    code = ("import time, workbench; from workbench.runs.standby import Standby; "
             "s = Standby.start(workbench.RunSpec()); print(s.proc.pid, s.folder, flush=True); "
             "time.sleep(600)")
     launcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

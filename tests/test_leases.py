@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 import workbench
-from workbench import leases
 from workbench.errors import ResourceError, SpecError
-from workbench.procs import ProcessIdentity
-from workbench.rundir import RunDir
+from workbench.runs.procs import ProcessIdentity
+from workbench.runs.rundir import RunDir
 from workbench.spec import RunSpec
+from workbench.targets import leases
 
 EIGHT = [str(i) for i in range(8)]
 
@@ -104,7 +104,7 @@ def _supervise(run_dir: Path, visible: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(Path(workbench.__file__).parent.parent),
            "CUDA_VISIBLE_DEVICES": visible}
     env.pop("SLURM_JOB_ID", None)
-    subprocess.run([sys.executable, "-m", "workbench.supervise", str(run_dir)],
+    subprocess.run([sys.executable, "-m", "workbench.runs.supervise", str(run_dir)],
                    check=False, timeout=300, env=env)
 
 

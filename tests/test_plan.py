@@ -25,7 +25,6 @@ import pytest
 import torch
 
 from workbench.errors import WorkbenchError
-from workbench.gpus import UnknownGPUError
 from workbench.plan import (
     GiB,
     Plan,
@@ -39,6 +38,7 @@ from workbench.plan import (
     plan,
 )
 from workbench.spec import ParallelSpec, RunSpec
+from workbench.targets.gpus import UnknownGPUError
 
 LLAMA2_7B = "meta-llama/Llama-2-7b-hf"
 LLAMA31_8B = "meta-llama/Llama-3.1-8B"
@@ -372,7 +372,7 @@ def test_cpu_run_plans_against_host_ram_and_core_price():
     assert p.steps <= whole.steps
     # Billed per process-core-hour: 2 processes at 0.1 cost 0.2 an hour, for every second the
     # attempt holds them (training plus start-up and release), the rate the bill charges.
-    from workbench.budget import hourly_price
+    from workbench.runs.budget import hourly_price
 
     assert hourly_price(spec) == (pytest.approx(0.2), "CNY")
     assert p.cost > 0.2 * p.hours  # start-up and release are paid too

@@ -1,4 +1,4 @@
-"""The plan's price is the bill's price: one rule (workbench.budget.unit_price) for both.
+"""The plan's price is the bill's price: one rule (workbench.runs.budget.unit_price) for both.
 
 Two copies of the pricing rule drifted apart once already (the planner worked out its own price per
 device); these cases hold them together, including the currency and the card a suggestion names.
@@ -6,8 +6,8 @@ device); these cases hold them together, including the currency and the card a s
 
 import pytest
 
-from workbench import budget
 from workbench.plan import plan
+from workbench.runs import budget
 from workbench.spec import RunSpec
 
 CASES = {

@@ -87,7 +87,7 @@ def test_planning_a_local_model_imports_neither_torch_nor_transformers(tmp_path)
     folder = _folder(tmp_path, "llama-gqa-bias")
     code = (
         "import sys\n"
-        "from workbench.launching import _validate_model\n"
+        "from workbench.runs.launching import _validate_model\n"
         "from workbench.plan.shape import model_shape\n"
         "from workbench.spec import RunSpec\n"
         f"shape = model_shape({folder!r})\n"

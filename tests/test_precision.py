@@ -13,8 +13,8 @@ import pytest
 
 from workbench.errors import SpecError
 from workbench.plan import plan
-from workbench.precision import resolve_precision
 from workbench.spec import RunSpec
+from workbench.spec.precision import resolve_precision
 
 # (model.dtype, method, device) -> (load dtype, amp, fp32 trained params + Adam)
 TABLE = [

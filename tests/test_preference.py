@@ -16,8 +16,8 @@ import pytest
 import workbench
 from workbench.data.preference import normalise
 from workbench.errors import PreferenceDataError, RewardError, SpecError
-from workbench.home import runs_dir
 from workbench.plan import plan
+from workbench.runs.home import runs_dir
 from workbench.spec import RewardSpec, RunSpec
 from workbench.train.rewards import build_reward, check_rewards, load_user_reward, ship_rewards
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from workbench.errors import RunNotFoundError
-from workbench.registry import Registry, RunRecord
-from workbench.rundir import MetricsReader, RunDir, write_text_atomic
+from workbench.runs.registry import Registry, RunRecord
+from workbench.runs.rundir import MetricsReader, RunDir, write_text_atomic
 from workbench.spec import RunSpec
 
 
@@ -115,8 +115,8 @@ def test_status_is_replaced_atomically(tmp_path):
 
 
 def test_backends_read_inside_the_run_directory_only(tmp_path):
-    from workbench.backends.local import LocalBackend
-    from workbench.rundir import RunDirError
+    from workbench.runs.rundir import RunDirError
+    from workbench.targets.backends.local import LocalBackend
 
     rd = RunDir(tmp_path / "run").create(RunSpec())
     rd.append_metrics({"step": 1, "loss": 2.0})

@@ -101,7 +101,7 @@ def test_rank_logs_and_the_kernel_side_carry_no_known_library_noise(finished_run
         assert not [n for n in NOISE if n in text], (log.name, text[-2000:])
     # What a notebook does after training: DeepSpeed loaded, the run's adapter loaded (peft).
     code = ("import workbench, deepspeed\n"
-            "from workbench.infer import load_chat_model\n"
+            "from workbench.serve.infer import load_chat_model\n"
             f"load_chat_model(workbench.get_job({finished_run.id!r}))\n"
             "print('loaded')\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

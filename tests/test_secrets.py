@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from workbench.backends.slurm import SlurmBackend
-from workbench.rundir import FAILED, RunDir
+from workbench.runs.rundir import FAILED, RunDir
 from workbench.secrets import scrub, split_env, write_secret_env
 from workbench.spec import RunSpec
-from workbench.targets import SlurmTarget, TargetError
+from workbench.targets.backends.slurm import SlurmBackend
+from workbench.targets.named import SlurmTarget, TargetError
 
 SECRETS = {"HF_TOKEN": "hf_Zq8RkX3vLm2Tn9Wc4Yp7Hd1F",
            "WANDB_API_KEY": "0f1e2d3c4b5a69788796a5b4c3d2e1f0aa55",
@@ -97,7 +97,7 @@ class _Recording:
     what ``ps`` would show on either end of an ssh connection."""
 
     def __init__(self):
-        from workbench.backends.remote import LocalTransport
+        from workbench.targets.backends.remote import LocalTransport
 
         self.inner, self.commands = LocalTransport(), []
         self.where = "this machine"
@@ -108,7 +108,7 @@ class _Recording:
 
 
 def test_ssh_commands_get_the_secrets_from_a_private_file_not_their_command_line(tmp_path):
-    from workbench.targets import SSHTarget
+    from workbench.targets.named import SSHTarget
 
     target = SSHTarget(name="box", hosts=[{"host": "localhost"}],
                        env={**SECRETS, "HF_HOME": "/scratch/hf"})
@@ -139,7 +139,7 @@ def test_ssh_commands_get_the_secrets_from_a_private_file_not_their_command_line
 ])
 def test_the_secret_env_file_stays_while_slurm_may_requeue_the_job_and_goes_at_its_end(
         tmp_path, monkeypatch, slurm, recorded):
-    from workbench.backends.remote import LocalTransport, load_placement, save_placement
+    from workbench.targets.backends.remote import LocalTransport, load_placement, save_placement
 
     target = SlurmTarget(name="secretive", partition="debug", env=SECRETS)
     backend = SlurmBackend(target.ref, target)

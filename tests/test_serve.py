@@ -34,7 +34,8 @@ from workbench.serve import (
     probe_serving_python,
     serving_python,
 )
-from workbench.serve_targets import LocalServeTarget, guard_command
+from workbench.serve.local import LocalServeTarget
+from workbench.serve.server import guard_command
 
 HELDOUT = [r["instruction"] for r in teaching_rows("heldout")]
 
@@ -90,7 +91,7 @@ def servers(trained, serve_python):
 @pytest.fixture(scope="session")
 def reference(trained):
     """transformers + peft greedy replies of the adapter (ChatModel.generate, batched)."""
-    from workbench.infer import load_chat_model
+    from workbench.serve.infer import load_chat_model
 
     return {"adapter": load_chat_model(trained).generate(HELDOUT)}
 
@@ -105,7 +106,7 @@ def _transformers_ids(source, prompts: list[str]) -> list[tuple[list[int], list[
     """(prompt ids, greedy new ids up to and including EOS) from transformers (+ peft)."""
     import torch
 
-    from workbench.infer import load_chat_model
+    from workbench.serve.infer import load_chat_model
 
     chat = load_chat_model(source)
     tok = chat.tokenizer

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from workbench.registry import Registry, RunRecord
+from workbench.runs.registry import Registry, RunRecord
 from workbench.serve import AdapterNotFoundError, plan_serving
 
 
@@ -115,7 +115,7 @@ def test_runs_on_two_revisions_of_a_base_cannot_share_a_server(wb_home):
 
 def test_a_slurm_endpoint_of_a_gpu_run_asks_for_a_gpu_even_if_the_target_defaults_to_cpu():
     from workbench.serve.slurm import SlurmServeTarget
-    from workbench.targets import SlurmTarget
+    from workbench.targets.named import SlurmTarget
 
     cpu_default = SlurmServeTarget(SlurmTarget(name="c", partition="p"))
     assert cpu_default.gpus(0) == 0
@@ -129,8 +129,8 @@ def test_an_adapter_folder_with_its_config_but_no_weights_is_refused_up_front(wb
     # What a copy cut short leaves: adapter_config.json arrived, adapter_model.safetensors did
     # not. Deploying it used to pass planning and fail inside vLLM (or peft) with an error naming
     # neither the folder nor the fix; chatting with it failed inside peft.
-    from workbench.infer import load_chat_model
     from workbench.serve import merge
+    from workbench.serve.infer import load_chat_model
 
     run = _run(wb_home, f"cut-{secrets.token_hex(2)}", "succeeded", "succeeded", adapter=True,
                weights=False)

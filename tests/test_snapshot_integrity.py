@@ -17,8 +17,8 @@ import fsspec
 import pytest
 from fsspec.implementations.local import LocalFileSystem
 
-from workbench.rundir import RunDir
-from workbench.snapshots import (
+from workbench.runs.rundir import RunDir
+from workbench.runs.snapshots import (
     MANIFEST,
     SnapshotError,
     Uploader,
@@ -183,7 +183,7 @@ def test_a_rank_that_could_not_write_fails_the_wait_at_once_with_its_reason(tmp_
 def _resume_on_rank(rank: int, store: str, run_dir: str, out) -> None:
     import torch.distributed as dist
 
-    import workbench.snapshots as snaps
+    import workbench.runs.snapshots as snaps
 
     hashed: list[str] = []
     real = snaps.sha256_file
@@ -264,7 +264,7 @@ def _save_every_step():
 def test_a_failed_write_shows_in_status_until_the_next_snapshot_commits(rd, trainer_factory):
     from transformers import TrainerCallback
 
-    from workbench.jobs import _snapshot_error
+    from workbench.runs.jobs import _snapshot_error
 
     # A directory where step 2's optimizer.pt must go: the writer's open() fails, for real.
     (rd.path / "checkpoints" / "checkpoint-2" / "optimizer.pt").mkdir(parents=True)

@@ -22,10 +22,10 @@ import pytest
 import workbench
 from tests.waiting import wait_for
 from workbench.evaluate import results
-from workbench.procs import of_attempt
-from workbench.reproduce import compare_bundle, pip_freeze, scrub, write_bundle
-from workbench.rundir import RunDir
-from workbench.snapshots import MANIFEST, newest_verified, snapshots, verify
+from workbench.runs.procs import of_attempt
+from workbench.runs.reproduce import compare_bundle, pip_freeze, scrub, write_bundle
+from workbench.runs.rundir import RunDir
+from workbench.runs.snapshots import MANIFEST, newest_verified, snapshots, verify
 from workbench.train.callbacks import HOLD_ENV
 
 pytestmark = pytest.mark.slow

@@ -8,8 +8,8 @@ import re
 import pytest
 
 import workbench
-from workbench.rundir import RunDir
-from workbench.snapshots import newest_verified
+from workbench.runs.rundir import RunDir
+from workbench.runs.snapshots import newest_verified
 from workbench.spec import ParallelSpec, RunSpec
 from workbench.train.strategy import (
     STALE_LOCK_S,
@@ -79,7 +79,7 @@ def _plant_stale_build_lock(tmp_path, monkeypatch):
 
 def _assert_adapter_trained(job) -> None:
     """The adapter saved under ZeRO holds real, trained weights (not empty ZeRO-3 shards)."""
-    from workbench.infer import load_chat_model
+    from workbench.serve.infer import load_chat_model
 
     model = load_chat_model(job).model
     lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]

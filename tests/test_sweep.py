@@ -20,8 +20,8 @@ import pytest
 import workbench
 from tests.waiting import wait_for
 from workbench.errors import SweepError, SweepNotFoundError, WorkbenchError
-from workbench.procs import ProcessIdentity
-from workbench.registry import Registry
+from workbench.runs.procs import ProcessIdentity
+from workbench.runs.registry import Registry
 
 PRICE = 3600.0
 PER_SECOND = 2.0  # at PRICE with 2 processes
@@ -173,9 +173,9 @@ def test_a_trial_that_ended_without_an_end_time_is_finished_once_its_bill_is_wai
     closed bill) is still finished by the controller, at its whole limit, after the wait."""
     import importlib
 
-    from workbench.jobs import Job
-    from workbench.registry import RunRecord
-    from workbench.rundir import RunDir
+    from workbench.runs.jobs import Job
+    from workbench.runs.registry import RunRecord
+    from workbench.runs.rundir import RunDir
     from workbench.spec import RunSpec
     from workbench.sweep.runner import Controller
 
@@ -211,7 +211,7 @@ def test_a_trial_that_ended_without_an_end_time_is_finished_once_its_bill_is_wai
 # while another thread still holds its files (the controller lock) for LINGER_S.
 _DYING_CONTROLLER = """
 import ctypes, os, platform, sys, threading, time
-from workbench.procs import ProcessIdentity
+from workbench.runs.procs import ProcessIdentity
 from workbench.sweep.record import SweepRecord
 
 record = SweepRecord(sys.argv[1])
@@ -331,7 +331,7 @@ def test_budget_sweep_survives_a_controller_restart_and_never_overspends(wb_home
 @pytest.mark.slow
 def test_a_prune_request_ends_the_run_pruned():
     """The cancel path with a reason: a run stopped on a sweep's prune request ends 'pruned'."""
-    from workbench.rundir import PRUNE_REQUEST
+    from workbench.runs.rundir import PRUNE_REQUEST
 
     job = workbench.launch({**SPEC, "name": "prune-me", "train": {"max_steps": 500}})
     _wait_for(lambda: (job.status().get("step") or 0) >= 1, 300, "the first step")

@@ -21,11 +21,11 @@ import psutil
 import pytest
 
 import workbench
-from workbench.backends.local import LocalBackend
 from workbench.errors import RunBusyError, SpecError
-from workbench.procs import ProcessIdentity, of_attempt
-from workbench.rundir import RunDir, write_text_atomic
+from workbench.runs.procs import ProcessIdentity, of_attempt
+from workbench.runs.rundir import RunDir, write_text_atomic
 from workbench.spec import RunSpec
+from workbench.targets.backends.local import LocalBackend
 
 LONG = {"train": {"max_steps": 100000, "log_every": 1}, "data": {"validation_fraction": 0.0}}
 
@@ -57,7 +57,7 @@ def _supervisors(run_dir: Path) -> list[psutil.Process]:
     found = []
     for p in psutil.process_iter(["cmdline", "status"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if ("workbench.supervise" in cmd and str(run_dir) in cmd
+        if ("workbench.runs.supervise" in cmd and str(run_dir) in cmd
                 and p.info["status"] != psutil.STATUS_ZOMBIE):
             found.append(p)
     return found
@@ -68,7 +68,8 @@ def _no_process_left_behind():
     """A failing test (or the old code, which left ranks training) must not load the machine."""
     before = {p.pid for p in psutil.process_iter()}
     yield
-    roles = ("workbench.train", "workbench.supervise", "workbench.launcher", "torch.distributed.run")
+    roles = ("workbench.train", "workbench.runs.supervise", "workbench.runs.launcher",
+             "torch.distributed.run")
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
         # Only runs under this session's WORKBENCH_HOME: other sessions' runs are not ours.

@@ -28,9 +28,9 @@ from workbench.errors import (
 # The rest loads on first use (PEP 562): the processes workbench starts (the supervisor, the
 # serving guard) import only the modules they need, which saves ~0.4 s of pydantic and friends
 # on every launch and deploy.
-_LAZY = {"Job": "workbench.jobs", "get_job": "workbench.jobs", "jobs": "workbench.jobs",
+_LAZY = {"Job": "workbench.runs.jobs", "get_job": "workbench.runs.jobs", "jobs": "workbench.runs.jobs",
          "compare": "workbench.widgets.compare",
-         "launch": "workbench.launching", "plan": "workbench.plan", "deploy": "workbench.serve",
+         "launch": "workbench.runs.launching", "plan": "workbench.plan", "deploy": "workbench.serve",
          "RunSpec": "workbench.spec", "sweep": "workbench.sweep", "get_sweep": "workbench.sweep",
          "sweeps": "workbench.sweep", "evaluate": "workbench.evaluate.runner"}
 
@@ -66,7 +66,7 @@ __all__ = [
 
 
 def load_ipython_extension(ipython):  # %load_ext workbench
-    from workbench.magics import register
+    from workbench.cli.magics import register
 
     register(ipython)
 
@@ -92,11 +92,11 @@ def __dir__() -> list[str]:
 
 
 class _Package(types.ModuleType):
-    """``workbench.plan``, ``workbench.jobs`` and ``workbench.sweep`` are functions that share
-    their submodule's name.
+    """``workbench.plan`` and ``workbench.sweep`` are functions that share their subpackage's
+    name.
 
-    Loading a submodule sets it as an attribute of its package; here that must not replace
-    the function of the same name (the eager imports this file used to make ensured the same).
+    Loading a subpackage sets it as an attribute of its parent; here that must not replace the
+    function of the same name.
     """
 
     def __setattr__(self, name: str, value: object) -> None:

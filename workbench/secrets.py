@@ -84,7 +84,7 @@ def env_file_text(secret: dict[str, str]) -> str:
 
 def write_secret_env(transport: Any, env: dict[str, str], run_dir: str) -> str | None:
     """Write the secret entries of ``env`` to ``env_file_path(run_dir)`` on the machine
-    ``transport`` (a workbench.backends.remote Transport) reaches, readable only by its owner
+    ``transport`` (a workbench.targets.backends.remote Transport) reaches, readable only by its owner
     (0600 in a 0700 folder, so from the start); its path, or None when nothing is secret.
 
     Any job script that sources that path gets the variables (slurm.sbatch, serve.sbatch)."""

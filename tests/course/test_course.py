@@ -32,7 +32,7 @@ from tests.lab.browser import shot
 from workbench.course.client import CourseClient
 from workbench.course.ledger import Ledger
 from workbench.errors import CourseError, InsufficientCreditError
-from workbench.procs import ProcessIdentity
+from workbench.runs.procs import ProcessIdentity
 
 pytestmark = pytest.mark.slow
 # A short run: one CPU process, a few steps. The course prices a CPU core-hour at 36 CNY, so its

@@ -16,8 +16,8 @@ from workbench.course.desk import CourseDesk
 from workbench.course.ledger import Ledger
 from workbench.course.students import ensure_space
 from workbench.errors import CourseError
-from workbench.registry import Registry, RunRecord
-from workbench.rundir import RunDir
+from workbench.runs.registry import Registry, RunRecord
+from workbench.runs.rundir import RunDir
 from workbench.spec import RunSpec
 
 

@@ -17,7 +17,7 @@ from workbench.course.desk import CourseDesk
 from workbench.course.ledger import Ledger
 from workbench.course.sweeps import CourseSweeps
 from workbench.errors import CourseError, InsufficientCreditError, RunNotFoundError
-from workbench.procs import ProcessIdentity
+from workbench.runs.procs import ProcessIdentity
 from workbench.sweep.record import SweepRecord
 
 

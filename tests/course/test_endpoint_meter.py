@@ -24,7 +24,7 @@ from workbench.course.config import Course
 from workbench.course.desk import CourseDesk
 from workbench.course.endpoints import STOP_FILE, EndpointMeter
 from workbench.course.ledger import Ledger
-from workbench.registry import EndpointRecord, Registry
+from workbench.runs.registry import EndpointRecord, Registry
 from workbench.serve.endpoint import refresh_state
 
 

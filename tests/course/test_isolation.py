@@ -109,7 +109,7 @@ def test_a_gpu_run_on_a_target_without_a_known_gpu_is_refused() -> None:
 
 
 def _has_gpu() -> bool:
-    from workbench.gpus import detect_gpu_type
+    from workbench.targets.gpus import detect_gpu_type
 
     return detect_gpu_type() is not None
 

@@ -18,7 +18,7 @@ from nbformat.v4 import new_code_cell, new_notebook
 
 import workbench
 from workbench.serve import endpoints
-from workbench.targets import target_names
+from workbench.targets.named import target_names
 
 from .browser import accept_kernel_dialog, browser_page, open_lab, run_until_started, shot
 from .browser import command as _command

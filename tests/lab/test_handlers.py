@@ -8,7 +8,7 @@ import pytest
 import requests
 
 import workbench
-from workbench.targets import target_names
+from workbench.targets.named import target_names
 
 from .conftest import LabServer, wait_for
 
@@ -213,8 +213,8 @@ def test_compare_notebook_for_selected_runs(lab_server: LabServer, tmp_path) -> 
     import json as _json
     import time as _time
 
-    from workbench.registry import Registry, RunRecord
-    from workbench.rundir import RunDir
+    from workbench.runs.registry import Registry, RunRecord
+    from workbench.runs.rundir import RunDir
     from workbench.spec import RunSpec
 
     ids = ["cmp-nb-a", "cmp-nb-b"]
@@ -251,8 +251,8 @@ def test_a_sweeps_trials_are_grouped_under_it(lab_server: LabServer, tmp_path, m
     import shutil
     import time as _time
 
-    from workbench.registry import Registry, RunRecord
-    from workbench.rundir import RunDir
+    from workbench.runs.registry import Registry, RunRecord
+    from workbench.runs.rundir import RunDir
     from workbench.spec import RunSpec
 
     # The record is written as the controller writes it; no controller runs (nothing trains).

@@ -132,7 +132,7 @@ def targets(cluster: test_cluster.Cluster, wb_home: Path, target_home: Path) -> 
     (cluster.root / "empty_known_hosts").write_text("")
     linger.write_text(f"#!/bin/bash\n{shlex.quote(PYTHON)} \"$@\"\nrc=$?\n"
                       # Only the supervisor step lingers, as a slow bundle or unmount would.
-                      'case " $* " in *" -m workbench.supervise "*) sleep 600;; esac\nexit $rc\n')
+                      'case " $* " in *" -m workbench.runs.supervise "*) sleep 600;; esac\nexit $rc\n')
     linger.chmod(0o755)
     (wb_home / "targets.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
     return data

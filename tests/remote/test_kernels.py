@@ -25,7 +25,7 @@ from jupyter_client import KernelManager
 
 from workbench.cli import run as cli
 from workbench.errors import RemoteKernelError, TargetError
-from workbench.targets import SlurmTarget, SSHTarget, get_target, save_target
+from workbench.targets.named import SlurmTarget, SSHTarget, get_target, save_target
 
 try:
     import tomllib
@@ -233,7 +233,7 @@ def test_allocation_that_does_not_start_in_time_is_cancelled(kernels):
 
 def test_launch_in_a_remote_kernel_defaults_to_its_target(kernels, monkeypatch):
     import workbench
-    from workbench.registry import Registry
+    from workbench.runs.registry import Registry
 
     # What the provisioner sets in the kernel; a target whose sbatch refuses fails fast.
     monkeypatch.setenv("WORKBENCH_TARGET", "slurm:nopart")

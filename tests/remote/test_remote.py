@@ -19,11 +19,11 @@ import pytest
 from cluster import processes_with, squeue_job_names
 
 import workbench
-from workbench.backends.slurm import sbatch_script
-from workbench.backends.ssh import SSHBackend
 from workbench.spec import RunSpec
-from workbench.target_check import check_target
-from workbench.targets import TargetError, get_target, target_names
+from workbench.targets.backends.slurm import sbatch_script
+from workbench.targets.backends.ssh import SSHBackend
+from workbench.targets.check import check_target
+from workbench.targets.named import TargetError, get_target, target_names
 
 pytestmark = pytest.mark.slow
 TINY = {"train": {"max_steps": 10, "lr": 3e-3}}
@@ -96,7 +96,7 @@ def test_targets_load_and_are_offered(targets):
 
 
 def test_target_defaults_fill_only_what_the_spec_left_unset(targets):
-    from workbench.targets import apply_defaults
+    from workbench.targets.named import apply_defaults
     from workbench.widgets import RunForm
 
     pair = get_target("ssh:pair")
@@ -458,7 +458,7 @@ def test_a_model_folder_the_target_lacks_is_refused_before_anything_is_made(
     config.json or tokenizer there says what to save; a relative path is refused. No run is
     registered for any of them."""
     from workbench.errors import ModelNotFoundError
-    from workbench.registry import Registry
+    from workbench.runs.registry import Registry
 
     before = {r.id for r in Registry().list_runs()}
     assert not Path(os.path.expanduser("~/models/nowhere")).exists()

@@ -31,7 +31,7 @@ from workbench.course.desk import CourseDesk
 from workbench.course.endpoints import EndpointMeter
 from workbench.course.ledger import Ledger
 from workbench.serve import DeployError, ServingEnvironmentError, deploy, get_endpoint
-from workbench.serve_targets import close_tunnel
+from workbench.serve.remote import close_tunnel
 
 pytestmark = pytest.mark.slow
 PROMPTS = [r["instruction"] for r in teaching_rows("heldout")][:12]
@@ -77,7 +77,7 @@ def slurm_ep(trained, targets):
 
 @pytest.fixture(scope="module")
 def reference(trained) -> list[str]:
-    from workbench.infer import load_chat_model
+    from workbench.serve.infer import load_chat_model
 
     return load_chat_model(trained).generate(PROMPTS)
 
@@ -179,7 +179,7 @@ def test_slurm_endpoint_runs_inside_its_job_with_an_api_key(slurm_ep, reference,
 
 
 def test_remote_bad_inputs_are_clear_errors(trained, targets, tmp_path):
-    from workbench.targets import TargetError
+    from workbench.targets.named import TargetError
 
     with pytest.raises(ServingEnvironmentError, match="on host wb-node0 has no vLLM installed"):
         deploy(trained, target="ssh:one", name="novllm-ep", python=sys.executable, progress=False)

@@ -19,8 +19,8 @@ from cluster import squeue_job_names
 
 import workbench
 from tests.waiting import wait_for
-from workbench.registry import Registry
-from workbench.rundir import PRUNE_REQUEST
+from workbench.runs.registry import Registry
+from workbench.runs.rundir import PRUNE_REQUEST
 
 pytestmark = pytest.mark.slow
 GOOD, BAD = 3e-3, 1e-7

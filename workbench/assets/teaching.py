@@ -97,7 +97,7 @@ def builtin_dataset_path(name: str = "builtin:teaching", split: str = "train") -
         from workbench.errors import DatasetError
 
         raise DatasetError(f"unknown built-in dataset {name!r}; the built-in is 'builtin:teaching'")
-    from workbench.home import assets_dir
+    from workbench.runs.home import assets_dir
 
     path = assets_dir() / "teaching" / f"{split}.jsonl"
     if not path.is_file():

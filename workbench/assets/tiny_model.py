@@ -48,7 +48,7 @@ def builtin_model_path(name: str = "builtin:tiny-llama") -> Path:
         raise ModelNotFoundError(
             f"unknown built-in model {name!r}; the built-in is 'builtin:tiny-llama'"
         )
-    from workbench.home import assets_dir
+    from workbench.runs.home import assets_dir
 
     path = assets_dir() / "tiny-llama"
     if (path / f".built-v{_VERSION}").is_file():

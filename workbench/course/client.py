@@ -29,7 +29,7 @@ TERMINAL = ("succeeded", "failed", "cancelled", "budget_stopped")
 
 
 def in_course() -> bool:
-    """True in a kernel started by a course hub (the hook in workbench.launching asks this)."""
+    """True in a kernel started by a course hub (the hook in workbench.runs.launching asks this)."""
     return bool(os.environ.get("WORKBENCH_COURSE_URL") and os.environ.get("JUPYTERHUB_API_TOKEN"))
 
 

@@ -100,10 +100,10 @@ def target_gpu_type(course: Course, target: str) -> str | None:
     if target in course.hardware:
         return course.hardware[target]
     if target == "local":
-        from workbench.gpus import detect_gpu_type
+        from workbench.targets.gpus import detect_gpu_type
 
         return detect_gpu_type()
-    from workbench.targets import get_target
+    from workbench.targets.named import get_target
 
     found = get_target(target).defaults.get("resources.gpu_type")
     return str(found) if found else None
@@ -158,7 +158,7 @@ def priced_spec(course: Course, spec: RunSpec) -> RunSpec:
 def hourly_rate(spec: RunSpec) -> float:
     """What a priced run's resources cost an hour, every card it holds included (the service's
     meter bills this rate for the time it saw the attempt hold them)."""
-    from workbench.budget import hourly_price
+    from workbench.runs.budget import hourly_price
 
     price, _ = hourly_price(spec)
     beside = cards(spec) - spec.resources.gpus_per_node * spec.resources.nodes

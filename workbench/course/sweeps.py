@@ -236,7 +236,7 @@ class CourseSweeps:
              state: str = FAILED) -> dict[str, Any]:
         """End a sweep the service cannot resume: its running trials are cancelled (their bills
         are then charged from their runs) and its record says why."""
-        from workbench.jobs import get_job
+        from workbench.runs.jobs import get_job
 
         for t in data["trials"]:
             if t.get("run_id") and not t.get("released"):
@@ -282,8 +282,8 @@ class CourseSweeps:
     def _end_without_folder(self, h: RunHold) -> list[str]:
         """The sweep's folder is gone: its trials are found by their runs' sweep tag, stopped and
         charged their final bills; then the rest of the hold is released, the ledger saying why."""
-        from workbench.jobs import get_job
-        from workbench.registry import Registry
+        from workbench.runs.jobs import get_job
+        from workbench.runs.registry import Registry
 
         done: list[str] = []
         pending = False
@@ -313,8 +313,8 @@ def _final_cost(run_id: str) -> float | None:
     """A trial run's final bill; 0 for a run never registered (nothing ran); None while it has
     not ended and released its resources yet (a run whose supervisor died before releasing them:
     what it last billed, once it has been over for UNRELEASED_SETTLE_S, as a launch's)."""
-    from workbench.jobs import get_job
-    from workbench.rundir import TERMINAL
+    from workbench.runs.jobs import get_job
+    from workbench.runs.rundir import TERMINAL
 
     try:
         status = get_job(run_id).status()

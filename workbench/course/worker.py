@@ -52,12 +52,12 @@ def handle(request: dict[str, Any]) -> dict[str, Any]:
         result = plan(RunSpec.parse(request["spec"]))
         return {"cost": result.cost, "hours": result.hours, "fits": result.fits}
     if verb == "launch":
-        from workbench.launching import launch
-        from workbench.registry import Registry
+        from workbench.runs.launching import launch
+        from workbench.runs.registry import Registry
         from workbench.spec import RunSpec
 
         return _job_answer(launch(RunSpec.parse(request["spec"]), registry=Registry()))
-    from workbench.jobs import get_job
+    from workbench.runs.jobs import get_job
 
     job = get_job(str(request["run"]))
     if verb == "spec":

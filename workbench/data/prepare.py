@@ -147,7 +147,7 @@ def sources_key(spec: RunSpec) -> str | None:
 
 
 def _cache_dir() -> Path:
-    from workbench.home import home
+    from workbench.runs.home import home
 
     return home() / "cache" / "prepared"
 

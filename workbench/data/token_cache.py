@@ -66,7 +66,7 @@ def files_key(spec: RunSpec) -> str | None:
     from workbench.data.prepare import sources_key
     from workbench.data.tokenize import FALLBACK_CHAT_TEMPLATE
     from workbench.errors import WorkbenchError
-    from workbench.models import resolve_model
+    from workbench.spec.models import resolve_model
 
     if spec.model.trust_remote_code:
         return None
@@ -116,7 +116,7 @@ def remember(key: str | None, fp: str) -> None:
 
 
 def cache_root() -> Path:
-    from workbench.home import home
+    from workbench.runs.home import home
 
     return home() / "cache" / "tokenized"
 

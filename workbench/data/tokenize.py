@@ -65,7 +65,7 @@ def _builtin_tokenizer(spec: RunSpec, source: str) -> Any:
     model registry (about 2 CPU seconds of a launch that tokenises). Other models keep
     AutoTokenizer, whose choice of class depends on their config.
     """
-    from workbench.models import is_builtin
+    from workbench.spec.models import is_builtin
 
     config = Path(source) / "tokenizer_config.json"
     if not is_builtin(spec.model.id) or not config.is_file():

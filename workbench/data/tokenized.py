@@ -173,7 +173,7 @@ def token_stats(spec: RunSpec, tokenizer: Any = None, max_rows: int | None = Non
 
     if tokenizer is None:
         from workbench.data.tokenize import load_tokenizer
-        from workbench.models import resolve_model
+        from workbench.spec.models import resolve_model
 
         tokenizer = load_tokenizer(spec, resolve_model(spec.model.id))
     if max_rows is not None:

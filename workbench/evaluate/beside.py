@@ -5,7 +5,7 @@ adapter, or the model, with the tokenizer) into ``eval/.weights-STEP`` and start
 ``python -m workbench.evaluate.beside RUN_DIR STEP`` on that room, and training goes on at once:
 
 - a GPU run: a CUDA device of this machine that no live run holds, leased
-  (:mod:`workbench.leases`) for the evaluation while rank 0 lives; under Slurm the job sees only
+  (:mod:`workbench.targets.leases`) for the evaluation while rank 0 lives; under Slurm the job sees only
   the GPUs its ranks use, so there is none;
 - a CPU run: the cores this process may run on beyond one per local rank (a 1-process run on a
   2-core machine has one); the evaluation's torch threads are limited to them.
@@ -30,7 +30,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-from workbench.rundir import RunDir
+from workbench.runs.rundir import RunDir
 
 # Set by the supervisor: the CUDA devices it could see before leasing the run's (comma list).
 GPU_POOL_ENV = "WORKBENCH_GPU_POOL"
@@ -62,9 +62,9 @@ def decide(run_id: str, gpus_per_node: int, local_ranks: int) -> Room:
 
 
 def _spare_gpu(run_id: str) -> Room:
-    from workbench import leases
     from workbench.errors import ResourceError
-    from workbench.procs import ProcessIdentity
+    from workbench.runs.procs import ProcessIdentity
+    from workbench.targets import leases
 
     pool = [d for d in os.environ.get(GPU_POOL_ENV, "").split(",") if d]
     if not pool:
@@ -99,7 +99,7 @@ class Beside:
         self.tokenizer.save_pretrained(str(folder))
         (folder / "workbench.json").write_text(json.dumps({"base_model_id": self.base_id}))
         (folder / "tasks.json").write_text(json.dumps([t.model_dump() for t in self.tasks]))
-        from workbench import procs
+        from workbench.runs import procs
 
         env = {**os.environ, **self.room.env, "PYTHONUNBUFFERED": "1"}
         with (self.rd.logs_dir / "eval-beside.log").open("ab") as log:
@@ -120,8 +120,8 @@ class Beside:
     def close(self) -> None:
         self.wait()
         if self.room.lease_owner:
-            from workbench import leases
-            from workbench.procs import ProcessIdentity
+            from workbench.runs.procs import ProcessIdentity
+            from workbench.targets import leases
 
             leases.release(self.room.lease_owner, ProcessIdentity.me("eval", 0))
 

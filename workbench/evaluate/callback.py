@@ -29,7 +29,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from workbench.evaluate import results
-from workbench.rundir import RunDir
+from workbench.runs.rundir import RunDir
 
 
 @contextmanager
@@ -104,7 +104,7 @@ class EvalCallback(TrainerCallback):
     def _score(self, model: Any, phase: str, step: int) -> None:
         from workbench.evaluate.runner import score
         from workbench.evaluate.sources import TransformersSource
-        from workbench.models import resolve_model
+        from workbench.spec.models import resolve_model
 
         label = "base" if phase == "before" else "run"
         source = TransformersSource(model, self.tokenizer, label,

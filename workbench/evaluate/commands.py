@@ -17,7 +17,7 @@ def _eval(args: argparse.Namespace) -> Any:
 
         report = evaluate_run_dir(args.run_dir, tasks, endpoint=args.endpoint, **knobs)
     elif args.run:
-        from workbench.jobs import get_job
+        from workbench.runs.jobs import get_job
 
         report = get_job(args.run).evaluate(tasks, endpoint=args.endpoint, **knobs)
     elif args.endpoint:

@@ -7,7 +7,7 @@ the request (tasks, endpoint, step) as JSON on stdin. It appends to the remote e
 eval/, status.json); the new bytes are then copied into the local mirror from its own size on,
 as the mirror's sync does, so a later sync stays in step. A Slurm run is scored the same way in
 a job of its own on the cluster (``srun`` from the login node, on the run's partition with its
-GPUs per node: :func:`workbench.backends.slurm_script.eval_srun_command`), in the cluster's run
+GPUs per node: :func:`workbench.targets.backends.slurm_script.eval_srun_command`), in the cluster's run
 directory; a run kept in place on this login node is scored there too, on a compute node, and
 its eval.jsonl needs no copying back.
 
@@ -38,7 +38,7 @@ def evaluate_job(job: Any, tasks: Any = None, *, endpoint: str | None = None,
     file; lines go to the run's eval.jsonl (phase ``manual``, at the run's last step). A run
     whose directory of record is on a remote target is scored there."""
     from workbench.evaluate.runner import as_tasks, evaluate_run_dir
-    from workbench.rundir import TERMINAL
+    from workbench.runs.rundir import TERMINAL
 
     state = job.state
     if endpoint is None and state not in TERMINAL:
@@ -49,7 +49,7 @@ def evaluate_job(job: Any, tasks: Any = None, *, endpoint: str | None = None,
         raise EvalError(f"run {job.id}'s directory {rd.path} is not on this machine; evaluate "
                         "it where it ran (`workbench eval --run-dir DIR` on the target)")
     parsed = as_tasks(tasks if tasks is not None else job.spec.eval.tasks, **knobs)
-    from workbench.backends.slurm import SlurmBackend
+    from workbench.targets.backends.slurm import SlurmBackend
 
     if isinstance(job.backend, SlurmBackend):  # on a compute node, in place or on the cluster
         return evaluate_on_slurm(job, parsed, endpoint)
@@ -63,7 +63,7 @@ def placed_elsewhere(local_dir: Path) -> bool:
     """True when the run's directory of record is on another machine (SSH hosts, a Slurm
     cluster's workdir); a Slurm run kept in place on this login node is here (but is scored
     on a compute node all the same: :func:`evaluate_on_slurm`)."""
-    from workbench.backends.remote import load_placement
+    from workbench.targets.backends.remote import load_placement
 
     placement = load_placement(local_dir)
     return bool(placement.get("nodes") or placement.get("dir"))
@@ -71,7 +71,7 @@ def placed_elsewhere(local_dir: Path) -> bool:
 
 def evaluate_there(job: Any, tasks: list[Any], endpoint: str | None) -> EvalReport:
     """An SSH run: on its first host, where rank 0 wrote the weights."""
-    from workbench.backends.remote import SSHTransport, load_placement, shell_path
+    from workbench.targets.backends.remote import SSHTransport, load_placement, shell_path
 
     placement = load_placement(job.run_dir.path)
     if not placement.get("nodes"):
@@ -92,9 +92,9 @@ def evaluate_on_slurm(job: Any, tasks: list[Any], endpoint: str | None) -> EvalR
     """A Slurm run: ``srun`` from the login node, one task in a job of its own on the run's
     partition; the lines go to the run directory of record (the cluster's workdir copy, then
     fetched into the mirror, or this one used in place)."""
-    from workbench.backends.remote import load_placement
-    from workbench.backends.slurm_script import eval_srun_command
     from workbench.secrets import env_file_path, remote_quote, split_env
+    from workbench.targets.backends.remote import load_placement
+    from workbench.targets.backends.slurm_script import eval_srun_command
 
     backend = job.backend
     target, transport = backend.target, backend.transport
@@ -155,8 +155,8 @@ def _errors() -> list[type[WorkbenchError]]:
 def _fetch(transport: Any, python: str, remote_dir: str, local_dir: Path) -> None:
     """Remote eval.jsonl bytes past the local copy's end, the example files its new lines name,
     and status.json's ``eval`` from the whole file."""
-    from workbench.backends.remote import read_remote
-    from workbench.rundir import RunDir
+    from workbench.runs.rundir import RunDir
+    from workbench.targets.backends.remote import read_remote
 
     path = local_dir / results.FILE
     size = path.stat().st_size if path.is_file() else 0

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from workbench.rundir import MetricsReader
+from workbench.runs.rundir import MetricsReader
 
 PHASES = ("before", "during", "after", "manual")
 FILE = "eval.jsonl"

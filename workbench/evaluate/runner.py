@@ -101,7 +101,7 @@ def score(source: Any, tasks: list[EvalTask], *, phase: str, step: int,
 
 
 def _write(run_dir: Path, line: dict[str, Any]) -> None:
-    from workbench.rundir import RunDir
+    from workbench.runs.rundir import RunDir
 
     results.append(run_dir, line)
     rd = RunDir(run_dir)
@@ -153,7 +153,7 @@ def _judge(source: Any, task: EvalTask, file: Any, base_id: str | None
     refs = [r for _, r in examples]
     evaluated = source.generate(prompts, max_new_tokens=task.max_new_tokens)
     if getattr(source, "base_id", None) is None and base_id:
-        from workbench.models import resolve_model
+        from workbench.spec.models import resolve_model
 
         source.base_id = resolve_model(base_id)
     base = source.baseline()
@@ -203,7 +203,7 @@ def evaluate_run_dir(path: str | Path, tasks: Any = None, *, endpoint: str | Non
     eval.jsonl as phase ``manual`` at ``step`` (default: status.json's). What ``job.evaluate``
     does here, and what ``workbench eval --run-dir`` runs on a remote run's target."""
     from workbench.evaluate.sources import open_endpoint, open_weights
-    from workbench.rundir import RunDir
+    from workbench.runs.rundir import RunDir
 
     rd = RunDir(path)
     if not rd.spec_file.is_file():

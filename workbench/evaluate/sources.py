@@ -238,7 +238,7 @@ def open_weights(source: str | Path, label: str = "run") -> TransformersSource:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from workbench.data.tokenize import ensure_chat_template
-    from workbench.models import resolve_model
+    from workbench.spec.models import resolve_model
 
     path = Path(str(source))
     if (path / "adapter_config.json").is_file():
@@ -281,7 +281,7 @@ def open_endpoint(name_or_url: str, model: str | None = None, api_key_env: str |
     if name_or_url.startswith(("http://", "https://")):
         return EndpointSource(name_or_url, model, key, label or f"endpoint:{name_or_url}",
                               concurrency)
-    from workbench.registry import Registry
+    from workbench.runs.registry import Registry
     from workbench.serve.endpoint import Endpoint
 
     reg = Registry()

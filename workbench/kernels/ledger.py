@@ -5,7 +5,7 @@ Slurm its allocation, from ``started`` (when the kernel process started, or when
 allocation) until ``ended`` (when the provisioner saw the kernel gone and the allocation
 released). The provisioner rewrites ``billed_s`` and ``cost`` at every poll (every few seconds),
 so a Jupyter server that dies mid-session leaves a bill up to its last poll, never a guess past it.
-The hourly price is :func:`workbench.budget.hourly_price` of a spec with the kernel's GPUs and the
+The hourly price is :func:`workbench.runs.budget.hourly_price` of a spec with the kernel's GPUs and the
 target's defaults (``budget.price_per_gpu_hour`` or ``resources.gpu_type`` with a priced card;
 ``budget.price_per_cpu_core_hour`` for a CPU kernel), the same price a run on that target pays.
 
@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from workbench.home import home
-from workbench.rundir import write_json_atomic
+from workbench.runs.home import home
+from workbench.runs.rundir import write_json_atomic
 
 
 def sessions_dir() -> Path:
@@ -33,9 +33,9 @@ def sessions_dir() -> Path:
 
 def hourly_price(target_ref: str, gpus: int) -> tuple[float, str]:
     """(price per hour, currency) of a kernel with ``gpus`` GPUs (one process) on the target."""
-    from workbench.budget import hourly_price as run_price
+    from workbench.runs.budget import hourly_price as run_price
     from workbench.spec import RunSpec
-    from workbench.targets import apply_defaults, get_target
+    from workbench.targets.named import apply_defaults, get_target
 
     spec = apply_defaults(RunSpec(target=target_ref), get_target(target_ref))
     spec = spec.updated(**{"resources.gpus_per_node": gpus, "resources.nodes": 1,

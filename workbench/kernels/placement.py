@@ -4,7 +4,7 @@ A placement owns the kernel process on the target and nothing on this machine (t
 forwarding is :mod:`workbench.kernels.tunnel`). Both kinds write the connection file (key from the
 KernelManager, ports 0 so ipykernel binds free ones and writes them back) into a private folder on
 the target, start ``python -m workbench.kernels.remote_kernel`` with ``WORKBENCH_TARGET`` set, and
-read back the ports, the kernel's :class:`~workbench.procs.ProcessIdentity` and its activity.
+read back the ports, the kernel's :class:`~workbench.runs.procs.ProcessIdentity` and its activity.
 
 - :class:`SSHPlacement`: the first host of an ``ssh:`` target; the kernel is started detached
   (its own session) and signalled by its recorded identity, checked on that host.
@@ -21,10 +21,10 @@ import signal
 import time
 from typing import Any
 
-from workbench.backends.remote import SSHTransport, Transport
 from workbench.errors import RemoteKernelError, TargetError
 from workbench.secrets import split_env, write_secret_env
-from workbench.targets import SlurmTarget, SSHTarget
+from workbench.targets.backends.remote import SSHTransport, Transport
+from workbench.targets.named import SlurmTarget, SSHTarget
 
 MODULE = "workbench.kernels.remote_kernel"
 PORTS = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
@@ -35,7 +35,7 @@ SEP = "WORKBENCH-NEXT-FILE"
 CHECK = r'''
 import importlib, json
 out = {}
-for mod in ("ipykernel", "workbench.kernel"):
+for mod in ("ipykernel", "workbench.kernels.kernel"):
     try:
         importlib.import_module(mod)
     except Exception as exc:
@@ -97,7 +97,7 @@ print(TAG + json.dumps(out))
 WATCH = r'''
 import json, os
 req = json.loads(REQ)
-from workbench.procs import ProcessIdentity, terminate
+from workbench.runs.procs import ProcessIdentity, terminate
 ident = ProcessIdentity.from_dict(req["identity"])
 out = {}
 if req["op"] == "signal":
@@ -199,8 +199,8 @@ class SlurmPlacement:
 
     def __init__(self, target: SlurmTarget, kernel_id: str, gpus: int, time_limit: str,
                  cpus: int, transport: Transport) -> None:
-        from workbench.backends.slurm import SlurmBackend
-        from workbench.home import home
+        from workbench.runs.home import home
+        from workbench.targets.backends.slurm import SlurmBackend
 
         self.target = target.model_copy(update={"time": time_limit})
         self.backend = SlurmBackend(target.ref, self.target)  # for its sbatch error advice
@@ -221,7 +221,7 @@ class SlurmPlacement:
     def _look(self, *files: str) -> tuple[dict[str, str], list[Any]]:
         """The job as ``scontrol`` sees it ({} once Slurm forgot it) and the JSON ``files`` of the
         kernel's folder (None where missing), in one round trip."""
-        from workbench.backends.slurm_script import parse_scontrol
+        from workbench.targets.backends.slurm_script import parse_scontrol
 
         d = shlex.quote(self.dir)
         cats = "".join(f"; echo {SEP}; cat {d}/{f} 2>/dev/null" for f in files)
@@ -242,8 +242,8 @@ class SlurmPlacement:
         return info, found
 
     def script(self, env: dict[str, str]) -> str:
-        from workbench.backends.slurm_script import allocation_lines
         from workbench.secrets import MASK, env_file_path
+        from workbench.targets.backends.slurm_script import allocation_lines
 
         t, d = self.target, self.dir
         plain, secret = split_env(t.env)
@@ -286,13 +286,13 @@ class SlurmPlacement:
         self.started = _slurm_time(info.get("StartTime")) or time.time()
         node = info.get("BatchHost") or info.get("NodeList", "")
         addr = self._sh(f"scontrol show node -o {shlex.quote(node)}").stdout.decode(errors="replace")
-        from workbench.backends.slurm_script import parse_scontrol
+        from workbench.targets.backends.slurm_script import parse_scontrol
 
         self.remote_host = parse_scontrol(addr).get("NodeAddr") or node
         return self._wait_ports(timeout)
 
     def _wait_running(self, wait_s: float) -> dict[str, str]:
-        from workbench.backends.slurm_script import ACTIVE, WAITING
+        from workbench.targets.backends.slurm_script import ACTIVE, WAITING
 
         deadline = time.time() + wait_s
         while True:
@@ -335,7 +335,7 @@ class SlurmPlacement:
         return res.stdout.decode(errors="replace").strip() or "(no output)"
 
     def alive_and_activity(self) -> tuple[bool, dict[str, Any] | None]:
-        from workbench.backends.slurm_script import ACTIVE, WAITING
+        from workbench.targets.backends.slurm_script import ACTIVE, WAITING
 
         if not self.job:
             return False, None
@@ -355,7 +355,7 @@ class SlurmPlacement:
 
     def release(self) -> None:
         """scancel the allocation and wait until Slurm confirms it left the queue."""
-        from workbench.backends.slurm_script import ACTIVE, WAITING
+        from workbench.targets.backends.slurm_script import ACTIVE, WAITING
 
         if not self.job:
             return

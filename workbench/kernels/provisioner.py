@@ -92,8 +92,8 @@ class WorkbenchProvisioner(KernelProvisionerBase):  # type: ignore[misc]
         return info
 
     def _launch(self, env: dict[str, str]) -> KernelConnectionInfo:
-        from workbench.backends.remote import LocalTransport, SSHTransport, Transport
-        from workbench.targets import SlurmTarget, get_target
+        from workbench.targets.backends.remote import LocalTransport, SSHTransport, Transport
+        from workbench.targets.named import SlurmTarget, get_target
 
         target = get_target(self.target)
         self._check_budget()

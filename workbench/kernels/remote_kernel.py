@@ -2,10 +2,10 @@
 
 ``python -m workbench.kernels.remote_kernel -f CONNECTION_FILE`` runs on the SSH host (or as the
 Slurm step) that :mod:`workbench.kernels.placement` chose. Beside the connection file it writes
-``identity.json`` (this process's :class:`~workbench.procs.ProcessIdentity`, so the provisioner
+``identity.json`` (this process's :class:`~workbench.runs.procs.ProcessIdentity`, so the provisioner
 signals this very process and never a reused PID) and keeps ``activity.json`` current
 (``{"busy": bool, "since": time}``, rewritten before and after every cell) for the idle cull.
-Everything else is :mod:`workbench.kernel`: the magics, widgets and startup imports.
+Everything else is :mod:`workbench.kernels.kernel`: the magics, widgets and startup imports.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ def _write(path: Path, data: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> None:
     from ipykernel.kernelapp import IPKernelApp
 
-    from workbench.kernel import STARTUP_LINES
-    from workbench.procs import ProcessIdentity
+    from workbench.kernels.kernel import STARTUP_LINES
+    from workbench.runs.procs import ProcessIdentity
 
     argv = sys.argv[1:] if argv is None else argv
     conn = Path(argv[argv.index("-f") + 1]).expanduser()

@@ -25,7 +25,7 @@ from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 from workbench.errors import WorkbenchError
 from workbench.kernels.placement import MODULE
 from workbench.kernels.provisioner import NAME as PROVISIONER
-from workbench.targets import get_target
+from workbench.targets.named import get_target
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
 _UNITS = {"": 60.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}  # bare numbers: minutes

@@ -1,7 +1,7 @@
 """The five ZMQ ports of a remote kernel, forwarded to this machine's loopback over one SSH connection.
 
 One ``ssh -N -M`` process per kernel, run by the same OpenSSH client and options as the backends
-(:class:`~workbench.backends.remote.SSHTransport`: ~/.ssh/config aliases, ProxyJump, agents and
+(:class:`~workbench.targets.backends.remote.SSHTransport`: ~/.ssh/config aliases, ProxyJump, agents and
 strict host keys all work), is the ControlMaster of one connection: :meth:`Tunnel.transport` runs
 the provisioner's commands through it (starting the kernel, and a poll every few seconds, cost no
 new SSH handshake), and :meth:`Tunnel.open` adds the five ``-L 127.0.0.1:LOCAL:HOST:REMOTE``
@@ -27,9 +27,9 @@ from pathlib import Path
 
 from jupyter_client.connect import LocalPortCache
 
-from workbench.backends.remote import SSHTransport
 from workbench.errors import RemoteKernelError, TargetError
-from workbench.procs import die_with_parent
+from workbench.runs.procs import die_with_parent
+from workbench.targets.backends.remote import SSHTransport
 
 
 class _Multiplexed(SSHTransport):

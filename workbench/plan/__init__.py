@@ -3,7 +3,7 @@
 ``plan(spec)`` counts the model's parameters from its config (instantiated on the meta device, so
 nothing is downloaded), estimates the peak memory of every GPU (or CPU process) for every method x
 strategy x offload combination, picks the cheapest strategy that fits with a safety margin, and
-prices the run from the GPU table (:mod:`workbench.gpus`). Launch refuses a plan that does not fit
+prices the run from the GPU table (:mod:`workbench.targets.gpus`). Launch refuses a plan that does not fit
 (:func:`check_fits`), and ``parallel.strategy: auto`` asks :func:`choose_strategy`. Every formula
 is written out, with its sources and measured tolerances, in ``docs/planning.md``.
 

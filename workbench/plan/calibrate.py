@@ -58,7 +58,7 @@ def device_identity(on_gpu: bool) -> dict[str, Any]:
         return {"kind": "cpu", "name": _cpu_model(), "cores": os.cpu_count() or 1}
     import torch
 
-    from workbench.gpus import gpu_type_from_device_name
+    from workbench.targets.gpus import gpu_type_from_device_name
 
     name = torch.cuda.get_device_name(0)
     mem = torch.cuda.get_device_properties(0).total_memory / 2**30
@@ -86,10 +86,10 @@ class Calibration:
     source: str = "local measured"
     where: str = ""
     # Bytes per second of weights made ready in memory at the load dtype (measure_load): the
-    # start-up's load phase. None: not measured (workbench.startup's default).
+    # start-up's load phase. None: not measured (workbench.runs.startup's default).
     load_bytes_per_s: float | None = None
     # Bytes per second of weights on the device written as a safetensors file (measure_save): the
-    # finish's save of the trained weights. None: not measured (workbench.startup's default).
+    # finish's save of the trained weights. None: not measured (workbench.runs.startup's default).
     save_bytes_per_s: float | None = None
 
     def train_gflops(self, hidden: int) -> tuple[float, int]:
@@ -183,7 +183,7 @@ def measure_load(on_gpu: bool) -> float:
     """Bytes per second of float32 weights made ready on the device from a bfloat16 safetensors
     file in the page cache, into new memory each time: what ``from_pretrained`` spends its load
     on (reading, converting, the new pages' faults); not the disk (a first read of a cold file
-    is workbench.startup's disk rate)."""
+    is workbench.runs.startup's disk rate)."""
     import tempfile
 
     import torch
@@ -240,7 +240,7 @@ def calibrate(target: str = "local", *, spec: Any = None, dtype: str | None = No
         except ImportError:
             on_gpu = False
     if dtype in (None, "auto"):  # what the run's matmuls use: the trainer's and planner's resolver
-        from workbench.precision import local_device_kind, resolve_precision
+        from workbench.spec.precision import local_device_kind, resolve_precision
 
         device = local_device_kind() if on_gpu else "cpu"
         wanted = spec.model.dtype if spec is not None and dtype is None else "auto"
@@ -267,7 +267,7 @@ def _calibrate_step(target: str, spec: Any, on_gpu: bool, dtype: str, cal: Calib
     from workbench.plan.shape import model_shape
     from workbench.plan.stepclock import calibrate_step
     from workbench.plan.timing import estimate_data
-    from workbench.precision import local_device_kind, resolve_precision
+    from workbench.spec.precision import local_device_kind, resolve_precision
 
     shape = model_shape(spec.model.id, spec.model.revision, spec.model.trust_remote_code)
     load = resolve_precision(spec.model.dtype, spec.method.kind,

@@ -23,7 +23,7 @@ class CalibrationError(WorkbenchError):
 
 
 def calibration_dir() -> Path:
-    from workbench.home import home
+    from workbench.runs.home import home
 
     path = home() / "calibration"
     path.mkdir(parents=True, exist_ok=True)

@@ -106,7 +106,7 @@ class _Setup:
     targets: list[str] | str
     checkpointing: bool
     on_gpu: bool
-    # What from_pretrained loads (workbench.precision): fp32 master weights for full fine-tuning.
+    # What from_pretrained loads (workbench.spec.precision): fp32 master weights for full fine-tuning.
     load_bytes: int = 4
 
 
@@ -168,7 +168,7 @@ def estimate_memory(s: _Setup, st: Strategy, logit_bytes: float = _LOGIT_BYTES) 
     else:
         frozen_bytes = p * b
     if full and not zero:
-        # torch AMP over fp32 weights (workbench.precision): the fp32 parameters are the weights;
+        # torch AMP over fp32 weights (workbench.spec.precision): the fp32 parameters are the weights;
         # autocast keeps a 16-bit copy of each weight until backward has used it.
         weights = p * s.load_bytes + (p * b if b < s.load_bytes else 0)
     elif z3:

@@ -15,9 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
-from workbench.budget import billed_units, check_enforceable, unit_price
 from workbench.errors import BudgetError, PlanError, WorkbenchError
-from workbench.gpus import GpuType, get_gpu, gpu_table
 from workbench.plan.memory import (
     MemoryBreakdown,
     Strategy,
@@ -40,9 +38,11 @@ from workbench.plan.timing import (
     step_rows,
     step_seconds,
 )
-from workbench.precision import DeviceKind, Precision, resolve_precision
+from workbench.runs.budget import billed_units, check_enforceable, unit_price
+from workbench.runs.startup import finish_estimate, startup_estimate
 from workbench.spec import ParallelSpec, RunSpec
-from workbench.startup import finish_estimate, startup_estimate
+from workbench.spec.precision import DeviceKind, Precision, resolve_precision
+from workbench.targets.gpus import GpuType, get_gpu, gpu_table
 
 
 def _resolve_gpu(spec: RunSpec, gpu_type: str | None) -> tuple[GpuType, bool]:
@@ -51,7 +51,7 @@ def _resolve_gpu(spec: RunSpec, gpu_type: str | None) -> tuple[GpuType, bool]:
         return table["CPU"], False
     name = gpu_type or spec.resources.gpu_type
     if name is None:
-        from workbench.gpus import detect_gpu_type
+        from workbench.targets.gpus import detect_gpu_type
 
         name = detect_gpu_type()
     if name is None:
@@ -112,7 +112,7 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
     else:
         capacity = gpu.memory_gib / res.procs_per_node  # every process shares the host's RAM
         n_devices = (os.cpu_count() or 1) * res.nodes
-    # The bill's own rule (workbench.budget), asked for the card this plan is for.
+    # The bill's own rule (workbench.runs.budget), asked for the card this plan is for.
     price, currency, _ = unit_price(spec, gpu.name if on_gpu else None)
     assumptions = []
     if price is None:
@@ -167,7 +167,7 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
     if corr:
         assumptions.append(corr.line(spec.target))
     run = _Run(tokens_per_step, steps, time_gpu, n_devices, on_gpu, tb.optimizer_rate)
-    # What the bill counts: cards, or processes on CPU (workbench.budget bills process-core-hours),
+    # What the bill counts: cards, or processes on CPU (workbench.runs.budget bills process-core-hours),
     # held from the supervisor's start to its exit, so start-up and release are paid too.
     units = billed_units(spec)
     link = (_INTER_NODE_GBPS if res.nodes > 1 else time_gpu.interconnect_gbps) * 1e9

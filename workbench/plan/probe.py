@@ -80,7 +80,7 @@ def probe_target(ref: str, *, timeout: float = PROBE_TIMEOUT_S, reuse_s: float =
     calibration stays)."""
     from workbench.errors import TargetError
     from workbench.plan.calibrate import calibration_file, load_calibration
-    from workbench.targets import get_target
+    from workbench.targets.named import get_target
 
     path = calibration_file(ref)
     earlier = load_calibration(ref, quiet=True) if path.is_file() else None
@@ -96,12 +96,12 @@ def probe_target(ref: str, *, timeout: float = PROBE_TIMEOUT_S, reuse_s: float =
     cmd = target.shell_prefix() + probe_command(target)
     try:
         if target.kind == "ssh":
-            from workbench.backends.remote import SSHTransport
+            from workbench.targets.backends.remote import SSHTransport
 
             where = f"host {target.hosts[0].host}"
             res = SSHTransport(target.hosts[0], target).run(cmd, check=False, timeout=timeout)
         else:
-            from workbench.backends.remote import LocalTransport, SSHTransport
+            from workbench.targets.backends.remote import LocalTransport, SSHTransport
 
             where = f"a Slurm job in partition {target.partition or '(default)'}"
             transport = SSHTransport(target.login, target) if target.login else LocalTransport()
@@ -179,7 +179,7 @@ class LaunchProbe:
             _write(plan_file, old)
             return
         from workbench.plan.planner import plan
-        from workbench.target_model import planned_from
+        from workbench.targets.remote_model import planned_from
 
         # Re-planned as launch planned it: every row measured when launch re-planned for that.
         every_row = any("every training row" in a for a in old.get("assumptions", []))
@@ -204,7 +204,7 @@ class LaunchProbe:
 
 
 def _write(path: Path, data: dict[str, Any]) -> None:
-    from workbench.rundir import write_json_atomic
+    from workbench.runs.rundir import write_json_atomic
 
     write_json_atomic(path, data)
 
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         on_gpu = False
     dtype = args.dtype
     if dtype == "auto":
-        from workbench.precision import local_device_kind, resolve_precision
+        from workbench.spec.precision import local_device_kind, resolve_precision
 
         dtype = resolve_precision("auto", "lora",
                                   local_device_kind() if on_gpu else "cpu").compute_dtype

@@ -78,7 +78,7 @@ class Plan:
     # Token statistics (TokenStats.to_dict): of a sample when planned, of all the data once
     # launch has tokenised it (plan.json is then updated with "sampled": false).
     data_tokens: dict[str, Any] | None = None
-    # Seconds per start-up phase (workbench.startup): paid by every attempt before its first step,
+    # Seconds per start-up phase (workbench.runs.startup): paid by every attempt before its first step,
     # and part of ``cost`` (which also holds the release: exit, bundle), shown apart from training.
     startup_s: dict[str, float | None] | None = None
     startup_cost: float | None = None

@@ -129,8 +129,8 @@ def _hub_reachable(timeout: float = 1.5) -> bool:
 
 def _config_on_target(model_id: str) -> tuple[Any, str] | None:
     """The config launch read on the run's target for a folder that exists only there
-    (workbench.target_model), or None."""
-    from workbench.target_model import target_config
+    (workbench.targets.remote_model), or None."""
+    from workbench.targets.remote_model import target_config
 
     found = target_config(model_id)
     if found is None:
@@ -150,7 +150,7 @@ def _config_on_target(model_id: str) -> tuple[Any, str] | None:
 def _config_for(model_id: str, revision: str | None, trust_remote_code: bool) -> tuple[Any, str]:
     from transformers import AutoConfig
 
-    from workbench.models import load_config, resolve_model
+    from workbench.spec.models import load_config, resolve_model
 
     on_target = _config_on_target(model_id)
     if on_target is not None:
@@ -173,7 +173,7 @@ def _config_for(model_id: str, revision: str | None, trust_remote_code: bool) ->
 def local_config_fields(model_id: str, trust_remote_code: bool = False) -> dict[str, Any] | None:
     """The parsed config.json of a built-in or local model of a counted family; None for a hub
     id, remote code, another model_type or an unreadable file (those go through transformers)."""
-    from workbench.models import resolve_model
+    from workbench.spec.models import resolve_model
 
     if trust_remote_code:
         return None
@@ -246,7 +246,7 @@ def counted_shape(model_id: str, fields: dict[str, Any], source: str) -> ModelSh
 def model_shape(model_id: str, revision: str | None = None,
                 trust_remote_code: bool = False) -> ModelShape:
     """Count parameters and LoRA-able layers of ``model_id`` without downloading weights."""
-    from workbench.target_model import target_config
+    from workbench.targets.remote_model import target_config
 
     found = target_config(model_id)
     if found is not None:  # a folder only the run's target has: counted from the config read there

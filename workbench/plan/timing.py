@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workbench.gpus import GpuType
 from workbench.plan.memory import Strategy, _Setup
 from workbench.plan.shape import ModelShape
 from workbench.spec import RunSpec
+from workbench.targets.gpus import GpuType
 
 _CHARS_PER_TOKEN = 3.6  # English BPE average (OpenAI's rule of thumb: ~4 chars per token)
 _TEMPLATE_TOKENS = 12  # chat template / role markers around each example
@@ -90,7 +90,7 @@ def _local_tokenizer(spec: RunSpec) -> Any:
     """The run's tokenizer if it can be loaded without the network (built-in, a local folder, or
     a hub id already in the local cache); None otherwise."""
     from workbench.errors import WorkbenchError
-    from workbench.models import resolve_model
+    from workbench.spec.models import resolve_model
 
     try:
         source = resolve_model(spec.model.id)

@@ -62,7 +62,7 @@ def deploy(source: Any, *more: Any, name: str | None = None, target: str = "loca
         options = {k: v for k, v in (("merge", merge), ("max_model_len", max_model_len))
                    if v is not None}
         return deploy_via_course(source, *more, name=name, **options)  # type: ignore[return-value]
-    from workbench.registry import EndpointRecord, Registry
+    from workbench.runs.registry import EndpointRecord, Registry
 
     registry = registry or Registry()
     sources = [source, *more]

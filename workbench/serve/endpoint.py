@@ -29,7 +29,7 @@ _client_lock = threading.Lock()
 
 
 def endpoints_dir() -> Path:
-    from workbench.home import home
+    from workbench.runs.home import home
 
     path = home() / "endpoints"
     path.mkdir(parents=True, exist_ok=True)
@@ -44,7 +44,7 @@ class Endpoint:
     """
 
     def __init__(self, record: Any, registry: Any = None) -> None:
-        from workbench.registry import Registry
+        from workbench.runs.registry import Registry
 
         self.record = record
         self.registry = registry or Registry()
@@ -176,7 +176,7 @@ class Endpoint:
 
     def generate(self, prompts: Sequence[str], model: str | None = None, max_new_tokens: int = 16,
                  concurrency: int = 16) -> list[str]:
-        """Greedy single-turn replies, like :meth:`workbench.infer.ChatModel.generate`.
+        """Greedy single-turn replies, like :meth:`workbench.serve.infer.ChatModel.generate`.
 
         Requests go out concurrently so vLLM batches them; ``teaching.score(ep.generate)`` works.
         """
@@ -322,7 +322,7 @@ def _last_log_line(path: Path) -> str:
 # -- the registry's view ---------------------------------------------------------------------------
 def refresh_state(name: str, registry: Any = None) -> Any:
     """The endpoint's record, with a live state corrected if its guard has gone."""
-    from workbench.registry import Registry
+    from workbench.runs.registry import Registry
 
     registry = registry or Registry()
     record = registry.get_endpoint(name)
@@ -344,7 +344,7 @@ def refresh_state(name: str, registry: Any = None) -> Any:
 
 def get_endpoint(name: str, registry: Any = None) -> Endpoint:
     """An endpoint by name (e.g. after a kernel restart)."""
-    from workbench.registry import Registry
+    from workbench.runs.registry import Registry
 
     registry = registry or Registry()
     return Endpoint(refresh_state(name, registry), registry)
@@ -352,7 +352,7 @@ def get_endpoint(name: str, registry: Any = None) -> Endpoint:
 
 def endpoints(all: bool = False, registry: Any = None) -> list[Endpoint]:
     """Endpoints in the registry, newest first: live ones, or every one with ``all=True``."""
-    from workbench.registry import Registry
+    from workbench.runs.registry import Registry
 
     registry = registry or Registry()
     out = [Endpoint(refresh_state(r.name, registry), registry) for r in registry.list_endpoints()]

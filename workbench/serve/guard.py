@@ -43,7 +43,7 @@ def _guard_main(argv: Sequence[str]) -> int:
     p.add_argument("--watch-stdin", action="store_true")
     p.add_argument("--gpus", type=int, default=0, help="lease this many of the machine's GPUs")
     p.add_argument("command", nargs=argparse.REMAINDER)
-    from workbench.rundir import write_json_atomic, write_text_atomic
+    from workbench.runs.rundir import write_json_atomic, write_text_atomic
 
     args = p.parse_args(argv)
     d: Path = args.guard
@@ -67,20 +67,20 @@ def _guard_main(argv: Sequence[str]) -> int:
         return _serve(d, args, port, command, env)
     finally:
         if lease is not None:
-            from workbench import leases
+            from workbench.targets import leases
 
             leases.release(f"endpoint:{d.name}", lease[0])
 
 
 def _lease(d: Path, gpus: int) -> Any:
-    """(holder, devices) of this endpoint's GPU lease (workbench.leases: disjoint from every live
+    """(holder, devices) of this endpoint's GPU lease (workbench.targets.leases: disjoint from every live
     local run's and endpoint's), None when it needs none (CPU, or Slurm, which gives the job its
     own cards), or why none could be had."""
     if gpus <= 0 or "SLURM_JOB_ID" in os.environ:
         return None
-    from workbench import leases
     from workbench.errors import ResourceError
-    from workbench.procs import ProcessIdentity
+    from workbench.runs.procs import ProcessIdentity
+    from workbench.targets import leases
 
     me = ProcessIdentity.me("guard")
     try:
@@ -117,7 +117,7 @@ def _with_memory_fraction(command: list[str], device: str) -> list[str]:
 
 
 def _serve(d: Path, args: Any, port: int, command: list[str], env: dict[str, str]) -> int:
-    from workbench.rundir import write_json_atomic, write_text_atomic
+    from workbench.runs.rundir import write_json_atomic, write_text_atomic
 
     server = subprocess.Popen(command, stdin=subprocess.DEVNULL, env=env)
     write_text_atomic(d / "server.pid", str(server.pid))

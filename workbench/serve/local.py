@@ -2,7 +2,7 @@
 
 The guard starts in its own session (so stopping its process group stops vLLM with it) and is
 reaped when it ends; the server is reached at the address it listens on, loopback by default.
-The guard's and the server's identities (pid and start time, :mod:`workbench.procs`) are kept in
+The guard's and the server's identities (pid and start time, :mod:`workbench.runs.procs`) are kept in
 the endpoint folder's ``processes.json``: liveness and stop go by them, never by a bare PID, so a
 PID the kernel has since handed to another process is never signalled.
 """
@@ -18,12 +18,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from workbench import procs
-from workbench.rundir import write_json_atomic
+from workbench.runs import procs
+from workbench.runs.rundir import write_json_atomic
 from workbench.serve.target import PROBE, _parse_probe, read_address, serving_python
 
 if TYPE_CHECKING:
-    from workbench.registry import EndpointRecord
+    from workbench.runs.registry import EndpointRecord
     from workbench.serve.sources import ServePlan
 
 _children: dict[int, subprocess.Popen] = {}  # guards this process started, reaped when done

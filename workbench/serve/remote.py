@@ -24,10 +24,10 @@ from workbench.errors import DeployError
 from workbench.serve.target import PROBE, _parse_probe
 
 if TYPE_CHECKING:
-    from workbench.backends.remote import Transport
-    from workbench.registry import EndpointRecord
+    from workbench.runs.registry import EndpointRecord
     from workbench.serve.sources import ServePlan
-    from workbench.targets import SlurmTarget, SSHTarget
+    from workbench.targets.backends.remote import Transport
+    from workbench.targets.named import SlurmTarget, SSHTarget
 
 
 class _Remote:
@@ -52,7 +52,7 @@ class _Remote:
         return explicit or spec_python or self.target.serve_python or self.target.python
 
     def probe(self, python: str) -> dict[str, Any]:
-        from workbench.targets import TargetError
+        from workbench.targets.named import TargetError
 
         tr, t = self.transport(), self.target
         try:
@@ -92,7 +92,7 @@ class _Remote:
             return {}
 
     def _save_placement(self, workdir: Path, **fields: Any) -> None:
-        from workbench.rundir import write_json_atomic
+        from workbench.runs.rundir import write_json_atomic
 
         path = workdir / "placement.json"
         data = json.loads(path.read_text()) if path.is_file() else {}
@@ -105,7 +105,7 @@ class _Remote:
         path holds a model on the target (a shared filesystem, or the same model cache), else
         copied; a hub id stays a hub id.
         """
-        from workbench.backends.remote import put_dir, shell_path
+        from workbench.targets.backends.remote import put_dir, shell_path
 
         sdir = self.server_dir(workdir)
         self._save_placement(workdir, server_dir=sdir, target=self.ref)
@@ -129,7 +129,7 @@ class _Remote:
     def _upload_folder_files(self, workdir: Path, sdir: str) -> None:
         """The endpoint folder's own files (chat template, api key) next to the server."""
         if sdir != str(workdir):  # server_dir() ends in workdir's name: put_dir lands it there
-            from workbench.backends.remote import put_dir
+            from workbench.targets.backends.remote import put_dir
 
             put_dir(self.transport(), workdir, sdir.rsplit("/", 1)[0])
 
@@ -139,8 +139,8 @@ class _Remote:
         return None if sdir == record.endpoint_dir else str(sdir)
 
     def _read_remote(self, sdir: str, name: str, offset: int = 0) -> bytes:
-        from workbench.backends.remote import read_remote
-        from workbench.targets import TargetError
+        from workbench.targets.backends.remote import read_remote
+        from workbench.targets.named import TargetError
 
         try:
             return read_remote(self.transport(), sdir, name, offset, self.target.python)

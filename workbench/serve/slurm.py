@@ -19,16 +19,16 @@ from workbench.serve.remote import _Remote, close_tunnel, open_tunnel
 from workbench.serve.target import read_address
 
 if TYPE_CHECKING:
-    from workbench.backends.remote import Transport
-    from workbench.registry import EndpointRecord
-    from workbench.targets import SlurmTarget
+    from workbench.runs.registry import EndpointRecord
+    from workbench.targets.backends.remote import Transport
+    from workbench.targets.named import SlurmTarget
 
 
 def serve_sbatch_script(target: SlurmTarget, server_dir: str, job_name: str, env: dict[str, str],
                         command: list[str], gpus: int) -> str:
     """The batch script that runs one endpoint's guard (and vLLM) in a one-node job."""
-    from workbench.backends.slurm import allocation_lines
     from workbench.secrets import MASK, env_file_path, remote_quote, split_env
+    from workbench.targets.backends.slurm import allocation_lines
 
     # Secret values (the target's tokens, the endpoint's API key) stay in a 0600 file beside the
     # endpoint folder (write_secret_env in start): never in serve.sbatch, which is shown and kept.
@@ -64,7 +64,7 @@ class SlurmServeTarget(_Remote):
     default_host = "0.0.0.0"  # the notebook is not on the compute node: listen there, with a key
 
     def __init__(self, target: SlurmTarget) -> None:
-        from workbench.backends.slurm import SlurmBackend
+        from workbench.targets.backends.slurm import SlurmBackend
 
         self.target = target
         self.ref = target.ref
@@ -85,7 +85,7 @@ class SlurmServeTarget(_Remote):
 
     def start(self, command: list[str], env: dict[str, str], workdir: Path,
               watch_pid: int, gpus: int = 0) -> tuple[int, int]:
-        from workbench.backends.remote import shell_path
+        from workbench.targets.backends.remote import shell_path
 
         sdir = self.server_dir(workdir)
         script = serve_sbatch_script(self.target, sdir, f"wb-serve-{workdir.name}", env, command,
@@ -104,7 +104,7 @@ class SlurmServeTarget(_Remote):
         return int(job), 0
 
     def _state(self, record: EndpointRecord) -> tuple[str, str]:
-        from workbench.targets import TargetError
+        from workbench.targets.named import TargetError
 
         try:
             info = self.backend.job_info(str(record.pid))
@@ -113,7 +113,7 @@ class SlurmServeTarget(_Remote):
         return info.get("JobState", "GONE"), info.get("Reason", "")
 
     def alive(self, record: EndpointRecord) -> bool:
-        from workbench.backends.slurm import ACTIVE, WAITING
+        from workbench.targets.backends.slurm import ACTIVE, WAITING
 
         state, _ = self._state(record)
         return state in ACTIVE or state in WAITING or state == "UNKNOWN"
@@ -139,7 +139,7 @@ class SlurmServeTarget(_Remote):
             return record.url
         if self.target.login is None:
             return url  # the notebook is on the cluster's network
-        from workbench.backends.remote import SSHTransport
+        from workbench.targets.backends.remote import SSHTransport
 
         return open_tunnel(SSHTransport(self.target.login, self.target), record.endpoint_dir,
                            url.split("//", 1)[1])

@@ -90,14 +90,14 @@ def _source_to_path(source: Any) -> tuple[Path | str, str | None, str | None]:
 class _Run:
     """A run found by id or name: as much of a ``Job`` as serving reads.
 
-    ``workbench.jobs`` imports this package (``Job.deploy``), so this side reads the registry,
-    the run directory and the backend itself rather than importing ``workbench.jobs`` back.
+    ``workbench.runs.jobs`` imports this package (``Job.deploy``), so this side reads the registry,
+    the run directory and the backend itself rather than importing ``workbench.runs.jobs`` back.
     """
 
     def __init__(self, id_or_name: str) -> None:
-        from workbench.backends import get_backend
-        from workbench.registry import Registry
-        from workbench.rundir import RunDir
+        from workbench.runs.registry import Registry
+        from workbench.runs.rundir import RunDir
+        from workbench.targets.backends import get_backend
 
         self.record = Registry().get_run(id_or_name)
         self.backend = get_backend(self.record.target)
@@ -106,7 +106,7 @@ class _Run:
 
     @property
     def state(self) -> str:  # as Job.state: what the backend sees now, not the registry's copy
-        from workbench.rundir import PENDING
+        from workbench.runs.rundir import PENDING
 
         status = self.backend.status(self.run_dir.path, self.record.backend_job_id)
         return str(status.get("state", PENDING))
@@ -140,7 +140,7 @@ def _default_name(path: Path, run_name: str | None) -> str:
 
 
 def _resolve_base(model: str) -> str:
-    from workbench.models import resolve_model
+    from workbench.spec.models import resolve_model
 
     return resolve_model(model)
 

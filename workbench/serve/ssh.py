@@ -19,9 +19,9 @@ from workbench.serve.remote import _Remote, _tunnels, close_tunnel, open_tunnel
 from workbench.serve.target import read_address
 
 if TYPE_CHECKING:
-    from workbench.backends.remote import SSHTransport
-    from workbench.registry import EndpointRecord
-    from workbench.targets import SSHTarget
+    from workbench.runs.registry import EndpointRecord
+    from workbench.targets.backends.remote import SSHTransport
+    from workbench.targets.named import SSHTarget
 
 _sessions: dict[str, subprocess.Popen] = {}  # endpoint dir -> the ssh session holding its guard
 _tunnel_lock = threading.Lock()
@@ -38,7 +38,7 @@ class SSHServeTarget(_Remote):
         self.host = target.hosts[0]
 
     def transport(self) -> SSHTransport:
-        from workbench.backends.remote import SSHTransport
+        from workbench.targets.backends.remote import SSHTransport
 
         return SSHTransport(self.host, self.target)
 
@@ -47,7 +47,7 @@ class SSHServeTarget(_Remote):
 
     def start(self, command: list[str], env: dict[str, str], workdir: Path,
               watch_pid: int, gpus: int = 0) -> tuple[int, int]:
-        from workbench.backends.remote import shell_path
+        from workbench.targets.backends.remote import shell_path
 
         sdir = self.server_dir(workdir)
         self._upload_folder_files(workdir, sdir)
@@ -71,7 +71,7 @@ class SSHServeTarget(_Remote):
         return self._wait_pids(workdir, sdir)
 
     def _wait_pids(self, workdir: Path, sdir: str) -> tuple[int, int]:
-        from workbench.backends.remote import shell_path
+        from workbench.targets.backends.remote import shell_path
 
         q = shell_path(sdir)
         deadline = time.time() + 60
@@ -91,7 +91,7 @@ class SSHServeTarget(_Remote):
         return (int(ids[0]) if ids else 0), 0
 
     def alive(self, record: EndpointRecord) -> bool:
-        from workbench.targets import TargetError
+        from workbench.targets.named import TargetError
 
         sdir = self._placement(record).get("server_dir", "")
         if not record.pid:
@@ -126,7 +126,7 @@ class SSHServeTarget(_Remote):
             return open_tunnel(self.transport(), record.endpoint_dir, remote.split("//", 1)[1])
 
     def stop(self, record: EndpointRecord, timeout: float = 20.0) -> None:
-        from workbench.targets import TargetError
+        from workbench.targets.named import TargetError
 
         close_tunnel(record.endpoint_dir)
         pid = int(record.pid or 0)

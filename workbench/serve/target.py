@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from workbench.errors import ServingEnvironmentError
 
 if TYPE_CHECKING:
-    from workbench.registry import EndpointRecord
+    from workbench.runs.registry import EndpointRecord
     from workbench.serve.sources import ServePlan
 
 ANY_ADDRESS = ("0.0.0.0", "::")

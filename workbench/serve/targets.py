@@ -21,7 +21,7 @@ def get_serve_target(ref: str) -> ServeTarget:
     """The serve target for ``local``, ``ssh:NAME`` or ``slurm:NAME`` (from targets.yaml)."""
     if ref == "local":
         return LocalServeTarget()
-    from workbench.targets import SlurmTarget, SSHTarget, get_target
+    from workbench.targets.named import SlurmTarget, SSHTarget, get_target
 
     t = get_target(ref)
     if isinstance(t, SSHTarget):

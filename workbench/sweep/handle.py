@@ -14,8 +14,8 @@ import time
 from typing import Any
 
 from workbench.errors import SweepError
-from workbench.jobs import Job
-from workbench.registry import Registry
+from workbench.runs.jobs import Job
+from workbench.runs.registry import Registry
 from workbench.sweep import record as rec
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from workbench.errors import SweepError
-from workbench.rundir import RunDir
+from workbench.runs.rundir import RunDir
 
 _EVAL_RE = re.compile(r"eval\.([A-Za-z0-9_:\-]+)\.([A-Za-z0-9_\-]+)")
 # Metric names that are better when smaller; any other score is taken as better when larger.

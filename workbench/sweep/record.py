@@ -25,13 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from workbench.errors import SweepNotFoundError
-from workbench.home import home
-from workbench.rundir import write_json_atomic
+from workbench.runs.home import home
+from workbench.runs.rundir import write_json_atomic
 
 RUNNING, SUCCEEDED, FAILED, CANCELLED = "running", "succeeded", "failed", "cancelled"
 BUDGET_STOPPED = "budget_stopped"  # ended because what is left could not pay for the next trial
 ENDED = frozenset({SUCCEEDED, FAILED, CANCELLED, BUDGET_STOPPED})
-# Trial states before a run exists, besides the run states of workbench.rundir:
+# Trial states before a run exists, besides the run states of workbench.runs.rundir:
 WAITING = "waiting"  # asked from the study, not started yet (a slot or the budget is awaited)
 LAUNCHING = "launching"  # launch() called; the run id is written once it returns
 SKIPPED = "skipped"  # never started: the budget left could not pay for it
@@ -131,7 +131,7 @@ def controller_alive(record: SweepRecord, dying_wait_s: float = DYING_WAIT_S) ->
     while the recorded controller is gone is waited on for up to ``dying_wait_s``; a lock still
     held after that has a live holder.
     """
-    from workbench.procs import ProcessIdentity
+    from workbench.runs.procs import ProcessIdentity
 
     deadline = time.time() + dying_wait_s
     while True:

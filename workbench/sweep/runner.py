@@ -1,7 +1,7 @@
 """``python -m workbench.sweep.runner SWEEP_DIR``: the sweep's controller, detached from the kernel.
 
 The controller asks the study for a trial, prices it with the planner, launches it as an ordinary
-run through :func:`workbench.launching.launch` with its own ``budget.limit`` (what the sweep can
+run through :func:`workbench.runs.launching.launch` with its own ``budget.limit`` (what the sweep can
 still give it), watches it, reports the objective at each evaluation, prunes it when the pruner
 says it is clearly worse, and tells the study how it ended. It runs in a session of its own (like
 the run supervisor), so a kernel restart does not stop a sweep.
@@ -27,12 +27,12 @@ import time
 import traceback
 from typing import Any
 
-from workbench import procs
-from workbench.budget import KILL_GRACE_S, RELEASE_S, hourly_price
 from workbench.errors import WorkbenchError
-from workbench.jobs import RELEASE_WAIT_S, Job
-from workbench.registry import Registry
-from workbench.rundir import (
+from workbench.runs import procs
+from workbench.runs.budget import KILL_GRACE_S, RELEASE_S, hourly_price
+from workbench.runs.jobs import RELEASE_WAIT_S, Job
+from workbench.runs.registry import Registry
+from workbench.runs.rundir import (
     BUDGET_STOPPED,
     PENDING,
     PRUNE_REQUEST,
@@ -282,7 +282,7 @@ class Controller:
 
     def _launch(self, t: dict[str, Any], spec: RunSpec, planned: float | None,
                 limit: float | None) -> None:
-        from workbench.launching import launch
+        from workbench.runs.launching import launch
 
         n = t["number"]
         self.record.update_trial(n, state=rec.LAUNCHING, limit=limit, planned_cost=planned,

@@ -52,7 +52,7 @@ def _budget(base: RunSpec, budget: float | None) -> float | None:
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:
         raise SweepError(f"budget must be a positive amount in {base.budget.currency} (the "
                          f"sweep's total limit), not {budget!r}; or leave it out for no limit")
-    from workbench.budget import check_enforceable
+    from workbench.runs.budget import check_enforceable
 
     try:  # the same checks a run's own limit gets: a price, in the sweep's currency
         check_enforceable(base.updated(**{"budget.limit": float(budget)}))
@@ -88,7 +88,7 @@ def sweep(spec: RunSpec | dict | str | Path | None = None, *, space: dict[str, A
         except SpecError as exc:
             raise SweepError(f"target={target!r}: {exc}") from None
     if base.target != "local":  # a named target's defaults fill what the spec left unset
-        from workbench.targets import apply_defaults, get_target
+        from workbench.targets.named import apply_defaults, get_target
 
         base = apply_defaults(base, get_target(base.target))
     params = parse_space(space, base)

@@ -1,7 +1,7 @@
 """``python -m workbench.train RUN_DIR``: the training entry point run by every rank on every node.
 
 ``python -m workbench.train --standby FOLDER`` is a rank of a standby start (see
-:mod:`workbench.standby`): it imports what training needs, waits for the go, then trains on the
+:mod:`workbench.runs.standby`): it imports what training needs, waits for the go, then trains on the
 run directory the go names.
 
 ``record`` writes an exception that ends a rank to torchelastic's error file, from which torchrun
@@ -22,7 +22,7 @@ if __name__ == "__main__":
     from workbench.train.run import main
 
     if len(sys.argv) == 3 and sys.argv[1] == "--standby":
-        from workbench.standby import await_go
+        from workbench.runs.standby import await_go
 
         sys.exit(record(lambda folder: main(await_go(folder)))(sys.argv[2]))
     if len(sys.argv) != 2:

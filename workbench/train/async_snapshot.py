@@ -42,7 +42,7 @@ from typing import IO, Any, cast
 
 import torch
 
-from workbench.snapshots import SnapshotError
+from workbench.runs.snapshots import SnapshotError
 
 # Bound at import: a writer thread may run while the next snapshot's capture has patched them.
 _REAL_TORCH_SAVE = torch.save

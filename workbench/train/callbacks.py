@@ -11,7 +11,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from workbench.rundir import RUNNING, RunDir
+from workbench.runs.rundir import RUNNING, RunDir
 
 # Trainer log keys -> metrics.jsonl keys (DESIGN.md: step, time, epoch, loss, lr, grad_norm, ...)
 _RENAME = {"learning_rate": "lr"}
@@ -144,7 +144,7 @@ def peak_memory_gib() -> float:
 
 
 def record_peak_memory(rd: RunDir, rank: int) -> None:
-    from workbench.rundir import write_json_atomic
+    from workbench.runs.rundir import write_json_atomic
 
     rd.logs_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(rd.logs_dir / f"memory-rank-{rank}.json",
@@ -169,7 +169,7 @@ def project(basis: dict[str, Any], now: float, step_s: float, paces: list[float]
     """status.json's projection: total seconds held and cost at the end, from the measured step
     time (range: the slowest and fastest pace between logs), and a warning once it passes the
     budget limit, well before the stop fires."""
-    from workbench.budget import RELEASE_S
+    from workbench.runs.budget import RELEASE_S
 
     if basis.get("attempt_started") is None:
         return {}

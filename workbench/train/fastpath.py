@@ -114,7 +114,7 @@ def resolve_fast_paths(fast: FastSpec, device: Device, model_type: str | None, l
                        *, stage: str = "sft", zero_stage: int = 0,
                        offload_optimizer: bool = False) -> FastPaths:
     """The fast paths of a run with switches ``fast`` on ``device`` for a model of
-    ``model_type`` loaded in ``load_dtype`` (workbench.precision). Raises FastPathError for a
+    ``model_type`` loaded in ``load_dtype`` (workbench.spec.precision). Raises FastPathError for a
     switch set ``on`` that cannot work there."""
     notes: list[str] = []
     liger, liger_config = _liger(fast.liger, device, model_type, stage, zero_stage, notes)

@@ -21,7 +21,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from workbench.rundir import RunDir
+from workbench.runs.rundir import RunDir
 from workbench.spec import RunSpec
 
 # TRL's experimental ORPO warns on import; the spec already says the stage is ORPO.
@@ -108,7 +108,7 @@ def reference_model(spec: RunSpec, source: str) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from workbench.precision import local_device_kind, resolve_precision
+    from workbench.spec.precision import local_device_kind, resolve_precision
 
     p = resolve_precision(spec.model.dtype, "full" if m.kind == "full" else "lora",
                           local_device_kind())

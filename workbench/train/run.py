@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from workbench.data.tokenize import load_tokenizer
-from workbench.precision import Precision, local_device_kind, resolve_precision
-from workbench.rundir import RunDir
+from workbench.runs.rundir import RunDir
 from workbench.spec import EVALS_PER_RUN, RunSpec
+from workbench.spec.precision import Precision, local_device_kind, resolve_precision
 from workbench.train.fastpath import FastPaths, applied_line, for_run
 
 
@@ -52,7 +52,7 @@ def _startup(stage: str) -> None:
 
 def load_model(spec: RunSpec, source: str, precision: Precision | None = None,
                fast: FastPaths | None = None) -> Any:
-    """The model (peft-wrapped for LoRA/QLoRA) in the dtypes :mod:`workbench.precision` chose
+    """The model (peft-wrapped for LoRA/QLoRA) in the dtypes :mod:`workbench.spec.precision` chose
     for this device, with the attention kernel :mod:`workbench.train.fastpath` chose
     (``precision`` / ``fast`` override the choices, e.g. to check a GPU's choice on CPU)."""
     import torch
@@ -183,7 +183,7 @@ def training_arguments(spec: RunSpec, rd: RunDir, has_eval: bool, args_class: ty
         os.environ.setdefault("WANDB_DIR", str(rd.path))
         os.environ.setdefault("WANDB_PROJECT", "workbench")
     precision = resolve_precision(spec.model.dtype, spec.method.kind, local_device_kind())
-    from workbench.models import resolve_model
+    from workbench.spec.models import resolve_model
 
     fast = for_run(spec, resolve_model(spec.model.id), precision.load_dtype,
                    zero_stage=int(parallel.strategy[-1]) if ds_config else 0,
@@ -232,7 +232,7 @@ def snapshotting_trainer_class(base: type | None = None) -> type:
 
     from transformers import Trainer
 
-    from workbench.snapshots import commit, record_error
+    from workbench.runs.snapshots import commit, record_error
     from workbench.train.async_snapshot import AsyncWriter, wait_for_ranks
     from workbench.train.callbacks import barrier
 
@@ -325,16 +325,16 @@ def main(run_dir: str) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     _redirect_output(rd, rank)
     print(f"workbench.train rank {rank}/{world} pid {os.getpid()} run {rd.path}", flush=True)
-    from workbench import procs
+    from workbench.runs import procs
 
     procs.watch_supervisor()  # a rank ends with its supervisor, even one killed -9
     procs.record(rd, procs.ProcessIdentity.me("rank", rank))
 
-    from workbench.budget import Billing
     from workbench.data.tokenize import Collator
     from workbench.evaluate.callback import EvalCallback
-    from workbench.models import resolve_model
-    from workbench.snapshots import Uploader, agreed_resume_point, newest_verified, storage_prefix
+    from workbench.runs.budget import Billing
+    from workbench.runs.snapshots import Uploader, agreed_resume_point, newest_verified, storage_prefix
+    from workbench.spec.models import resolve_model
     from workbench.train.callbacks import BudgetSpentAtStart, RunDirCallback, SnapshotCallback, hold_callbacks
     from workbench.train.preload import import_training_libraries, imports_done
 

@@ -222,7 +222,7 @@ class _null:
 def _scratch_run_dir(spec: Any, path: Path) -> Path:
     """A run directory of this rank's own at ``path`` for the measurement of ``spec``'s step:
     the spec with the changes the module docstring lists, and a plan.json choosing DDP."""
-    from workbench.rundir import RunDir
+    from workbench.runs.rundir import RunDir
     from workbench.spec import RunSpec
 
     raw = spec.model_dump(mode="json")
@@ -247,9 +247,9 @@ def time_train_steps(model: Any, run_dir: Path, seq: int, vocab: int, on_gpu: bo
     import torch
     from transformers import TrainerCallback
 
-    from workbench.budget import Billing
     from workbench.data.batches import Collator
-    from workbench.rundir import RunDir
+    from workbench.runs.budget import Billing
+    from workbench.runs.rundir import RunDir
     from workbench.train.callbacks import RunDirCallback, SnapshotCallback
     from workbench.train.run import snapshotting_trainer_class, training_arguments
 

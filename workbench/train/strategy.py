@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from workbench.rundir import RunDir
+from workbench.runs.rundir import RunDir
 from workbench.spec import ParallelSpec, RunSpec
 
 
@@ -50,7 +50,7 @@ def deepspeed_config(parallel: ParallelSpec, cuda: bool) -> dict[str, Any] | Non
         "gradient_accumulation_steps": "auto",
         "train_batch_size": "auto",
         "gradient_clipping": "auto",
-        # Both follow TrainingArguments' bf16/fp16, which workbench.precision sets (fp16 on V100/T4).
+        # Both follow TrainingArguments' bf16/fp16, which workbench.spec.precision sets (fp16 on V100/T4).
         "bf16": {"enabled": "auto"},
         "fp16": {"enabled": "auto"},
         "zero_allow_untested_optimizer": True,

@@ -3,7 +3,7 @@
 Answers come from the per-example files that eval.jsonl lines point at (``examples``, written by
 the scorers) when the runs have them: the newest file of each model (``base`` and each run) for
 one task. Otherwise, and on request only (a button, or :meth:`AnswersView.generate`), they are
-generated greedily in the kernel with :mod:`workbench.infer` (the base model once per distinct
+generated greedily in the kernel with :mod:`workbench.serve.infer` (the base model once per distinct
 base, then each run's adapter or model), on held-out prompts: the first run's validation split.
 
 Per-example rows are JSON objects; the prompt is read from ``prompt`` (or ``input``,
@@ -113,7 +113,7 @@ def generate_answers(jobs: Sequence[Any], prompts: Sequence[str],
     """Greedy answers of each distinct base model and each run to ``prompts`` (a DataFrame)."""
     import pandas as pd
 
-    from workbench.infer import load_chat_model
+    from workbench.serve.infer import load_chat_model
 
     if not prompts:
         raise WorkbenchError("no prompts to answer; pass prompts=['...', ...]")

@@ -34,7 +34,7 @@ class CompareError(WorkbenchError, ValueError):
 
 def resolve_runs(runs: Any) -> list[Any]:
     """Jobs for ``runs`` (Jobs, ids or names), at least two distinct ones."""
-    from workbench.jobs import Job, get_job
+    from workbench.runs.jobs import Job, get_job
 
     if isinstance(runs, (str, Job)) or not isinstance(runs, Sequence):
         runs = [runs]

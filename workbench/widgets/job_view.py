@@ -18,7 +18,7 @@ from typing import Any
 import ipywidgets as W
 
 from workbench.evaluate import results
-from workbench.rundir import TERMINAL
+from workbench.runs.rundir import TERMINAL
 from workbench.widgets.charts import SeriesChart
 
 _STATE_COLOURS = {"succeeded": "#2ca02c", "failed": "#d62728", "cancelled": "#7f7f7f",

@@ -59,7 +59,7 @@ def length_figure(stats: Any, split: str = "train") -> Any:
 
 
 def _gpu_names() -> list[tuple[str, str | None]]:
-    from workbench.gpus import gpu_table
+    from workbench.targets.gpus import gpu_table
 
     return [("this machine", None)] + [(name, name) for name in gpu_table() if name != "CPU"]
 
@@ -97,7 +97,7 @@ class RunForm(W.VBox):
                                 description="GPUs/node", style=_STYLE)
         self.procs = W.IntSlider(spec.resources.procs_per_node, min=1, max=16,
                                  description="Processes", style=_STYLE)
-        from workbench.targets import target_names  # local + targets.yaml (ssh:, slurm:)
+        from workbench.targets.named import target_names  # local + targets.yaml (ssh:, slurm:)
 
         self.target = W.Dropdown(options=targets or target_names(spec.target), value=spec.target,
                                  description="Target", style=_STYLE)
@@ -133,7 +133,7 @@ class RunForm(W.VBox):
 
     def _target_changed(self, change: dict[str, Any]) -> None:
         """Show a target's defaults (targets.yaml) in the form when it is picked."""
-        from workbench.targets import TargetError, get_target
+        from workbench.targets.named import TargetError, get_target
 
         if change["new"] == "local":
             return
@@ -225,7 +225,7 @@ class RunForm(W.VBox):
         return stats
 
     def launch(self, force: bool = False) -> Any:
-        from workbench.launching import launch
+        from workbench.runs.launching import launch
 
         spec = self.validate()
         if spec is None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import workbench
 from workbench.errors import RunNotFoundError, WorkbenchError
-from workbench.jobs import Job
+from workbench.runs.jobs import Job
 
 RUN_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}"
 _RUN_ID = re.compile(RUN_ID_PATTERN + r"\Z")
@@ -46,7 +46,7 @@ def _serve_module() -> Any | None:
 
 def _snapshots_module() -> Any | None:
     try:
-        return importlib.import_module("workbench.snapshots")
+        return importlib.import_module("workbench.runs.snapshots")
     except ImportError:
         return None
 
@@ -176,7 +176,7 @@ class RunsView:
 
     def targets(self) -> list[str]:
         """Where runs can go (and be served): ``local`` first, then the configured targets."""
-        names = getattr(importlib.import_module("workbench.targets"), "target_names", None)
+        names = getattr(importlib.import_module("workbench.targets.named"), "target_names", None)
         return list(names()) if callable(names) else ["local"]
 
     def details(self, run_id: str, tail: int = 100) -> dict[str, Any]:
@@ -199,7 +199,7 @@ class RunsView:
         return details
 
     def snapshots(self, job: Job) -> list[dict[str, Any]]:
-        """The run's step-N snapshots, newest first, as ``workbench.snapshots`` lists them.
+        """The run's step-N snapshots, newest first, as ``workbench.runs.snapshots`` lists them.
 
         "complete" means the manifest was written (the library's rule for a snapshot that counts);
         checksums are not re-verified here, since that reads every byte of every snapshot.

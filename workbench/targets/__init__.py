@@ -1,0 +1,7 @@
+"""Where runs go: named targets (:mod:`.named`, WORKBENCH_HOME/targets.yaml), checking one before
+anything runs there (:mod:`.check`), model folders that live on a target (:mod:`.remote_model`),
+the GPU table (:mod:`.gpus`), GPU leases on this machine (:mod:`.leases`) and the backends that
+start a run directory on a target (:mod:`.backends`: local, SSH, Slurm).
+
+Nothing is re-exported here: import the module that owns the name.
+"""
