@@ -67,8 +67,24 @@ __all__ = [
 
 def load_ipython_extension(ipython):  # %load_ext workbench
     from workbench.cli.magics import register
+    from workbench.cli.tracebacks import install
 
     register(ipython)
+    install(ipython)
+
+
+def _in_a_shell() -> None:
+    """In IPython (a notebook kernel, the terminal shell), a Workbench error shows as its message
+    (workbench.cli.tracebacks); nothing is imported when no shell runs."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    if shell is not None and hasattr(shell, "set_custom_exc"):
+        from workbench.cli.tracebacks import install
+
+        install(shell)
+
+
+_in_a_shell()
 
 
 def __getattr__(name: str):  # PEP 562: workbench.launch, workbench.serve, ... on first use

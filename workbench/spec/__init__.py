@@ -291,6 +291,14 @@ class RunSpec(_Section):
     serve: ServeSpec = Field(default_factory=ServeSpec)
     eval: EvalSpec = Field(default_factory=EvalSpec)
 
+    def __init__(self, **data: Any) -> None:
+        # RunSpec(train={...}) reports as the YAML path does: a SpecError naming each field,
+        # with "did you mean" for a familiar name, never pydantic's text and URL.
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise SpecError(_problems(exc)) from None
+
     @field_validator("name")
     @classmethod
     def _name_ok(cls, v: str) -> str:
@@ -413,6 +421,10 @@ def _problems(exc: ValidationError) -> list[tuple[str, str]]:
     for err in exc.errors():
         loc = [str(p) for p in err["loc"]]
         path = ".".join(loc)
+        inner = (err.get("ctx") or {}).get("error")
+        if isinstance(inner, SpecError):  # RunSpec's own __init__ ran inside this validation
+            out += [(".".join(filter(None, (path, p))), m) for p, m in inner.problems]
+            continue
         if err["type"] == "extra_forbidden":
             msg = _unknown_field_message(loc)
         elif err["type"] == "literal_error":
