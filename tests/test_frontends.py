@@ -30,11 +30,30 @@ def test_run_form_round_trips_a_spec_and_previews_the_data(wb_home):
     form = RunForm(spec)
     got = form.spec
     assert (got.name, got.method.kind, got.train.epochs) == ("form-run", "full", 3)
-    assert got.train.lr == pytest.approx(1e-3, rel=0.05)  # the log slider's resolution
+    assert got == spec  # nothing touched: exactly the spec given
     assert "What" in form.preview.value and "<table" in form.preview.value
     form.lora_r.value = 32
     form.procs.value = 3
     assert form.spec.method.lora_r == 32 and form.spec.resources.procs_per_node == 3
+
+
+@pytest.mark.parametrize("fields", [
+    {"train": {"lr": 3e-3}},  # between the learning-rate slider's steps (3.16e-3)
+    {"train": {"lr": 2.5e-7, "epochs": 0.005, "batch_size": 1000}},  # past the widgets' ends
+    {"method": {"lora_r": 300}, "resources": {"gpus_per_node": 16, "gpu_type": "H200"}},
+    {"resources": {"gpus_per_node": 0, "gpu_type": "MY-CARD"}},  # not in the GPU table
+    {"method": {"stage": "dpo"}, "data": {"sources": [{"path": "p.jsonl", "format": "pairs"}]}},
+    {"method": {"kind": "qlora"}, "model": {"quantization": "8bit"}},
+    {"name": "every-knob", "train": {"lr": 1.234e-4, "warmup_ratio": 0.07, "max_steps": 37},
+     "eval": {"every_steps": 5}, "budget": {"limit": 12.5}, "checkpoint": {"every_steps": 9},
+     "data": {"sources": [{"path": "a.csv", "max_rows": 17}, {"path": "b.jsonl"}]}},
+])
+def test_the_form_never_changes_a_value_nobody_touched(wb_home, fields):
+    spec = RunSpec(**fields)
+    form = RunForm(spec)
+    assert form.spec == spec
+    form.epochs.value = 7  # the one change the user makes
+    assert form.spec == spec.updated(**{"train.epochs": 7})
 
 
 def test_run_form_shows_errors_instead_of_launching(tmp_path):

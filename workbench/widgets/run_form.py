@@ -1,13 +1,16 @@
 """RunForm: pick a model, a dataset (with a preview), a method and the key knobs; launch.
 
 The form holds a :class:`~workbench.spec.RunSpec` and nothing else: ``form.spec`` is what would be
-launched, and the Launch button calls :func:`workbench.launch` like every other front end.
+launched, and the Launch button calls :func:`workbench.launch` like every other front end. A widget
+shows its field as well as it can (a slider snaps to its grid and stops at its ends); the spec
+takes a widget's value only once it was changed (by the user, or by a picked target's defaults),
+so every field nobody touched stays exactly as it was given.
 """
 
 from __future__ import annotations
 
 import html
-from typing import Any
+from typing import Any, get_args
 
 import ipywidgets as W
 
@@ -64,6 +67,15 @@ def _gpu_names() -> list[tuple[str, str | None]]:
     return [("this machine", None)] + [(name, name) for name in gpu_table() if name != "CPU"]
 
 
+def _put(data: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set ``data[a][b]...`` for ``"a.b..."``; a number is a list index."""
+    *parents, leaf = dotted.split(".")
+    node: Any = data
+    for p in parents:
+        node = node[int(p)] if p.isdigit() else node[p]
+    node[int(leaf) if leaf.isdigit() else leaf] = value
+
+
 class RunForm(W.VBox):
     """``RunForm(spec)`` shows ``spec``'s choices; ``form.spec`` reads them back as a RunSpec."""
 
@@ -79,7 +91,7 @@ class RunForm(W.VBox):
         self.dataset = W.Combobox(value=src.path, options=[BUILTIN_DATASET],
                                   description="Dataset", style=_STYLE, layout=_WIDE,
                                   placeholder="jsonl / csv / parquet path, or ORG/NAME")
-        self.format = W.Dropdown(options=["auto", "alpaca", "sharegpt", "messages", "text"],
+        self.format = W.Dropdown(options=list(get_args(DataSource.model_fields["format"].annotation)),
                                  value=src.format, description="Format", style=_STYLE)
         self.preview = W.HTML()
         self.lengths = W.Output(layout=W.Layout(width="540px"))
@@ -101,7 +113,10 @@ class RunForm(W.VBox):
 
         self.target = W.Dropdown(options=targets or target_names(spec.target), value=spec.target,
                                  description="Target", style=_STYLE)
-        self.gpu_type = W.Dropdown(options=_gpu_names(), value=spec.resources.gpu_type,
+        gpu_names = _gpu_names()
+        if spec.resources.gpu_type not in [value for _label, value in gpu_names]:
+            gpu_names.append((str(spec.resources.gpu_type), spec.resources.gpu_type))
+        self.gpu_type = W.Dropdown(options=gpu_names, value=spec.resources.gpu_type,
                                    description="GPU type", style=_STYLE)
         self.plan_text = W.HTML()
         self.plan_plot = W.Image(format="png", layout=W.Layout(width="520px"))
@@ -111,6 +126,15 @@ class RunForm(W.VBox):
         self.launch_button = W.Button(description="Launch", icon="play", button_style="primary")
         self.launch_button.on_click(lambda _b: self.launch())
         self.output = W.Output()
+        # Each widget and the spec field it shows; what it showed first tells whether it changed.
+        self._fields: dict[str, Any] = {
+            "name": self.name, "model.id": self.model, "data.sources.0.path": self.dataset,
+            "data.sources.0.format": self.format, "method.kind": self.method,
+            "method.lora_r": self.lora_r, "train.lr": self.lr, "train.epochs": self.epochs,
+            "train.batch_size": self.batch, "resources.gpus_per_node": self.gpus,
+            "resources.processes_per_node": self.procs, "resources.gpu_type": self.gpu_type,
+            "target": self.target}
+        self._shown = {path: w.value for path, w in self._fields.items()}
         self.dataset.observe(lambda _c: self.update_preview(), names="value")
         self.format.observe(lambda _c: self.update_preview(), names="value")
         for w in (self.model, self.method, self.lora_r, self.lr, self.epochs, self.batch,
@@ -141,28 +165,22 @@ class RunForm(W.VBox):
             defaults = dict(get_target(change["new"]).defaults)
         except TargetError:
             return  # validate() and launch say what is wrong with the target
-        shown = {"resources.gpus_per_node": self.gpus, "train.lr": self.lr,
-                 "resources.processes_per_node": self.procs, "train.batch_size": self.batch}
-        for key in [k for k in defaults if k in shown]:
-            shown[key].value = defaults.pop(key)
-        if defaults:  # the rest (e.g. resources.nodes) has no widget: keep it in the spec
-            self._base = self._base.updated(**defaults)
+        # The defaults go into the spec as they are; a widget showing one shows it as well as it
+        # can (a slider snaps to its grid) and counts as unchanged, so the spec keeps the default.
+        self._base = self._base.updated(**defaults)
+        for key in [k for k in defaults if k in self._fields]:
+            self._fields[key].value = defaults[key]
+            self._shown[key] = self._fields[key].value
 
     @property
     def spec(self) -> RunSpec:
         """The RunSpec the form describes (raises SpecError if a choice is invalid)."""
         data = self._base.model_dump(mode="json")
-        data["name"] = self.name.value
-        data["model"]["id"] = self.model.value
-        data["data"]["sources"][0].update(path=self.dataset.value, format=self.format.value)
-        data["method"].update(kind=self.method.value, lora_r=self.lora_r.value)
-        data["train"].update(lr=self.lr.value, epochs=self.epochs.value,
-                             batch_size=self.batch.value)
-        data["resources"].update(gpus_per_node=self.gpus.value,
-                                 processes_per_node=self.procs.value)
-        data["resources"]["gpu_type"] = self.gpu_type.value
-        data["target"] = self.target.value
-        if self.method.value != "qlora":
+        changed = {path: w.value for path, w in self._fields.items()
+                   if w.value != self._shown[path]}
+        for path, value in changed.items():
+            _put(data, path, value)
+        if changed.get("method.kind", "qlora") != "qlora":
             data["model"]["quantization"] = "none"
         return RunSpec.parse(data)
 
