@@ -12,7 +12,7 @@ from workbench.data.prepare import prepare_data, preview_rows
 from workbench.data.sources import read_rows
 from workbench.data.split import assign_split
 from workbench.data.tokenize import IGNORE, Collator, tokenize_example
-from workbench.errors import DatasetError, DatasetFormatError, EmptyDatasetError
+from workbench.errors import DatasetError, DatasetFormatError, EmptyDatasetError, SpecError
 from workbench.spec import DataSource, RunSpec
 
 ALPACA = [{"instruction": "Opposite of up?", "input": "", "output": "down"},
@@ -147,6 +147,52 @@ def test_prepare_writes_split_files_and_summary(tmp_path):
     assert not set(train) & set(val)
     assert 0 < len(val) < 0.2 * len(lines)  # validation_fraction 0.1, by content hash
     assert json.loads((tmp_path / "summary.json").read_text())["counts"] == summary.counts
+
+
+def test_a_csv_of_questions_and_answers_is_refused_with_the_mapping_that_fixes_it(tmp_path):
+    import csv
+
+    path = tmp_path / "qa.csv"
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["id", "Question", "Answer", "topic"])
+        w.writerows([[1, "What is 2+2?", "4", "math"], [2, "Capital of France?", "Paris", "geo"],
+                     [3, "Opposite of up?", "down", "words"]])
+    with pytest.raises(DatasetFormatError) as info:
+        prepare_data(RunSpec(data={"sources": [{"path": str(path)}]}), tmp_path / "a")
+    assert "columns: {prompt: Question, response: Answer}" in str(info.value)
+    # The suggestion, taken as it is, works: the rows train as question -> answer.
+    spec = RunSpec(data={"sources": [{"path": str(path),
+                                      "columns": {"prompt": "Question", "response": "Answer"}}],
+                         "validation_fraction": 0})
+    prepare_data(spec, tmp_path / "b")
+    rows = [json.loads(x) for x in (tmp_path / "b" / "train.jsonl").read_text().splitlines()]
+    assert sorted(tuple(m["content"] for m in r["messages"]) for r in rows) == [
+        ("Capital of France?", "Paris"), ("Opposite of up?", "down"), ("What is 2+2?", "4")]
+
+
+def test_columns_name_the_parts_of_preference_and_chat_data(tmp_path):
+    from workbench.data.preference import normalise
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"q": "Opposite of up?", "good": "down", "bad": "left"}) + "\n")
+    source = DataSource(path=str(pairs), columns={"prompt": "q", "chosen": "good",
+                                                  "rejected": "bad"})
+    [(where, row)] = list(read_rows(source))
+    assert normalise(row, "dpo", where)[0] == {
+        "prompt": [{"role": "user", "content": "Opposite of up?"}],
+        "chosen": [{"role": "assistant", "content": "down"}],
+        "rejected": [{"role": "assistant", "content": "left"}]}
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"dialogue": [{"from": "human", "value": "hi"},
+                                             {"from": "gpt", "value": "hello"}]}) + "\n")
+    [ex] = preview_rows(DataSource(path=str(chat), columns={"messages": "dialogue"}))
+    assert ex == {"messages": [{"role": "user", "content": "hi"},
+                               {"role": "assistant", "content": "hello"}]}
+    with pytest.raises(DatasetFormatError, match=r"no column\(s\) \['dialog'\].*'dialogue'"):
+        preview_rows(DataSource(path=str(chat), columns={"messages": "dialog"}))
+    with pytest.raises(SpecError, match="data.sources.0.columns.*unknown part"):
+        RunSpec(data={"sources": [{"path": str(chat), "columns": {"promt": "q"}}]})
 
 
 def test_prepared_data_is_reused_by_content_and_redone_when_the_bytes_change(tmp_path):

@@ -44,6 +44,7 @@ def test_run_form_round_trips_a_spec_and_previews_the_data(wb_home):
     {"resources": {"gpus_per_node": 0, "gpu_type": "MY-CARD"}},  # not in the GPU table
     {"method": {"stage": "dpo"}, "data": {"sources": [{"path": "p.jsonl", "format": "pairs"}]}},
     {"method": {"kind": "qlora"}, "model": {"quantization": "8bit"}},
+    {"data": {"sources": [{"path": "qa.csv", "columns": {"prompt": "q", "response": "a"}}]}},
     {"name": "every-knob", "train": {"lr": 1.234e-4, "warmup_ratio": 0.07, "max_steps": 37},
      "eval": {"every_steps": 5}, "budget": {"limit": 12.5}, "checkpoint": {"every_steps": 9},
      "data": {"sources": [{"path": "a.csv", "max_rows": 17}, {"path": "b.jsonl"}]}},
@@ -54,6 +55,21 @@ def test_the_form_never_changes_a_value_nobody_touched(wb_home, fields):
     assert form.spec == spec
     form.epochs.value = 7  # the one change the user makes
     assert form.spec == spec.updated(**{"train.epochs": 7})
+
+
+def test_the_form_offers_the_column_mapping_a_file_needs(wb_home, tmp_path):
+    path = tmp_path / "qa.csv"
+    path.write_text("Question,Answer\nWhat is 2+2?,4\nCapital of France?,Paris\n")
+    form = RunForm(RunSpec(data={"sources": [{"path": str(path)}]}))
+    assert "cannot tell the format" in form.preview.value
+    assert form.use_columns.layout.display != "none"
+    assert form.use_columns.description == "Use columns: prompt=Question, response=Answer"
+    form.use_columns.click()
+    assert "What is 2+2?" in form.preview.value and "Paris" in form.preview.value
+    assert form.use_columns.layout.display == "none"
+    assert form.spec.data.sources[0].columns == {"prompt": "Question", "response": "Answer"}
+    form.columns.value = "prompt"  # half-written: the form says how to write it
+    assert "write PART=COLUMN" in form.message.value and form.launch_button.disabled
 
 
 def test_run_form_shows_errors_instead_of_launching(tmp_path):

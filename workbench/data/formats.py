@@ -35,11 +35,63 @@ def detect_format(row: dict[str, Any], where: str) -> str:
         return "alpaca"
     if "text" in row:
         return "text"
+    guess = suggest_columns(row)
+    fix = (f"name the parts of your columns in data.sources[].columns, e.g. columns: "
+           f"{{{', '.join(f'{k}: {v}' for k, v in guess.items())}}}" if guess else
+           "name the parts of your columns in data.sources[].columns (prompt, response, "
+           "system, messages, text, chosen, rejected)")
     raise DatasetFormatError(
-        f"{where}: cannot tell the format from its fields {sorted(row)}; expected one of: "
+        f"{where}: cannot tell the format from its columns {sorted(row)}; {fix}. Known layouts: "
         + "; ".join(f"{k} ({v})" for k, v in FIELDS.items())
-        + ". Rename the fields or set data.sources[].format"
     )
+
+
+# Column names people give each part, most common first (for the suggestion in an error).
+_LIKELY = {
+    "prompt": ("prompt", "question", "query", "input", "instruction", "q", "problem", "source",
+               "user", "human"),
+    "response": ("response", "answer", "output", "completion", "target", "a", "solution",
+                 "assistant", "reply", "gpt"),
+    "system": ("system", "system_prompt"),
+    "chosen": ("chosen",), "rejected": ("rejected",),
+}
+
+
+def suggest_columns(row: dict[str, Any]) -> dict[str, str]:
+    """A guess at ``data.sources[].columns`` for a row whose layout is not a known one: which of
+    its string columns look like the prompt and the response (empty when nothing fits)."""
+    by_name = {str(k).strip().lower(): k for k, v in row.items() if isinstance(v, str)}
+    out: dict[str, str] = {}
+    for part, names in _LIKELY.items():
+        hit = next((by_name[n] for n in names if n in by_name and by_name[n] not in
+                    out.values()), None)
+        if hit is not None:
+            out[part] = hit
+    return out if "prompt" in out and ("response" in out or "chosen" in out) else {}
+
+
+def map_columns(row: dict[str, Any], columns: dict[str, str], where: str) -> dict[str, Any]:
+    """``row`` with its columns renamed to the parts ``columns`` gives them (a source's
+    ``columns``), in the layout the formats read: prompt/query/response/system become alpaca's
+    instruction/input/output/system when there is a response, else the prompt stays a prompt
+    (preference and GRPO data); messages become sharegpt's conversations when their turns have
+    ``from``/``value``."""
+    missing = [c for c in columns.values() if c not in row]
+    if missing:
+        raise DatasetFormatError(
+            f"{where} has no column(s) {missing} (named in data.sources[].columns); its columns "
+            f"are {sorted(row)}")
+    out = {k: v for k, v in row.items() if k not in set(columns.values())}
+    alpaca = "response" in columns
+    names = {"prompt": "instruction" if alpaca else "prompt", "query": "input",
+             "response": "output"}
+    for part, column in columns.items():
+        value = row[column]
+        if part == "messages":
+            first = value[0] if isinstance(value, list) and value else {}
+            part = "conversations" if isinstance(first, dict) and "from" in first else "messages"
+        out[names.get(part, part)] = value
+    return out
 
 
 def _missing(where: str, fmt: str, field: str) -> DatasetFormatError:

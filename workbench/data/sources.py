@@ -19,6 +19,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
+from workbench.data.formats import map_columns
 from workbench.errors import DatasetError, DatasetFormatError
 from workbench.spec import DataSource
 
@@ -27,9 +28,14 @@ FILE_KINDS = {".jsonl": "jsonl", ".json": "json", ".csv": "csv", ".parquet": "pa
 
 
 def read_rows(source: DataSource) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The source's rows, at most ``max_rows`` of them, with its ``columns`` named as the parts
+    they play."""
     rows = _read_all(source)
     if source.max_rows is not None:
         rows = islice(rows, source.max_rows)
+    if source.columns:
+        columns = source.columns
+        return ((where, map_columns(row, columns, where)) for where, row in rows)
     return rows
 
 

@@ -40,6 +40,11 @@ class ModelSpec(_Section):
     trust_remote_code: bool = False
 
 
+# The parts a dataset column can play (DataSource.columns), each with what it means.
+COLUMN_ROLES = ("prompt", "query", "response", "system", "messages", "text", "chosen",
+                "rejected", "completion", "label")
+
+
 class DataSource(_Section):
     path: str = Field(BUILTIN_DATASET, description="jsonl/csv/parquet file, datasets folder, hub id")
     # pairs, unpaired, prompts: preference data for method.stage dpo/orpo, kto, grpo
@@ -47,6 +52,23 @@ class DataSource(_Section):
                     "prompts"] = "auto"
     split: str = "train"  # which split of a hub dataset or a DatasetDict on disk
     max_rows: int | None = Field(None, gt=0)  # read at most this many rows (quick trials)
+    # Which of the file's columns plays which part, e.g. {prompt: question, response: answer}:
+    # prompt, query (extra input), response, system, messages, text, chosen, rejected,
+    # completion, label. Columns not named keep their names.
+    columns: dict[str, str] | None = None
+
+    @field_validator("columns")
+    @classmethod
+    def _columns_ok(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        if v is None:
+            return v
+        unknown = sorted(set(v) - set(COLUMN_ROLES))
+        if unknown:
+            raise ValueError(f"unknown part(s) {unknown}; a column can be the "
+                             f"{', '.join(COLUMN_ROLES)}")
+        if len(set(v.values())) < len(v):
+            raise ValueError("one column is named for two parts; name each column once")
+        return v
 
 
 class CleanSpec(_Section):

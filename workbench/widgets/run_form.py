@@ -14,7 +14,7 @@ from typing import Any, get_args
 
 import ipywidgets as W
 
-from workbench.errors import WorkbenchError
+from workbench.errors import SpecError, WorkbenchError
 from workbench.spec import BUILTIN_DATASET, BUILTIN_MODEL, DataSource, RunSpec
 
 _STYLE = {"description_width": "110px"}
@@ -76,6 +76,22 @@ def _put(data: dict[str, Any], dotted: str, value: Any) -> None:
     node[int(leaf) if leaf.isdigit() else leaf] = value
 
 
+def _columns_text(columns: dict[str, str] | None) -> str:
+    return ", ".join(f"{part}={column}" for part, column in (columns or {}).items())
+
+
+def _parse_columns(text: str) -> dict[str, str] | None:
+    """``"prompt=question, response=answer"`` as a source's ``columns``; None when empty."""
+    out = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        part, eq, column = item.partition("=")
+        if not eq or not part.strip() or not column.strip():
+            raise SpecError([("data.sources.0.columns",
+                              f"{item!r}: write PART=COLUMN, e.g. prompt=question")])
+        out[part.strip()] = column.strip()
+    return out or None
+
+
 class RunForm(W.VBox):
     """``RunForm(spec)`` shows ``spec``'s choices; ``form.spec`` reads them back as a RunSpec."""
 
@@ -93,6 +109,12 @@ class RunForm(W.VBox):
                                   placeholder="jsonl / csv / parquet path, or ORG/NAME")
         self.format = W.Dropdown(options=list(get_args(DataSource.model_fields["format"].annotation)),
                                  value=src.format, description="Format", style=_STYLE)
+        self.columns = W.Text(_columns_text(src.columns), description="Columns", style=_STYLE,
+                              layout=_WIDE, placeholder="prompt=question, response=answer")
+        self.use_columns = W.Button(description="Use these columns", icon="check",
+                                    layout=W.Layout(display="none"))
+        self.use_columns.on_click(lambda _b: self._take_suggestion())
+        self._suggested = ""
         self.preview = W.HTML()
         self.lengths = W.Output(layout=W.Layout(width="540px"))
         self.method = W.ToggleButtons(options=["lora", "qlora", "full"], value=spec.method.kind,
@@ -135,18 +157,21 @@ class RunForm(W.VBox):
             "resources.processes_per_node": self.procs, "resources.gpu_type": self.gpu_type,
             "target": self.target}
         self._shown = {path: w.value for path, w in self._fields.items()}
+        self._shown_columns = self.columns.value
         self.dataset.observe(lambda _c: self.update_preview(), names="value")
+        self.columns.observe(lambda _c: self.update_preview(), names="value")
         self.format.observe(lambda _c: self.update_preview(), names="value")
         for w in (self.model, self.method, self.lora_r, self.lr, self.epochs, self.batch,
-                  self.gpus, self.procs, self.target, self.name, self.gpu_type):
+                  self.gpus, self.procs, self.target, self.name, self.gpu_type, self.columns):
             w.observe(lambda _c: self.validate(), names="value")
         self.gpus.observe(self._gpus_changed, names="value")
         self.target.observe(self._target_changed, names="value")
         super().__init__([
             W.HTML("<b>Fine-tuning run</b>"), self.name, self.model, self.dataset, self.format,
-            self.preview, self.lengths, self.method, self.lora_r, self.lr, self.epochs, self.batch, self.gpus,
-            self.procs, self.gpu_type, self.target, W.HTML("<b>Plan</b>"), self.plan_text,
-            self.plan_plot, self.force, self.message, self.launch_button, self.output,
+            self.columns, W.HBox([self.preview, self.use_columns]), self.lengths, self.method,
+            self.lora_r, self.lr, self.epochs, self.batch, self.gpus, self.procs, self.gpu_type,
+            self.target, W.HTML("<b>Plan</b>"), self.plan_text, self.plan_plot, self.force,
+            self.message, self.launch_button, self.output,
         ])
         self.update_preview()
         self.validate()
@@ -180,6 +205,8 @@ class RunForm(W.VBox):
                    if w.value != self._shown[path]}
         for path, value in changed.items():
             _put(data, path, value)
+        if self.columns.value != self._shown_columns:
+            data["data"]["sources"][0]["columns"] = _parse_columns(self.columns.value)
         if changed.get("method.kind", "qlora") != "qlora":
             data["model"]["quantization"] = "none"
         return RunSpec.parse(data)
@@ -214,13 +241,43 @@ class RunForm(W.VBox):
     def update_preview(self) -> None:
         from workbench.data.prepare import preview_rows
 
+        self.use_columns.layout.display = "none"
         try:
-            rows = preview_rows(DataSource(path=self.dataset.value, format=self.format.value), 3)
+            rows = preview_rows(self._source(), 3)
             self.preview.value = _preview_html(rows)
         except WorkbenchError as exc:
             self.preview.value = f"<span style='color:#d62728'>{html.escape(str(exc))}</span>"
+            self._offer_columns()
             return
         self.update_lengths()
+
+    def _source(self) -> DataSource:
+        """The first data source as the form shows it (the rest of the spec may be invalid)."""
+        columns = (_parse_columns(self.columns.value) if self.columns.value != self._shown_columns
+                   else self._base.data.sources[0].columns)
+        return DataSource.model_validate({**self._base.data.sources[0].model_dump(),
+                                          "path": self.dataset.value, "format": self.format.value,
+                                          "columns": columns})
+
+    def _offer_columns(self) -> None:
+        """Where the file's first row has columns that look like a prompt and a response, offer
+        them as the mapping (one click fills Columns)."""
+        from workbench.data.formats import suggest_columns
+        from workbench.data.sources import read_rows
+
+        try:
+            source = DataSource(path=self.dataset.value, format=self.format.value)
+            _where, row = next(iter(read_rows(source)))
+        except (WorkbenchError, StopIteration, OSError):
+            return
+        guess = suggest_columns(row)
+        if guess and _columns_text(guess) != self.columns.value:
+            self._suggested = _columns_text(guess)
+            self.use_columns.description = f"Use columns: {self._suggested}"
+            self.use_columns.layout.display = None
+
+    def _take_suggestion(self) -> None:
+        self.columns.value = self._suggested
 
     def update_lengths(self, sample: int = 500) -> Any:
         """Token statistics of the first ``sample`` rows, with a length histogram."""
