@@ -52,6 +52,32 @@ def test_long_prompts_are_refused_before_anything_starts(tmp_path):
     assert set(runs_dir().iterdir()) == before_runs
 
 
+def test_a_launch_that_cuts_most_prompts_says_how_many_and_how_much(tmp_path):
+    from workbench.data.tokenize import load_tokenizer
+    from workbench.errors import DataTruncationWarning
+    from workbench.spec import RunSpec
+    from workbench.spec.models import resolve_model
+
+    rows = [_long_prompt_chat(i) for i in range(64)]
+    path = _write_jsonl(tmp_path / "long.jsonl", rows)
+    spec = RunSpec(name="cut", data={"sources": [{"path": str(path)}], "max_length": 64,
+                                     "truncation": "keep_response", "validation_fraction": 0.0},
+                   train={"max_steps": 1})
+    with pytest.warns(DataTruncationWarning) as said:
+        job = workbench.launch(spec)
+    job.wait(timeout=600)
+    [notice] = [str(w.message) for w in said if w.category is DataTruncationWarning]
+    # The oracle: the chat template's own token counts, from transformers.
+    tok = load_tokenizer(spec, resolve_model(spec.model.id))
+    whole = sum(len(tok(tok.apply_chat_template(r["messages"], tokenize=False),
+                        add_special_tokens=False)["input_ids"]) for r in rows)
+    cut = round(100 * (whole - 64 * 64) / whole)
+    assert notice.startswith("64 of 64 training examples are longer than data.max_length 64 "
+                             "and are cut (prompt first"), notice
+    assert any(f"losing {p}% of their tokens" in notice for p in (cut - 1, cut, cut + 1)), notice
+    assert job.status()["notices"] == [notice]
+
+
 def _watch_phases(stop: threading.Event, seen: list) -> None:
     registry = Registry()
     while not stop.is_set():

@@ -51,6 +51,11 @@ class DataTruncationError(DatasetError):
     """Truncation to data.max_length would leave too few examples with anything to train on."""
 
 
+class DataTruncationWarning(UserWarning):
+    """Truncation to data.max_length cuts more than a few training examples (the run still
+    trains on what is left); the message says how many, how much and what to change."""
+
+
 class ResourceError(WorkbenchError, RuntimeError):
     """The requested resources (GPUs, processes) are not available on the target."""
 

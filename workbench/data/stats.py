@@ -32,6 +32,8 @@ class SplitStats:
     truncated: int = 0  # longer than max_length, shortened but still trained
     dropped: int = 0  # no trained token left after truncation (never trained on)
     trainable_tokens: int = 0
+    cut_tokens: int = 0  # tokens truncation removed from the truncated examples
+    truncated_tokens: int = 0  # those examples' tokens before truncation
     tokens: dict[str, Any] = field(default_factory=dict)  # min/median/p95/max before truncation
     prompt_tokens: dict[str, Any] = field(default_factory=dict)
     response_tokens: dict[str, Any] = field(default_factory=dict)
@@ -49,6 +51,10 @@ class SplitStats:
         trainable = enc.trainable
         self.examples += 1
         self.truncated += enc.truncated and trainable > 0
+        if enc.truncated:
+            before = enc.prompt_tokens + enc.response_tokens
+            self.truncated_tokens += before
+            self.cut_tokens += max(0, before - len(enc.input_ids))
         self.dropped += trainable == 0
         self.trainable_tokens += trainable
         self.lengths.append(enc.prompt_tokens + enc.response_tokens)
@@ -79,6 +85,7 @@ class SplitStats:
         self.summarised()
         return {"examples": self.examples, "kept": self.kept, "truncated": self.truncated,
                 "dropped": self.dropped, "trainable_tokens": self.trainable_tokens,
+                "cut_tokens": self.cut_tokens, "truncated_tokens": self.truncated_tokens,
                 "tokens": self.tokens, "prompt_tokens": self.prompt_tokens,
                 "response_tokens": self.response_tokens,
                 "histogram": self.histogram(max_length)}
@@ -86,7 +93,8 @@ class SplitStats:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SplitStats:
         return cls(examples=d["examples"], truncated=d["truncated"], dropped=d["dropped"],
-                   trainable_tokens=d["trainable_tokens"], tokens=d["tokens"],
+                   trainable_tokens=d["trainable_tokens"], cut_tokens=d.get("cut_tokens", 0),
+                   truncated_tokens=d.get("truncated_tokens", 0), tokens=d["tokens"],
                    prompt_tokens=d["prompt_tokens"], response_tokens=d["response_tokens"],
                    saved_histogram=d.get("histogram"))
 

@@ -39,7 +39,8 @@ from workbench.spec import RunSpec
 
 # Where callers found them before the cache and the table had modules of their own.
 __all__ = ["cached_stats", "check_trainable", "eval_sample", "files_key", "load_tokenized",
-           "prepare_tokenized", "reuse_tokenized", "token_stats", "tokenize_split"]
+           "prepare_tokenized", "reuse_tokenized", "token_stats", "tokenize_split",
+           "truncation_notice"]
 
 
 def reuse_tokenized(spec: RunSpec, run_dir: Any, key: str | None) -> TokenStats | None:
@@ -133,6 +134,29 @@ def check_trainable(stats: TokenStats, spec: RunSpec) -> None:
         "Raise data.max_length, use data.truncation: keep_response, shorten the prompts, or "
         "raise data.max_dropped_fraction to train on the rest"
     )
+
+
+# Truncation worth a word at launch: more than this many training examples, and at least this
+# share of them (a few long outliers in a large set are what max_length is for).
+NOTICE_MIN_EXAMPLES = 3
+NOTICE_MIN_SHARE = 0.01
+
+
+def truncation_notice(stats: TokenStats, spec: RunSpec) -> str | None:
+    """What a launch says when truncation touches more than a few training examples: how many,
+    how much of them is cut, and how to change it; None when it does not."""
+    train = stats.splits["train"]
+    if train.truncated <= NOTICE_MIN_EXAMPLES or train.truncated < NOTICE_MIN_SHARE * train.examples:
+        return None
+    lost = (f", losing {train.cut_tokens / train.truncated_tokens:.0%} of their tokens"
+            if train.truncated_tokens else "")
+    part = ("prompt first, data.truncation keep_response" if spec.data.truncation ==
+            "keep_response" else "at the end, data.truncation right")
+    longest = train.summarised().tokens.get("max")
+    return (f"{train.truncated:,} of {train.examples:,} training examples are longer than "
+            f"data.max_length {spec.data.max_length} and are cut ({part}){lost}; the longest "
+            f"has {longest} tokens. Raise data.max_length, or shorten the data, if the model "
+            "should see them whole")
 
 
 def load_tokenized(data_dir: Path, split: str) -> Any:

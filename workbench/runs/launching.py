@@ -17,10 +17,11 @@ import secrets
 import shutil
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from workbench.errors import LaunchError
+from workbench.errors import DataTruncationWarning, LaunchError
 from workbench.runs.home import runs_dir
 from workbench.runs.jobs import Job, submit_attempt
 from workbench.runs.registry import Registry, RunRecord
@@ -90,6 +91,7 @@ def _prepare_data(spec: RunSpec, rd: RunDir, force: bool = False,
         files_key,
         prepare_tokenized,
         reuse_tokenized,
+        truncation_notice,
     )
 
     if spec.method.stage != "sft":  # preference/prompt rows: checked here, tokenised by TRL
@@ -118,6 +120,10 @@ def _prepare_data(spec: RunSpec, rd: RunDir, force: bool = False,
             return
         stats = prepare_tokenized(spec, rd, tokenizer, key=key)
     check_trainable(stats, spec)  # the cached statistics are checked exactly as fresh ones
+    notice = truncation_notice(stats, spec)
+    if notice:  # said where the user looks (stderr: the notebook cell, the terminal, the form)
+        rd.write_status(notices=[notice])
+        warnings.warn(notice, DataTruncationWarning, stacklevel=4)
     # The plan measured a sample; what the run will train on is now known exactly.
     plan = json.loads(rd.plan_file.read_text(encoding="utf-8"))
     longest = (stats.splits["train"].summarised().tokens or {}).get("max")
