@@ -66,6 +66,21 @@ def test_eval_loss_objective_needs_a_validation_split():
         workbench.sweep(spec, space={"train.lr": [1e-4]})
 
 
+def test_money_shows_what_was_spent_and_what_is_held_apart():
+    from workbench.sweep.runner import money
+
+    # Six trials started, none ended: everything is held, nothing is spent yet.
+    started = {"budget": 1500, "currency": "CNY",
+               "trials": [{"state": "running", "limit": 250} for _ in range(6)]}
+    assert money(started) == "spent 0 · held 1500 of 1500 CNY"
+    ended = {"budget": 100, "currency": "CNY", "trials": [
+        {"state": "succeeded", "released": True, "cost": 12.5, "limit": 30},
+        {"state": "pruned", "released": True, "cost": 0.25, "limit": 30},
+        {"state": "running", "limit": 30}, {"state": "waiting", "limit": 30},
+        {"state": "skipped", "limit": None}]}
+    assert money(ended) == "spent 12.75 · held 30 of 100 CNY"
+
+
 def test_unknown_sweep_is_a_typed_error():
     with pytest.raises(SweepNotFoundError, match="no sweep"):
         workbench.get_sweep("no-such-sweep")

@@ -56,11 +56,23 @@ class Sweep:
 
     @property
     def spent(self) -> float:
-        """Final bills of ended trials plus the limits of running ones (the sweep's ledger);
-        once the sweep has ended, the sum of its trials' costs."""
-        from workbench.sweep.runner import committed
+        """What the sweep has spent: the final bills of its ended trials."""
+        from workbench.sweep.runner import spent
 
-        return committed(self.data())
+        return spent(self.data())
+
+    @property
+    def held(self) -> float:
+        """What the sweep holds for its trials under way (their limits): promised, not spent."""
+        from workbench.sweep.runner import held
+
+        return held(self.data())
+
+    def money(self, data: dict[str, Any] | None = None) -> str:
+        """'spent 12.3 · held 40 of 100 CNY': spent and held apart, against the budget."""
+        from workbench.sweep.runner import money
+
+        return money(data or self.data())
 
     @property
     def trials(self) -> list[dict[str, Any]]:
@@ -117,8 +129,7 @@ class Sweep:
                 ended = sum(1 for t in data["trials"] if t.get("released"))
                 if bar is not None:
                     bar.n = ended
-                    bar.set_postfix_str(f"{data['state']}, spent {self.spent:.4g} "
-                                        f"{data.get('currency', '')}", refresh=True)
+                    bar.set_postfix_str(f"{data['state']}, {self.money(data)}", refresh=True)
                 if data["state"] in rec.ENDED:
                     return str(data["state"])
                 if not self.controller_alive and self.data()["state"] not in rec.ENDED:
@@ -171,7 +182,6 @@ class Sweep:
         import html
 
         data = self.data()
-        budget = f" of {data['budget']:g}" if data.get("budget") else ""
-        head = (f"<b>{html.escape(self.id)}</b> {html.escape(str(data['state']))} · spent "
-                f"{self.spent:.4g}{budget} {html.escape(data.get('currency', ''))}")
+        head = (f"<b>{html.escape(self.id)}</b> {html.escape(str(data['state']))} · "
+                f"{html.escape(self.money(data))}")
         return head + self.trials_df().to_html(index=False, na_rep="")

@@ -83,15 +83,28 @@ def asked(data: dict[str, Any]) -> int:
     return sum(1 for t in data["trials"] if not t.get("abandoned"))
 
 
+def spent(data: dict[str, Any]) -> float:
+    """What the sweep has spent: the final bills of its ended trials."""
+    return sum(float(t.get("cost") or 0.0) for t in data["trials"] if t.get("released"))
+
+
+def held(data: dict[str, Any]) -> float:
+    """What the sweep holds for trials under way: their limits (not spent yet)."""
+    return sum(float(t["limit"]) for t in data["trials"] if not t.get("released") and
+               t.get("state") not in (rec.WAITING, rec.SKIPPED) and t.get("limit") is not None)
+
+
+def money(data: dict[str, Any]) -> str:
+    """'spent 12.3 · held 40 of 100 CNY': what was spent and what is held, apart."""
+    budget = f" of {data['budget']:g}" if data.get("budget") else ""
+    holding = held(data)
+    return (f"spent {spent(data):.4g}" + (f" · held {holding:.4g}" if holding else "")
+            + f"{budget} {data.get('currency', '')}").rstrip()
+
+
 def committed(data: dict[str, Any]) -> float:
     """What the sweep has spent or promised: final bills of ended trials, limits of the rest."""
-    total = 0.0
-    for t in data["trials"]:
-        if t.get("released"):
-            total += float(t.get("cost") or 0.0)
-        elif t.get("state") not in (rec.WAITING, rec.SKIPPED) and t.get("limit") is not None:
-            total += float(t["limit"])
-    return total
+    return spent(data) + held(data)
 
 
 class Controller:

@@ -70,10 +70,8 @@ class SweepView(W.VBox):
     def refresh(self) -> None:
         data = self.sweep.data()
         df = self.sweep.trials_df()
-        budget = f" of {data['budget']:g}" if data.get("budget") else ""
         self.header.value = (f"<b>{html.escape(self.sweep.id)}</b> · {html.escape(data['state'])}"
-                             f" · {data['strategy']} · spent <b>{self.sweep.spent:.4g}</b>"
-                             f"{budget} {html.escape(data.get('currency', ''))}")
+                             f" · {data['strategy']} · {html.escape(self.sweep.money(data))}")
         self.table.value = df.drop(columns=["limit"]).to_html(index=False, na_rep="",
                                                               float_format="{:.4g}".format)
         self.select.options = [(f"trial {t['number']}", t["run_id"]) for t in data["trials"]
