@@ -18,6 +18,7 @@ from typing import Any
 
 from workbench.errors import BudgetError, JobFailedError, RunBusyError, WorkbenchError
 from workbench.runs import procs
+from workbench.runs.readable import Readable
 from workbench.runs.registry import Registry, RunRecord
 from workbench.runs.rundir import (
     BUDGET_STOPPED,
@@ -361,13 +362,14 @@ class Job:
         return loss_figure(self.metrics(), title=self.id, ax=ax)
 
     def summary(self) -> dict[str, Any]:
-        """One flat dict of what a person asks first: state, progress, loss, speed, time."""
+        """One flat dict of what a person asks first: state, progress, loss, speed, time (shown
+        rounded and in units in a notebook; the values themselves are exact)."""
         status = self.status()
         rows = self.metrics()
         train = [m for m in rows if "loss" in m]
         evals = [m for m in rows if "eval_loss" in m]
         speeds = [m["tokens_per_s"] for m in train if m.get("tokens_per_s")]
-        return {
+        return Readable({
             "id": self.id, "state": status.get("state"), "target": self.target,
             "step": status.get("step"), "total_steps": status.get("total_steps"),
             "first_loss": train[0]["loss"] if train else None,
@@ -388,7 +390,7 @@ class Job:
             "error": status.get("error"),
             "note": status.get("note"),  # why a run stopped short, and how to go on (budget)
             "phase": _phase(status),  # e.g. "preparing train 40000/200000" during launch
-        }
+        })
 
     def planned(self) -> dict[str, Any]:
         """plan.json's total seconds and cost (None without a plan or before plans had a clock)."""
