@@ -547,3 +547,14 @@ def test_builtin_tokenizer_is_autotokenizers_without_importing_its_registry(tiny
         tokenizer(["Repeat 12.", " a  b\tc"])["input_ids"],
         tokenizer.apply_chat_template(chat, tokenize=False),
         tokenizer.apply_chat_template(chat[:2], tokenize=False, add_generation_prompt=True)]
+
+
+def test_building_the_tiny_model_prints_no_progress_bar(tmp_path, capfd):
+    from transformers.utils import logging as hf_logging
+
+    from workbench.assets.tiny_model import build_tiny_model
+
+    build_tiny_model(tmp_path / "tiny")
+    assert (tmp_path / "tiny" / "config.json").is_file()
+    assert "Writing model shards" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()  # put back as it was

@@ -52,7 +52,7 @@ def test_long_prompts_are_refused_before_anything_starts(tmp_path):
     assert set(runs_dir().iterdir()) == before_runs
 
 
-def test_a_launch_that_cuts_most_prompts_says_how_many_and_how_much(tmp_path):
+def test_a_launch_that_cuts_most_prompts_says_how_many_and_how_much(tmp_path, capfd):
     from workbench.data.tokenize import load_tokenizer
     from workbench.errors import DataTruncationWarning
     from workbench.spec import RunSpec
@@ -76,6 +76,12 @@ def test_a_launch_that_cuts_most_prompts_says_how_many_and_how_much(tmp_path):
                              "and are cut (prompt first"), notice
     assert any(f"losing {p}% of their tokens" in notice for p in (cut - 1, cut, cut + 1)), notice
     assert job.status()["notices"] == [notice]
+    # The launch wrote the tokenised data without a library progress bar above the cell's output
+    # ("Saving the dataset"), and left datasets' own switch as it was.
+    import datasets
+
+    assert "Saving the dataset" not in capfd.readouterr().err
+    assert not datasets.are_progress_bars_disabled()
 
 
 def _watch_phases(stop: threading.Event, seen: list) -> None:

@@ -89,6 +89,8 @@ def build_tiny_model(out: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+    from workbench.train.quiet import no_progress_bars
+
     out.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -120,4 +122,5 @@ def build_tiny_model(out: Path) -> None:
     model = LlamaForCausalLM(config)
     model.generation_config.pad_token_id = fast.pad_token_id
     model.generation_config.eos_token_id = fast.eos_token_id
-    model.save_pretrained(out)
+    with no_progress_bars():  # built once, in a second: no bar above the notebook's widgets
+        model.save_pretrained(out)

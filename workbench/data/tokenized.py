@@ -36,6 +36,7 @@ from workbench.data.token_cache import (
 from workbench.data.token_table import Progress, empty_table, tokenize_split
 from workbench.errors import DataTruncationError
 from workbench.spec import RunSpec
+from workbench.train.quiet import no_progress_bars
 
 # Where callers found them before the cache and the table had modules of their own.
 __all__ = ["cached_stats", "check_trainable", "eval_sample", "files_key", "load_tokenized",
@@ -104,7 +105,8 @@ def prepare_tokenized(spec: RunSpec, run_dir: Any, tokenizer: Any,
     for split in SPLITS:
         table, split_stats = tokenize_split(data_dir / f"{split}.jsonl", spec, tokenizer,
                                             report, split)
-        datasets.Dataset(table).save_to_disk(str(out / split))
+        with no_progress_bars():  # a second's work: no bar above the notebook's widgets
+            datasets.Dataset(table).save_to_disk(str(out / split))
         splits[split] = split_stats
     stats = TokenStats(splits=splits, max_length=spec.data.max_length,
                        truncation=spec.data.truncation, packing=spec.data.packing,

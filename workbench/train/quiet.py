@@ -9,8 +9,10 @@ readable too.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
+from collections.abc import Iterator
 
 # DeepSpeed's logger says this whenever it is imported on a machine without CUDA; training on
 # CPU is a supported, deliberate choice here (resources.gpus_per_node: 0), not a failed probe.
@@ -38,3 +40,23 @@ def install() -> None:
         logger.addFilter(_DropMessage(DEEPSPEED_CPU_MESSAGE))
     warnings.filterwarnings("ignore", message=TRANSFORMERS_CHECKPOINTING_WARNING,
                             category=FutureWarning, module=r"transformers\.modeling_utils")
+
+
+@contextlib.contextmanager
+def no_progress_bars() -> Iterator[None]:
+    """Inside: datasets' and transformers' progress bars off ("Saving the dataset", "Writing
+    model shards"), for steps that take a second and would print bars above a notebook's widgets.
+    Each library's own switch is put back as it was."""
+    import datasets
+    from transformers.utils import logging as hf_logging
+
+    datasets_off, hf_on = datasets.are_progress_bars_disabled(), hf_logging.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if not datasets_off:
+            datasets.enable_progress_bars()
+        if hf_on:
+            hf_logging.enable_progress_bar()
