@@ -134,8 +134,9 @@ def _plan(args: argparse.Namespace) -> Any:
 
 def _spec(args: argparse.Namespace) -> Any:
     from workbench.spec import RunSpec
+    from workbench.spec.knobs import commented_yaml
 
-    text = RunSpec().to_yaml()
+    text = commented_yaml(RunSpec())
     if args.output:
         with open(args.output, "w", encoding="utf-8") as fh:
             fh.write(text)
@@ -304,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("name")
     c.set_defaults(func=_undeploy)
 
-    c = sub.add_parser("spec", help="print the default RunSpec as YAML (a starting point)")
+    c = sub.add_parser("spec", help="print the default RunSpec as YAML, a comment on each knob")
     c.add_argument("-o", "--output", help="write it to this file")
     c.set_defaults(func=_spec)
 
