@@ -195,10 +195,10 @@ def test_remote_bad_inputs_are_clear_errors(trained, targets, tmp_path):
     with pytest.raises(TargetError, match="ssh:nowhere.*not configured"):
         meter.deploy("ana", [trained.id], name="nowhere-ep")
     [block] = [h for h in meter.ledger.holds("ana") if h.kind == "endpoint"]
-    assert block.run_id == "ana-nowhere-ep" and block.charge is not None
+    assert block.run_id == "nowhere-ep.ana" and block.charge is not None
     assert block.charge < block.amount and meter.ledger.account("ana").held == 1
     with pytest.raises(TargetError, match="not configured"):
         deploy(trained, target="ssh:nowhere", name="nowhere-ep", progress=False)
     assert not [e for e in workbench.serve.endpoints(all=True) if e.name.endswith("-ep")
                 and e.name in ("novllm-ep", "broken-ep", "down-ep", "nowhere-ep",
-                               "ana-nowhere-ep")]
+                               "nowhere-ep.ana")]

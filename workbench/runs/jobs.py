@@ -319,12 +319,16 @@ class Job:
         and a launch or resume handing the run to its target stops what it started (this call
         waits up to ``timeout`` for that hand-over to end). ``stop_request="prune"`` (a sweep
         stopping a clearly worse trial) ends it 'pruned'."""
-        if self.run_dir.request_cancel(stop_request).get("state", PENDING) not in TERMINAL:
+        ended_before = self.run_dir.status().get("state", PENDING) in TERMINAL
+        self.run_dir.request_cancel(stop_request)
+        if not ended_before:
             with self.run_dir.attempt_lock(wait_s=timeout) as free:
                 pass  # free: no hand-over is under way, so what runs is in the status
-            if free and not self.done:
-                self.backend.cancel(self.run_dir.path, self.record.backend_job_id,
-                                    timeout=timeout, stop_request=stop_request)
+            if not free or self.done:
+                return self.state
+        # What runs stops; an ended run's processes may still linger (a Slurm job's wrapper).
+        self.backend.cancel(self.run_dir.path, self.record.backend_job_id,
+                            timeout=timeout, stop_request=stop_request)
         return self.state
 
     def deploy(self, *more: Any, **kwargs: Any) -> Any:
