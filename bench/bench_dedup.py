@@ -36,8 +36,6 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from workbench.data.clean import CleanPipeline  # noqa: E402
 from workbench.data.clean.dedup import MinHasher, NearDedup, U64Set  # noqa: E402
 from workbench.data.clean.step import Doc  # noqa: E402

@@ -86,10 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=HERE / "results" / "launch.json")
     args = ap.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="wb-bench-launch-"))
-    env = {**os.environ, "WORKBENCH_HOME": str(tmp / "home"), "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    # The venv's editable install imports this checkout's package; its root stays off sys.path.
+    env = {**os.environ, "WORKBENCH_HOME": str(tmp / "home"), "HF_HUB_OFFLINE": "1"}
     os.environ.update(WORKBENCH_HOME=env["WORKBENCH_HOME"])
-    sys.path.insert(0, str(ROOT))
     from workbench.assets import builtin_dataset_path, builtin_model_path
 
     model_dir, data = str(builtin_model_path("builtin:tiny-llama")), builtin_dataset_path()

@@ -27,7 +27,6 @@ import os
 import platform
 import resource
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,7 +34,6 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # workbench from this checkout
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # GPU machines often have no network: never ask
 
 from workbench.plan import GiB, plan  # noqa: E402

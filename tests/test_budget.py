@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import html
 import json
-import os
 import re
 import signal
 import subprocess
@@ -240,9 +239,8 @@ def test_a_requeued_attempt_of_a_spent_run_stops_before_starting_the_ranks(stopp
     before = job.status()
     launcher = job.run_dir.logs_dir / "launcher.log"
     size = launcher.stat().st_size
-    env = {**os.environ, "PYTHONPATH": str(Path(workbench.__file__).parent.parent)}
     subprocess.run([sys.executable, "-m", "workbench.runs.supervise", str(job.run_dir.path)],
-                   check=True, timeout=120, env=env)
+                   check=True, timeout=120)
     status = job.status()
     assert status["state"] == "budget_stopped" and status["attempt_started"] > before["attempt_started"]
     # Neither the ranks' launcher nor a rank was started: none is recorded for the new attempt

@@ -37,8 +37,7 @@ def gpu_env(tmp_path):
     bin_dir.mkdir()
     (bin_dir / "nvidia-smi").write_text(NVIDIA_SMI)
     (bin_dir / "nvidia-smi").chmod(0o755)
-    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CUDA_VISIBLE_DEVICES": "0,1",
-            "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CUDA_VISIBLE_DEVICES": "0,1"}
 
 
 def _guard(folder: Path, env: dict, extra: list[str] = ()) -> subprocess.Popen:

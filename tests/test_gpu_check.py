@@ -9,15 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import workbench
-
 SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "gpu_check.py"
 
 
 def test_smoke_mode_measures_everything_on_cpu(tmp_path, wb_home):
     out = tmp_path / "check.json"
-    env = {**os.environ, "PYTHONPATH": str(Path(workbench.__file__).parent.parent),
-           "CUDA_VISIBLE_DEVICES": ""}  # the CPU path even on a GPU machine
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # the CPU path even on a GPU machine
     done = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out)],
                           capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -40,9 +37,9 @@ def test_smoke_mode_measures_everything_on_cpu(tmp_path, wb_home):
     assert "CUDA" in r["liger"]["skipped"] and "liger_over_plain" not in r["liger"]
 
 
-def test_side_by_side_alternates_the_order_every_round():
+def test_side_by_side_alternates_the_order_every_round(monkeypatch):
     """The alternation itself, with two counting variants (no model needed to check the order)."""
-    sys.path.insert(0, str(SCRIPT.parent))
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
     from gpu_check import alternate
 
     calls = []

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-import workbench
 from workbench.errors import ResourceError, SpecError
 from workbench.runs.procs import ProcessIdentity
 from workbench.runs.rundir import RunDir
@@ -101,8 +100,7 @@ def test_more_processes_than_gpus_is_a_spec_error():
 
 
 def _supervise(run_dir: Path, visible: str) -> None:
-    env = {**os.environ, "PYTHONPATH": str(Path(workbench.__file__).parent.parent),
-           "CUDA_VISIBLE_DEVICES": visible}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible}
     env.pop("SLURM_JOB_ID", None)
     subprocess.run([sys.executable, "-m", "workbench.runs.supervise", str(run_dir)],
                    check=False, timeout=300, env=env)

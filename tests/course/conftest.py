@@ -68,8 +68,9 @@ def wait_until(what: str, check: Any, timeout: float, log: Path | None = None) -
 def _students_python(root: Path) -> Path:
     """A venv the students' Unix users can run (jupyterhub-singleuser, workbench_lab): the
     interpreter copied out of its 0700 home under /root into ``root``, the project's venv added
-    as a site dir, this checkout first on PYTHONPATH (set in the spawner's environment). The
-    students reach the last two wherever the clone lives through the students_reach fixture."""
+    as a site dir (its editable install of workbench imports this checkout's package; the
+    checkout's root stays off their sys.path). The students reach both wherever the clone lives
+    through the students_reach fixture."""
     from tests.course.reach import project_site
 
     base, ver = Path(sys.base_prefix), f"python{sys.version_info[0]}.{sys.version_info[1]}"
@@ -138,7 +139,7 @@ def hub(students_reach: list) -> Iterator[dict[str, Any]]:  # students_reach: te
     course["student_python"] = str(python)
     course_file = root / "course.yaml"
     course_file.write_text(yaml.safe_dump(course))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "LD_LIBRARY_PATH": str(root / "python" / "lib")}
+    env = {**os.environ, "LD_LIBRARY_PATH": str(root / "python" / "lib")}
     subprocess.run([sys.executable, "-m", "workbench.cli", "course", "init", str(course_file)],
                    check=True, env=env)
     # A test-only service whose token may issue tokens for the users (what a login would do)
@@ -148,8 +149,7 @@ def hub(students_reach: list) -> Iterator[dict[str, Any]]:  # students_reach: te
     # kernelspecs (their "python" runs the students' interpreter); the server reports its
     # activity every 10 s, so the culler (idle_minutes: 1) leaves a server in use alone.
     jupyter = Path(sys.prefix) / "share" / "jupyter"
-    spawner_env = {"PYTHONPATH": f"{REPO}:{REPO / 'extensions' / 'workbench_lab'}",
-                   "LD_LIBRARY_PATH": str(root / "python" / "lib"),
+    spawner_env = {"LD_LIBRARY_PATH": str(root / "python" / "lib"),
                    "JUPYTER_PATH": str(jupyter), "JUPYTERLAB_DIR": str(jupyter / "lab"),
                    "JUPYTERHUB_ACTIVITY_INTERVAL": "10"}
     with open(state / "jupyterhub_config.py", "a") as fh:

@@ -25,7 +25,8 @@ def project_site() -> Path:
 
 
 def students_imports() -> list[Path]:
-    """The folders the students' processes read: this checkout (on their PYTHONPATH), the project
+    """The folders the students' processes read: this checkout (its package, through the editable
+    install), the project
     venv's site-packages and Jupyter data (under sys.prefix), and the temporary folder the course
     fixtures make their interpreter and class in."""
     return [REPO, project_site(), Path(sys.prefix), Path(tempfile.gettempdir())]

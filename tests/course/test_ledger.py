@@ -3,13 +3,15 @@ threads and from separate processes (only as many pass as the credit pays for)."
 
 from __future__ import annotations
 
-import multiprocessing
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.waiting import wait_for
 from workbench.course.ledger import Ledger, to_minor
 from workbench.errors import CourseError, InsufficientCreditError
 
@@ -95,28 +97,34 @@ def test_minor_units_round_up_and_are_exact() -> None:
     assert to_minor(2, minor_per_unit=1000) == 2000
 
 
-def _hold_in_process(url: str, barrier: multiprocessing.synchronize.Barrier,
-                     results: multiprocessing.queues.Queue) -> None:
-    led = Ledger(url)
-    barrier.wait()
-    try:
-        led.hold("ana", 600, actor="ana")
-        results.put("held")
-    except InsufficientCreditError:
-        results.put("refused")
+# One process holding 6 units once the parent says go (a file): several of them race for the
+# last credit as separate processes would (the service restarted, two workers).
+_HOLDER = """
+import sys, time
+from pathlib import Path
+from workbench.course.ledger import Ledger
+from workbench.errors import InsufficientCreditError
+url, ready, go = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+led = Ledger(url)
+ready.touch()
+while not go.exists():
+    time.sleep(0.002)
+try:
+    led.hold("ana", 600, actor="ana")
+    print("held")
+except InsufficientCreditError:
+    print("refused")
+"""
 
 
-def test_concurrent_holds_from_processes_cannot_both_pass(ledger: Ledger) -> None:
-    ctx = multiprocessing.get_context("spawn")
-    n = 4
-    barrier, results = ctx.Barrier(n), ctx.Queue()
-    procs = [ctx.Process(target=_hold_in_process, args=(ledger.url, barrier, results))
-             for _ in range(n)]
-    for p in procs:
-        p.start()
-    outcomes = sorted(results.get(timeout=120) for _ in range(n))
-    for p in procs:
-        p.join(timeout=60)
+def test_concurrent_holds_from_processes_cannot_both_pass(ledger: Ledger, tmp_path: Path) -> None:
+    n, go = 4, tmp_path / "go"
+    ready = [tmp_path / f"ready-{i}" for i in range(n)]
+    procs = [subprocess.Popen([sys.executable, "-c", _HOLDER, ledger.url, str(r), str(go)],
+                              stdout=subprocess.PIPE, text=True) for r in ready]
+    wait_for(lambda: all(r.exists() for r in ready), timeout=120, what="every holder ready")
+    go.touch()
+    outcomes = sorted(p.communicate(timeout=120)[0].strip() for p in procs)
     assert outcomes == ["held"] + ["refused"] * (n - 1)
     assert ledger.balance("ana") == 400
 

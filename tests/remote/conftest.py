@@ -19,8 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-sys.path.insert(0, str(Path(__file__).parent))
-import cluster as test_cluster  # noqa: E402  (the project's own set-up script, beside this file)
+from tests.remote import cluster as test_cluster  # the project's own set-up script, beside this
 
 PYTHON = sys.executable  # the venv: what every target runs in this test world
 
@@ -73,16 +72,14 @@ def cluster_model(target_home: Path) -> tuple[str, Path]:
 
 @pytest.fixture(scope="session")
 def targets(cluster: test_cluster.Cluster, wb_home: Path, target_home: Path) -> dict:
-    import workbench
-
-    # Every "host" runs the workbench under test (over SSH nothing of this process's env goes).
-    source = str(Path(workbench.__file__).resolve().parents[1])
+    # Every "host" runs the workbench under test: PYTHON is this venv, whose editable install
+    # imports this checkout's package (nothing of this process's env goes over SSH).
     # Every target here is this one machine: the launches leave measuring it to the tests about
     # calibration (which turn the launch probe back on), instead of a probe job per target.
     from workbench.plan.probe import LAUNCH_PROBE_ENV
 
     os.environ[LAUNCH_PROBE_ENV] = "0"
-    env = {"WORKBENCH_HOME": str(wb_home), "HF_HUB_OFFLINE": "1", "PYTHONPATH": source,
+    env = {"WORKBENCH_HOME": str(wb_home), "HF_HUB_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "SLURM_CONF": str(cluster.slurm_conf),
            LAUNCH_PROBE_ENV: "0"}
     from workbench.serve import serving_python

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cluster import processes_with, squeue_job_names
 from jupyter_client import KernelManager
 
+from tests.remote.cluster import processes_with, squeue_job_names
 from workbench.cli import run as cli
 from workbench.errors import RemoteKernelError, TargetError
 from workbench.targets.named import SlurmTarget, SSHTarget, get_target, save_target

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 import requests
-from cluster import processes_with, squeue_job_names
 
 from tests.lab.browser import accept_kernel_dialog, browser_page, open_lab, shot
 from tests.lab.conftest import LabServer, running_lab, wait_for
+from tests.remote.cluster import processes_with, squeue_job_names
 from workbench.cli import run as cli
 
 SLURM_KERNEL = "Workbench on login (1 GPU)"

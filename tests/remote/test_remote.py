@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cluster import processes_with, squeue_job_names
 
 import workbench
+from tests.remote.cluster import processes_with, squeue_job_names
 from workbench.spec import RunSpec
 from workbench.targets.backends.slurm import sbatch_script
 from workbench.targets.backends.ssh import SSHBackend

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cluster import processes_with, squeue_job_names
 
 import workbench
+from tests.remote.cluster import processes_with, squeue_job_names
 from workbench.assets.teaching import teaching_rows
 from workbench.course.config import Course
 from workbench.course.desk import CourseDesk

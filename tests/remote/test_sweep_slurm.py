@@ -15,9 +15,9 @@ import json
 from pathlib import Path
 
 import pytest
-from cluster import squeue_job_names
 
 import workbench
+from tests.remote.cluster import squeue_job_names
 from tests.waiting import wait_for
 from workbench.runs.registry import Registry
 from workbench.runs.rundir import PRUNE_REQUEST

@@ -29,7 +29,7 @@ from workbench.targets.named import get_target
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
 _UNITS = {"": 60.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}  # bare numbers: minutes
-LOGO = Path(__file__).resolve().parents[2] / "kernelspecs" / "workbench" / "logo-svg.svg"
+LOGO = Path(__file__).resolve().parents[2] / "kernels" / "workbench" / "logo-svg.svg"
 
 
 def parse_duration(text: str) -> float:
