@@ -118,6 +118,12 @@ def test_run_from_a_notebook_shows_in_the_panel_grows_and_cancels(page, lab_serv
 
     first = wait_for(last_step, 180, "the first loss points in the panel")
     shot(page, "03-panel-running")
+    # At the sidebar's default width every header button is whole and inside the panel.
+    panel = page.locator(".jp-WorkbenchRuns").first.bounding_box()
+    for name in ("New run", "Compare", "Refresh"):
+        box = page.locator(".jp-WorkbenchRuns-header button", has_text=name).first.bounding_box()
+        assert box and panel and box["x"] >= panel["x"] and \
+            box["x"] + box["width"] <= panel["x"] + panel["width"], (name, box, panel)
     wait_for(lambda: last_step() > first, 120, "the panel's loss curve to grow")
     assert card.get_attribute("data-state") == "running"
     assert "step " in card.locator(".jp-WorkbenchRuns-meta").inner_text()
