@@ -113,6 +113,11 @@ class EndpointNotFoundError(WorkbenchError, LookupError):
     """No endpoint in the registry has that name."""
 
 
+class EndpointReplacedError(EndpointNotFoundError):
+    """An endpoint handle's own deployment is gone and its name now belongs to a newer one; the
+    handle changes nothing (``workbench.serve.get_endpoint(NAME)`` gives the current endpoint)."""
+
+
 class BudgetError(WorkbenchError, ValueError):
     """A budget limit that could not be kept: no price, another currency, or already spent."""
 

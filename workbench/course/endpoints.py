@@ -33,6 +33,7 @@ from workbench.course.desk import SERVICE_ACTOR, CourseDesk, Forbidden
 from workbench.course.ledger import RunHold
 from workbench.errors import (
     CourseError,
+    DeployError,
     EndpointNotFoundError,
     InsufficientCreditError,
     WorkbenchError,
@@ -164,16 +165,26 @@ class EndpointMeter:
                     hold_id = self.ledger.hold(current.student, current.amount,
                                                actor=SERVICE_ACTOR, note=f"endpoint {name}")
                 except InsufficientCreditError:
-                    self._stop(name, "the credit ran out", at=now)
-                    ended.append(name)
+                    if self._stop_or_retry(name, "the credit ran out", at=now):
+                        ended.append(name)
                     continue
                 self.ledger.attach_run(hold_id, name, str(current.run_dir), kind="endpoint",
                                        since=block_end)
             idle = self._idle_s(name, now)
-            if idle > self.course.idle_minutes * 60:
-                self._stop(name, f"idle for {idle / 60:.1f} min", at=now)
+            if idle > self.course.idle_minutes * 60 and self._stop_or_retry(
+                    name, f"idle for {idle / 60:.1f} min", at=now):
                 ended.append(name)
         return ended
+
+    def _stop_or_retry(self, name: str, why: str, at: float) -> bool:
+        """:meth:`_stop` from the meter: whether it stopped. An endpoint whose processes outlive
+        the stop (or whose machine cannot say) keeps its holds open, and the next tick tries
+        again, rather than ending the tick of every other endpoint."""
+        try:
+            self._stop(name, why, at=at)
+        except DeployError:
+            return False
+        return True
 
     def _ended_at(self, name: str) -> float | None:
         """When the endpoint stopped, if it has; None while it is up. The time is the one in

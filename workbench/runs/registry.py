@@ -44,9 +44,13 @@ CREATE TABLE IF NOT EXISTS endpoints (
     endpoint_dir TEXT NOT NULL,
     serves TEXT NOT NULL,     -- JSON: model, served names, adapters, runs, max_lora_rank, ...
     created REAL NOT NULL,
-    updated REAL NOT NULL
+    updated REAL NOT NULL,
+    deployment TEXT           -- a new id per deploy: which deployment of NAME the row describes
 );
 """
+# Columns added after a table's first release: (table, column, type). A registry written by an
+# older workbench gets them on first open; its rows read NULL there.
+_ADDED_COLUMNS = (("endpoints", "deployment", "TEXT"),)
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,9 @@ class EndpointRecord:
     serves: str
     created: float
     updated: float
+    # The deploy this row describes (workbench.serve.identity): a name outlives its deployments.
+    # None for a row recorded before deployments had ids.
+    deployment: str | None = None
 
 
 class Registry:
@@ -81,6 +88,7 @@ class Registry:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self._connect() as db:
             db.executescript(_SCHEMA)
+            _add_missing_columns(db)
 
     @contextmanager
     def _connect(self) -> Iterator[sqlite3.Connection]:
@@ -103,14 +111,19 @@ class Registry:
         return record
 
     def _update(self, table: str, key: str, value: str, allowed: set[str],
-                fields: dict[str, object]) -> None:
+                fields: dict[str, object], where: str = "",
+                params: dict[str, object] | None = None) -> bool:
+        """Set ``fields`` on the row whose ``key`` is ``value`` (and that matches ``where``);
+        whether a row was changed."""
         bad = set(fields) - allowed
         if bad:
             raise ValueError(f"cannot update {sorted(bad)}; updatable: {sorted(allowed)}")
         fields["updated"] = time.time()
         cols = ", ".join(f"{k} = :{k}" for k in fields)
         with self._connect() as db:
-            db.execute(f"UPDATE {table} SET {cols} WHERE {key} = :{key}", {**fields, key: value})
+            cur = db.execute(f"UPDATE {table} SET {cols} WHERE {key} = :{key}{where}",
+                             {**fields, **(params or {}), key: value})
+            return cur.rowcount > 0
 
     def update_run(self, run_id: str, **fields: object) -> None:
         self._update("runs", "id", run_id, {"state", "backend_job_id", "run_dir", "target"},
@@ -151,14 +164,21 @@ class Registry:
     def add_endpoint(self, record: EndpointRecord) -> EndpointRecord:
         with self._connect() as db:
             db.execute(
-                "INSERT INTO endpoints VALUES (:name, :target, :url, :state, :pid, :server_pid, "
-                ":endpoint_dir, :serves, :created, :updated)", record.__dict__,
+                "INSERT INTO endpoints (name, target, url, state, pid, server_pid, endpoint_dir, "
+                "serves, created, updated, deployment) VALUES (:name, :target, :url, :state, "
+                ":pid, :server_pid, :endpoint_dir, :serves, :created, :updated, :deployment)",
+                record.__dict__,
             )
         return record
 
-    def update_endpoint(self, name: str, **fields: object) -> None:
-        self._update("endpoints", "name", name, {"state", "url", "pid", "server_pid", "serves"},
-                     fields)
+    def update_endpoint(self, name: str, *, deployment: str | None, **fields: object) -> bool:
+        """Set ``fields`` on endpoint ``name`` only while its row still describes ``deployment``
+        (None: a row recorded without one); False, and nothing written, once the name belongs to
+        another deployment or to none. A name is reused by every deploy, so a write by name
+        alone could land on a newer endpoint."""
+        return self._update("endpoints", "name", name,
+                            {"state", "url", "pid", "server_pid", "serves"}, fields,
+                            " AND deployment IS :deployment", {"deployment": deployment})
 
     def get_endpoint(self, name: str) -> EndpointRecord:
         with self._connect() as db:
@@ -177,6 +197,17 @@ class Registry:
     def delete_endpoint(self, name: str) -> None:
         with self._connect() as db:
             db.execute("DELETE FROM endpoints WHERE name = ?", (name,))
+
+
+def _add_missing_columns(db: sqlite3.Connection) -> None:
+    for table, column, kind in _ADDED_COLUMNS:
+        if column in {r["name"] for r in db.execute(f"PRAGMA table_info({table})")}:
+            continue
+        try:
+            db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+        except sqlite3.OperationalError as exc:  # another process added it first
+            if "duplicate column" not in str(exc):
+                raise
 
 
 def _like_prefix(text: str) -> str:

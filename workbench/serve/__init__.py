@@ -25,14 +25,16 @@ The modules follow the data, and this one re-exports their public names:
   where it runs (this machine, an SSH host, a Slurm job);
 - :mod:`~workbench.serve.server`, :mod:`~workbench.serve.guard`: the server process and its guard
   (``python -m workbench.serve --guard ...``; so no module here imports anything heavy at the top);
-- :mod:`~workbench.serve.endpoint`: the endpoint handle; :mod:`~workbench.serve.deployment`:
-  :func:`deploy`, which takes the data through all of them.
+- :mod:`~workbench.serve.endpoint`: the endpoint handle, which acts only on its own deployment
+  (:mod:`~workbench.serve.identity`); :mod:`~workbench.serve.deployment`: :func:`deploy`, which
+  takes the data through all of them.
 """
 
 from workbench.errors import (
     AdapterNotFoundError,
     DeployError,
     EndpointNotFoundError,
+    EndpointReplacedError,
     EndpointStartError,
     LoraRankError,
     PortInUseError,
@@ -85,6 +87,7 @@ __all__ = [
     "DeployError",
     "Endpoint",
     "EndpointNotFoundError",
+    "EndpointReplacedError",
     "EndpointStartError",
     "LoraRankError",
     "PortInUseError",

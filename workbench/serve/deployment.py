@@ -20,6 +20,7 @@ from typing import Any
 from workbench.errors import DeployError, EndpointNotFoundError
 from workbench.serve.checks import _max_lora_rank, check_head_size, check_port_free
 from workbench.serve.endpoint import LIVE_STATES, Endpoint, endpoints_dir, refresh_state
+from workbench.serve.identity import new_deployment
 from workbench.serve.server import (
     PORT_FROM_GUARD,
     _url_host,
@@ -104,6 +105,9 @@ def deploy(source: Any, *more: Any, name: str | None = None, target: str = "loca
 
     shutil.rmtree(workdir, ignore_errors=True)
     (workdir / "cache").mkdir(parents=True)
+    # Before anything else is written there: from here on the folder is this deployment's, and
+    # handles of an earlier endpoint of the name leave it alone (workbench.serve.identity).
+    deployment = new_deployment(workdir)
     (workdir / "tmp").mkdir()
     if api_key:
         key_file = workdir / "api_key"  # the guard hands it to vLLM in its environment
@@ -131,7 +135,7 @@ def deploy(source: Any, *more: Any, name: str | None = None, target: str = "loca
     registry.add_endpoint(EndpointRecord(
         name=name, target=target, url=f"http://{_url_host(url_host)}:{port}" if port else "",
         state="starting", pid=pid, server_pid=server_pid, endpoint_dir=str(workdir),
-        serves=json.dumps(serves), created=now, updated=now))
+        serves=json.dumps(serves), created=now, updated=now, deployment=deployment))
     endpoint = Endpoint(registry.get_endpoint(name), registry)
     if wait:
         try:

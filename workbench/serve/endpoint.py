@@ -1,25 +1,27 @@
 """The endpoint handle: a running server's URL, models, chat/complete/generate, adapters, stop.
 
 :class:`Endpoint` wraps one row of the registry's ``endpoints`` table and the endpoint folder
-(``WORKBENCH_HOME/endpoints/NAME``); its serve target reaches the server, wherever it runs.
-:func:`refresh_state` corrects a live state from the guard's files (healthy, or ended and how),
-and :func:`get_endpoint` / :func:`endpoints` find endpoints again after a kernel restart.
+(``WORKBENCH_HOME/endpoints/NAME``); its serve target reaches the server, wherever it runs. A
+handle belongs to one deployment (:mod:`workbench.serve.identity`): once its name is deployed
+again, it refuses to act rather than act on the newer endpoint. :func:`refresh_state` corrects a
+live state from the guard's files (healthy, or ended and how), and :func:`get_endpoint` /
+:func:`endpoints` find endpoints again after a kernel restart.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from workbench.errors import DeployError
+from workbench.errors import DeployError, EndpointNotFoundError
 from workbench.serve.checks import check_lora_rank
 from workbench.serve.guard import _answers
-from workbench.serve.server import _classify_failure
+from workbench.serve.identity import folder_is_of, own_record
+from workbench.serve.server import _classify_failure, _last_log_line
 from workbench.serve.sources import plan_serving
 from workbench.serve.target import ServeTarget
 from workbench.serve.targets import get_serve_target
@@ -69,7 +71,7 @@ class Endpoint:
     @property
     def url(self) -> str:
         """http://host:port reachable from this process (an SSH tunnel when needed); API: /v1."""
-        return self.serve_target.connect(self.record)
+        return self.serve_target.connect(self._own())
 
     @property
     def api_base(self) -> str:
@@ -87,16 +89,38 @@ class Endpoint:
 
     @property
     def state(self) -> str:
-        return refresh_state(self.record.name, self.registry).state
+        """This deployment's state, refreshed from its processes."""
+        self.record = own_record(self.record, refresh_state(self.name, self.registry))
+        return str(self.record.state)
+
+    def _own(self) -> Any:
+        """This deployment's registry row, read again; EndpointReplacedError once the name (row
+        or folder) belongs to a newer deployment: a handle acts only on its own endpoint."""
+        self.record = own_record(self.record, self.registry.get_endpoint(self.name))
+        return self.record
+
+    def _write(self, **fields: Any) -> None:
+        """Record ``fields`` on this deployment's row (never on a newer endpoint of the name)."""
+        self.registry.update_endpoint(self.name, deployment=self.record.deployment, **fields)
+        self._own()  # raises if the row was not (or is no longer) this deployment's
+
+    def _shown(self) -> tuple[str, str]:
+        """(url, state) for display; a handle whose endpoint is gone says so instead."""
+        try:
+            return self.api_base, self.state
+        except EndpointNotFoundError:
+            return self.listen_url, "replaced by a newer deployment of the name, or removed"
 
     def __repr__(self) -> str:
-        return f"<Endpoint {self.name} {self.url} {self.state} serving {', '.join(self.models)}>"
+        url, state = self._shown()
+        return f"<Endpoint {self.name} {url} {state} serving {', '.join(self.models)}>"
 
     def _repr_html_(self) -> str:
         import html
 
-        rows = {"name": self.name, "target": self.target, "url": self.api_base,
-                "listens on": self.listen_url, "state": self.state,
+        url, state = self._shown()
+        rows = {"name": self.name, "target": self.target, "url": url,
+                "listens on": self.listen_url, "state": state,
                 "models": ", ".join(self.models), "base": self.serves.get("model"),
                 "api key": "required" if self.api_key else "none (loopback)"}
         cells = "".join(f"<tr><th style='text-align:left'>{k}</th>"
@@ -220,6 +244,7 @@ class Endpoint:
     # -- adapters at run time --------------------------------------------------------------------
     def add_adapter(self, source: Any, name: str | None = None) -> str:
         """Load one more LoRA adapter (a run or an adapter folder) into the running server."""
+        self._own()
         plan = plan_serving([source])
         if not plan.adapters:
             raise DeployError(f"{source} is not a LoRA adapter; only adapters can be added")
@@ -240,7 +265,7 @@ class Endpoint:
             raise DeployError(f"{self.name} refused adapter {a.name!r}: {resp.text[:500]}")
         self.serves["models"].append(a.name)
         self.serves["adapters"][a.name] = str(a.path)
-        self.registry.update_endpoint(self.name, serves=json.dumps(self.serves))
+        self._write(serves=json.dumps(self.serves))
         return a.name
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -251,15 +276,34 @@ class Endpoint:
         lines = text.splitlines()
         return "\n".join(lines[-tail:] if tail else lines)
 
-    def stop(self) -> str:
-        """Stop the server (and its guard) by PID; the registry records it 'stopped'."""
-        self.serve_target.stop(self.record)
+    def stop(self, timeout: float = 60.0) -> str:
+        """Stop the server and its guard; the registry records 'stopped' once they are gone.
+
+        Only this handle's own deployment is stopped: once its name belongs to a newer endpoint,
+        EndpointReplacedError, and nothing is stopped or written. DeployError when its processes
+        still run ``timeout`` s later (or their machine cannot say), with nothing recorded.
+        """
+        self._end(self._own(), timeout)
+        self._write(state="stopped")
+        return "stopped"
+
+    def _end(self, record: Any, timeout: float) -> None:
+        """Stop ``record``'s processes and wait until its target sees them gone."""
+        target = self.serve_target
+        target.stop(record)
         if self._http is not None:
             self._http.close()
             self._http = None
-        self.registry.update_endpoint(self.name, state="stopped")
-        self.record = self.registry.get_endpoint(self.name)
-        return "stopped"
+        deadline = time.time() + timeout
+        while target.alive(record):  # a Slurm job may be COMPLETING for a while after scancel
+            if time.time() > deadline:
+                raise DeployError(
+                    f"endpoint {self.name}: its processes on {record.target} still run {timeout:.0f}"
+                    f" s after being told to stop, or {record.target} cannot say; it stays "
+                    f"recorded {record.state}. Run ep.stop() (`workbench undeploy {self.name}`) "
+                    f"again, or end them by hand (guard or job {record.pid}, server pid "
+                    f"{record.server_pid})")
+            time.sleep(0.5)
 
     def chat_widget(self, **kw: Any) -> Any:
         """A notebook chat: conversation, temperature, max tokens, streamed tokens."""
@@ -282,12 +326,10 @@ class Endpoint:
                 listening = target.address(self.record)
                 if listening and listening != self.record.url:  # a remote port, a Slurm node
                     pid = target.read(self.record, "server.pid").strip()
-                    self.registry.update_endpoint(self.name, url=listening, server_pid=int(
-                        pid) if pid.isdigit() else self.record.server_pid)
-                    self.record = self.registry.get_endpoint(self.name)
+                    self._write(url=listening, server_pid=int(pid) if pid.isdigit()
+                                else self.record.server_pid)
                 if listening and self.healthy():
-                    self.registry.update_endpoint(self.name, state="healthy")
-                    self.record = self.registry.get_endpoint(self.name)
+                    self._write(state="healthy")
                     return self
                 if not target.alive(self.record):
                     self._fail(None)
@@ -301,43 +343,40 @@ class Endpoint:
             bar.close()
 
     def _fail(self, why: str | None) -> None:
-        self.serve_target.stop(self.record)
-        self.registry.update_endpoint(self.name, state="failed")
+        try:
+            self._end(self._own(), 60.0)
+        except DeployError:
+            pass  # still running: not recorded failed (stop() can end it); the start error says why
+        else:
+            self._write(state="failed")
         log = self.logs(tail=None)
         raise _classify_failure(self.name, log, why) from None
 
 
-def _last_log_line(path: Path) -> str:
-    try:
-        with path.open("rb") as fh:
-            fh.seek(max(0, path.stat().st_size - 4096))
-            lines = [ln for ln in fh.read().decode("utf-8", "replace").splitlines() if ln.strip()]
-    except OSError:
-        return ""
-    text = re.sub(r"^(\(\w+ pid=\d+\) )?(INFO|WARNING|DEBUG) [\d-]+ [\d:.]+ \[[^]]+\] ", "",
-                  lines[-1]) if lines else ""
-    return text[:70]
-
-
 # -- the registry's view ---------------------------------------------------------------------------
 def refresh_state(name: str, registry: Any = None) -> Any:
-    """The endpoint's record, with a live state corrected if its guard has gone."""
+    """The endpoint's record, with a live state corrected once its processes (the guard and the
+    server) have all gone: a server whose guard was killed still counts as live."""
     from workbench.runs.registry import Registry
 
     registry = registry or Registry()
     record = registry.get_endpoint(name)
     target = get_serve_target(record.target) if record.state in LIVE_STATES else None
-    if target is not None and record.state == "starting" and target.read(record, "healthy.json"):
+    # A newer deploy of the name may be rewriting the folder: its files say nothing of this row.
+    own_folder = folder_is_of(record)
+    if target is not None and record.state == "starting" and own_folder and target.read(
+            record, "healthy.json"):
         # Its guard saw /health answer: up, even if nobody waited for it (deploy(wait=False)).
-        registry.update_endpoint(name, state="healthy", url=target.address(record) or record.url)
+        registry.update_endpoint(name, deployment=record.deployment, state="healthy",
+                                 url=target.address(record) or record.url)
         record = registry.get_endpoint(name)
-    if target is not None and not target.alive(record):
+    if target is not None and record.state in LIVE_STATES and not target.alive(record):
         try:
-            ended = json.loads(target.read(record, "exit.json") or b"{}")
+            ended = json.loads(target.read(record, "exit.json") or b"{}") if own_folder else {}
         except json.JSONDecodeError:
             ended = {}
         state = "stopped" if ended.get("reason") in ("signal", "watched process ended") else "failed"
-        registry.update_endpoint(name, state=state)
+        registry.update_endpoint(name, deployment=record.deployment, state=state)
         record = registry.get_endpoint(name)
     return record
 
@@ -360,7 +399,7 @@ def endpoints(all: bool = False, registry: Any = None) -> list[Endpoint]:
 
 
 def undeploy(name: str, registry: Any = None) -> str:
-    """Stop the endpoint called ``name``."""
+    """Stop the endpoint called ``name`` (whichever deployment of it is current)."""
     return get_endpoint(name, registry).stop()
 
 

@@ -4,7 +4,10 @@ The guard starts in its own session (so stopping its process group stops vLLM wi
 reaped when it ends; the server is reached at the address it listens on, loopback by default.
 The guard's and the server's identities (pid and start time, :mod:`workbench.runs.procs`) are kept in
 the endpoint folder's ``processes.json``: liveness and stop go by them, never by a bare PID, so a
-PID the kernel has since handed to another process is never signalled.
+PID the kernel has since handed to another process is never signalled. The endpoint is alive while
+either lives (a server whose guard was killed still answers), and a record reads them only while
+the folder is still its deployment's (:mod:`workbench.serve.identity`), so a record of an earlier
+endpoint of the name never reaches the processes of a newer one.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from workbench.runs import procs
 from workbench.runs.rundir import write_json_atomic
+from workbench.serve.identity import folder_is_of
 from workbench.serve.target import PROBE, _parse_probe, read_address, serving_python
 
 if TYPE_CHECKING:
@@ -31,7 +35,10 @@ PROCESSES = "processes.json"  # the guard's and the server's identities, in the 
 
 
 def _identities(record: EndpointRecord) -> list[procs.ProcessIdentity] | None:
-    """The endpoint's recorded processes; None for an endpoint started before they were kept."""
+    """The endpoint's recorded processes; None for an endpoint started before they were kept,
+    none at all once the folder holds a newer deployment of the name."""
+    if not folder_is_of(record):
+        return []
     try:
         data = json.loads((Path(record.endpoint_dir) / PROCESSES).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -94,11 +101,12 @@ class LocalServeTarget:
         pid = record.pid or 0
         child = _children.get(pid)
         if child is not None and child.poll() is not None:
-            _children.pop(pid, None)
-            return False
+            _children.pop(pid, None)  # the guard has ended and is reaped; the server may live on
         idents = _identities(record)
         if idents is not None:
-            return any(i.role == "guard" and i.alive() for i in idents)
+            return any(i.alive() for i in idents)
+        if child is not None and child.returncode is not None:
+            return False
         try:
             proc = psutil.Process(pid)
             # A recycled pid is someone else's process: the guard names its endpoint folder.

@@ -1,13 +1,15 @@
 """The server process: the exact vLLM command and environment, and the guard's command line.
 
 ``deploy`` runs vLLM under a small guard process (:mod:`workbench.serve.guard`) on the target;
-this module writes both command lines, picks free ports, and reads a failed server's log to say
-which typed error it was (port taken, no vLLM, LoRA rank, head size, or just its log tail).
+this module writes both command lines, picks free ports, and reads the server's log: its latest
+line (deploy's progress) and, when it failed, which typed error it was (port taken, no vLLM,
+LoRA rank, head size, or just its log tail).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 from collections.abc import Sequence
 from pathlib import Path
@@ -104,6 +106,19 @@ def vllm_env(plan: ServePlan, server_dir: str | Path, on_cpu: bool) -> dict[str,
     if on_cpu:  # GiB: plenty for short test prompts
         env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
     return env
+
+
+def _last_log_line(path: Path) -> str:
+    """The log's latest line without vLLM's level/time/source prefix, for a progress line."""
+    try:
+        with path.open("rb") as fh:
+            fh.seek(max(0, path.stat().st_size - 4096))
+            lines = [ln for ln in fh.read().decode("utf-8", "replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    text = re.sub(r"^(\(\w+ pid=\d+\) )?(INFO|WARNING|DEBUG) [\d-]+ [\d:.]+ \[[^]]+\] ", "",
+                  lines[-1]) if lines else ""
+    return text[:70]
 
 
 def _classify_failure(name: str, log: str, why: str | None) -> DeployError:

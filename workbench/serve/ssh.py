@@ -96,8 +96,12 @@ class SSHServeTarget(_Remote):
         sdir = self._placement(record).get("server_dir", "")
         if not record.pid:
             return False
-        check = (f"tr '\\0' ' ' < /proc/{record.pid}/cmdline 2>/dev/null | "
-                 f"grep -qF -- {shlex.quote(sdir)}")
+        # The guard, or the server (a server whose guard was killed still answers): a PID counts
+        # while its process names the endpoint folder (the guard's argument, the server's cache
+        # in its environment), so a PID the host has handed to another process does not.
+        pids = " ".join(str(p) for p in (record.pid, record.server_pid) if p)
+        check = (f"for p in {pids}; do cat /proc/$p/cmdline /proc/$p/environ 2>/dev/null | "
+                 f"tr '\\0' '\\n' | grep -qF -- {shlex.quote(sdir)} && exit 0; done; exit 1")
         try:
             return self.transport().run(check, check=False, timeout=30).returncode == 0
         except TargetError:
