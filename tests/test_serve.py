@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 import workbench
-from tests.waiting import wait_for
+from tests.waiting import alive, wait_for
 from workbench.assets.teaching import score, teaching_rows
 from workbench.serve import (
     AdapterNotFoundError,
@@ -38,15 +38,6 @@ from workbench.serve.local import LocalServeTarget
 from workbench.serve.server import guard_command
 
 HELDOUT = [r["instruction"] for r in teaching_rows("heldout")]
-
-
-def _alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def _children() -> set[int]:
@@ -84,7 +75,7 @@ def servers(trained, serve_python):
         for ep in started:
             pids = (ep.record.pid, ep.record.server_pid)
             ep.stop()
-            assert not any(_alive(p) for p in pids), f"{ep.name} left processes {pids}"
+            assert not any(alive(p) for p in pids), f"{ep.name} left processes {pids}"
             assert get_endpoint(ep.name).record.state == "stopped"
 
 
@@ -189,11 +180,35 @@ def test_chat_widget_streams_a_conversation(servers):
     widget = ChatWidget(adapter, max_tokens=8)
     first = widget.send("What does a cow say?")
     assert first and first in widget.conversation.value
-    widget.temperature.value = 0.7
-    widget.send("What is the capital of France?")
+    # One question at a time by default: the second answer is the answer to it alone (greedy).
+    second = widget.send("What is the capital of France?")
+    assert second == adapter.chat("What is the capital of France?", max_tokens=8)
+    assert [m["role"] for m in widget.messages] == ["user", "assistant"]
+    widget.multi_turn.value = True  # the whole conversation goes with each turn
+    widget.send("And of Italy?")
     assert [m["role"] for m in widget.messages] == ["user", "assistant"] * 2
     widget.clear()
     assert widget.messages == [] and widget.conversation.value == ""
+
+
+def test_a_chat_with_a_stopped_endpoint_says_it_stopped(wb_home):
+    from workbench.runs.registry import EndpointRecord, Registry
+    from workbench.serve.endpoint import get_endpoint
+    from workbench.widgets.chat import ChatWidget
+
+    with socket.socket() as s:  # a port nothing listens on any more
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    now = time.time()
+    Registry().add_endpoint(EndpointRecord(
+        name="gone", target="local", url=f"http://127.0.0.1:{port}", state="stopped", pid=None,
+        server_pid=None, endpoint_dir=str(wb_home / "endpoints" / "gone"),
+        serves=json.dumps({"models": ["m"]}), created=now, updated=now))
+    widget = ChatWidget(get_endpoint("gone"), max_tokens=8)
+    assert widget.send("hello?") == ""
+    assert "endpoint gone is stopped, so nothing answers; deploy the run again" in \
+        widget.status.value
+    assert "Errno" not in widget.status.value
 
 
 def test_evaluate_through_vllm_scores_as_transformers_and_judges(servers, trained, tmp_path):
@@ -342,7 +357,7 @@ def test_a_server_that_dies_while_starting_is_reported_and_cleaned_up(trained, s
         deploy(trained, name="broken", extra_args=["--no-such-flag"], progress=False, timeout=300)
     record = get_endpoint("broken").record
     assert record.state == "failed"
-    assert not _alive(record.pid) and not _alive(record.server_pid)
+    assert not alive(record.pid) and not alive(record.server_pid)
 
 
 def test_guard_stops_the_server_when_the_deploying_process_ends(tmp_path):
@@ -356,16 +371,16 @@ def test_guard_stops_the_server_when_the_deploying_process_ends(tmp_path):
                             f"--watch-pid {kernel.pid}", ["sleep", "120"])
     guard, server = target.start(command, {}, tmp_path, kernel.pid)
     record = SimpleNamespace(pid=guard, server_pid=server, endpoint_dir=str(tmp_path))
-    assert _alive(server) and target.alive(record)
+    assert alive(server) and target.alive(record)
     assert server == int((tmp_path / "server.pid").read_text())
     assert json.loads((tmp_path / "address.json").read_text())["port"] > 0  # --port 0: picked
     assert kernel.stdin is not None
     kernel.stdin.close()
     kernel.wait(timeout=60)
     deadline = time.time() + 60
-    while _alive(server) and time.time() < deadline:
+    while alive(server) and time.time() < deadline:
         time.sleep(0.2)
-    assert not _alive(server)
+    assert not alive(server)
     # The guard records how the server ended just after it is gone: wait for that file.
     while not (tmp_path / "exit.json").is_file() and time.time() < deadline:
         time.sleep(0.2)

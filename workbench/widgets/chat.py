@@ -1,8 +1,11 @@
 """ChatWidget: talk to a deployed endpoint from a notebook, with tokens shown as they stream in.
 
-The conversation is kept in ``messages`` (OpenAI format) and sent whole on each turn, so the model
-sees the same multi-turn chat template as in training. Temperature, max tokens and the served
-model (base or one of the adapters) are widgets; ``send(text)`` does from code what the button does.
+By default each question is asked on its own (most fine-tuning data is one question, one answer,
+and a model tuned on it answers an earlier turn's question otherwise). With "remember earlier
+turns" ticked (``multi_turn=True``) the conversation, kept in ``messages`` (OpenAI format), is
+sent whole on each turn, as the multi-turn chat template saw it in training. Temperature, max
+tokens and the served model (base or one of the adapters) are widgets; ``send(text)`` does from
+code what the button does. An endpoint that stopped says so, and how to get one back.
 
     >>> ChatWidget(endpoint)                                   # doctest: +SKIP
 """
@@ -21,7 +24,7 @@ _COLOURS = {"user": "#e8f0fe", "assistant": "#f1f3f4"}
 
 class ChatWidget(W.VBox):
     def __init__(self, endpoint: Any, model: str | None = None, temperature: float = 0.0,
-                 max_tokens: int = 64) -> None:
+                 max_tokens: int = 64, multi_turn: bool = False) -> None:
         self.endpoint = endpoint
         self.messages: list[dict[str, str]] = []
         self.model = W.Dropdown(options=endpoint.models, value=model or endpoint.model,
@@ -29,6 +32,8 @@ class ChatWidget(W.VBox):
         self.temperature = W.FloatSlider(value=temperature, min=0.0, max=2.0, step=0.05,
                                          description="temperature", readout_format=".2f")
         self.max_tokens = W.IntSlider(value=max_tokens, min=1, max=1024, description="max tokens")
+        self.multi_turn = W.Checkbox(multi_turn, description="remember earlier turns",
+                                     indent=False)
         self.conversation = W.HTML(layout=W.Layout(min_height="60px"))
         self.prompt = W.Text(placeholder="Ask something and press Enter",
                              layout=W.Layout(width="420px"))
@@ -41,7 +46,7 @@ class ChatWidget(W.VBox):
         self.clear_button.on_click(lambda _b: self.clear())
         super().__init__([
             W.HTML(f"<b>{html.escape(endpoint.name)}</b> &nbsp; {html.escape(endpoint.api_base)}"),
-            W.HBox([self.model, self.temperature, self.max_tokens]),
+            W.HBox([self.model, self.temperature, self.max_tokens, self.multi_turn]),
             self.conversation,
             W.HBox([self.prompt, self.send_button, self.clear_button]),
             self.status,
@@ -64,6 +69,8 @@ class ChatWidget(W.VBox):
 
     def send(self, text: str) -> str:
         """Add a user turn, stream the reply into the conversation, and return it."""
+        if not self.multi_turn.value:
+            self.messages.clear()  # one question at a time: nothing earlier is sent
         self.messages.append({"role": "user", "content": text})
         self.send_button.disabled = True
         reply = ""
@@ -77,7 +84,7 @@ class ChatWidget(W.VBox):
                 self._render(reply)
         except Exception as exc:  # shown in the widget: a button callback has nowhere to raise to
             self.messages.pop()
-            self.status.value = f"<span style='color:#d62728'>{html.escape(str(exc))}</span>"
+            self.status.value = f"<span style='color:#d62728'>{html.escape(self._why(exc))}</span>"
             self._render()
             return ""
         finally:
@@ -85,6 +92,17 @@ class ChatWidget(W.VBox):
         self.messages.append({"role": "assistant", "content": reply})
         self._render()
         return reply
+
+    def _why(self, exc: Exception) -> str:
+        """What went wrong, in the endpoint's terms: a stopped endpoint says it stopped."""
+        try:
+            state = self.endpoint.state  # the registry's word, refreshed from its processes
+        except Exception:  # noqa: BLE001 - the registry cannot say: the error itself is shown
+            return str(exc)
+        if state not in ("stopped", "failed"):  # the ended states an endpoint is recorded in
+            return f"{exc} (endpoint {self.endpoint.name} is {state}: ep.logs() shows its log)"
+        return (f"endpoint {self.endpoint.name} is {state}, so nothing answers; deploy the run "
+                "again (workbench.deploy) and chat with the new endpoint")
 
     def clear(self) -> None:
         self.messages.clear()
