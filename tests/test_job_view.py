@@ -173,3 +173,14 @@ def test_eval_scores_show_in_the_view_as_they_arrive(two_runs):
     view.refresh()
     assert "judge" in view.evals.value and "win_rate <b>0.625</b>" in view.evals.value
     assert not math.isnan(view.chart.sources[0].last("loss"))
+
+
+def test_the_chart_opens_on_the_stages_metric_until_the_user_picks_one():
+    chart = SeriesChart(["dpo"], opens_on=["rewards/margins"])
+    chart.push(0, [{"step": 1, "loss": 0.69}])
+    assert chart.metric.value == "loss"  # nothing better logged yet
+    chart.push(0, [{"step": 2, "loss": 0.68, "rewards/margins": 0.01}])
+    assert chart.metric.value == "rewards/margins"
+    chart.metric.value = "loss"  # the user's choice stands from now on
+    chart.push(0, [{"step": 3, "loss": 0.6, "rewards/margins": 0.1, "rewards/accuracies": 0.5}])
+    assert chart.metric.value == "loss"

@@ -55,6 +55,10 @@ def test_dpo_in_two_processes_logs_reward_margins_and_accuracies(dpo_job):
     df = dpo_job.metrics_df()
     assert {"loss", "rewards/margins", "rewards/accuracies"} <= set(df.columns)
     assert "reference: implicit" in dpo_job.logs(tail=None, name="rank-0.log")
+    # Its live view opens on what shows a preference being learnt, not on the loss.
+    from workbench.widgets.job_view import JobView
+
+    assert JobView(dpo_job, autostart=False).chart.metric.value == "rewards/margins"
 
 
 def test_dpo_killed_mid_run_resumes_on_the_same_curve(dpo_job, tmp_path_factory):
@@ -120,6 +124,9 @@ def test_grpo_in_two_processes_logs_rewards_spread_and_kl_with_a_shipped_user_re
         assert m["rewards/quarter/std"] == pytest.approx(0.0)
     # Random tokens differ in length, so the length reward has a spread to learn from.
     assert any(m["reward_std"] > 0 for m in lines)
+    from workbench.widgets.job_view import JobView
+
+    assert JobView(grpo_job, autostart=False).chart.metric.value == "reward"  # GRPO's loss is ~0
     shipped = grpo_job.run_dir.path / "data" / "rewards" / "wb_pref_reward.py"
     assert shipped.read_text() == USER_REWARD
     for rank in (0, 1):  # each rank imported the run's copy, not the notebook's folder

@@ -166,7 +166,10 @@ class SeriesChart(W.VBox):
     """
 
     def __init__(self, labels: Sequence[str], *, smoothing: float = 0.6, min_redraw_s: float = 1.5,
-                 max_points: int = 2000, title: str = "", height: int = 320) -> None:
+                 max_points: int = 2000, title: str = "", height: int = 320,
+                 opens_on: Sequence[str] = ()) -> None:
+        """``opens_on``: the metrics to show first, best first (a DPO run's reward margin), as
+        soon as one appears and until the user picks one; loss otherwise."""
         import plotly.graph_objects as go
 
         self.sources = [_Source(label) for label in labels]
@@ -175,8 +178,12 @@ class SeriesChart(W.VBox):
         self.redraws = 0
         self._dirty = False
         self._last_draw = -math.inf
+        self.opens_on = list(opens_on)
+        self._picked = False  # the user chose a metric: the chart no longer picks one
+        self._setting = False  # the chart itself is changing the choice
         self.metric = W.Dropdown(options=["loss"], value="loss", description="metric",
                                  layout=W.Layout(width="240px"))
+        self.metric.observe(self._user_pick, names="value")
         self.x_axis = W.ToggleButtons(options=list(X_AXES), value="step",
                                       style={"button_width": "64px"}, tooltips=list(X_AXES.values()))
         self.smoothing = W.FloatSlider(smoothing, min=0.0, max=0.99, step=0.01,
@@ -215,9 +222,18 @@ class SeriesChart(W.VBox):
             options = series_names(keys)
             if list(self.metric.options) != options:
                 current = self.metric.value
-                with self.metric.hold_trait_notifications():
+                if not self._picked:
+                    current = next((m for m in self.opens_on if m in options), current)
+                self._setting = True
+                try:  # the options first: the new value must be one of them
                     self.metric.options = options
                     self.metric.value = current if current in options else options[0]
+                finally:
+                    self._setting = False
+
+    def _user_pick(self, change: dict[str, Any]) -> None:
+        if not self._setting:
+            self._picked = True
 
     def reset(self, index: int) -> None:
         """Forget run ``index``'s lines (a resumed run rewrote its tail)."""

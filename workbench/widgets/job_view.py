@@ -53,6 +53,18 @@ def eval_table(lines: list[dict[str, Any]], limit: int = 20) -> str:
             "</table>")
 
 
+# What shows a stage learning, logged by TRL (loss means little there: GRPO's is about 0).
+OPENS_ON = {"dpo": ("rewards/margins",), "orpo": ("rewards/margins",),
+            "kto": ("rewards/margins", "kl"), "grpo": ("reward",)}
+
+
+def _opens_on(job: Any) -> tuple[str, ...]:
+    try:
+        return OPENS_ON.get(job.spec.method.stage, ())
+    except Exception:  # noqa: BLE001 - no readable spec (a course job's view): loss, as ever
+        return ()
+
+
 class JobView(W.VBox):
     def __init__(self, job: Any, interval: float | None = None, autostart: bool = True,
                  redraw_s: float = 0.5) -> None:
@@ -63,7 +75,7 @@ class JobView(W.VBox):
         remote = getattr(getattr(job, "backend", None), "sync", None) is not None
         self.interval = interval if interval is not None else (2.0 if remote else 0.5)
         self.header = W.HTML()
-        self.chart = SeriesChart([job.id], min_redraw_s=redraw_s)
+        self.chart = SeriesChart([job.id], min_redraw_s=redraw_s, opens_on=_opens_on(job))
         self.evals = W.HTML()
         self.stats = W.HTML()
         self.progress = W.IntProgress(min=0, max=1, value=0, layout=W.Layout(width="540px"))
