@@ -120,6 +120,11 @@ def targets(cluster: test_cluster.Cluster, wb_home: Path, target_home: Path) -> 
                       # Inside the job only: stands in for a run longer than its limit.
                       "setup": ['[ -z "$SLURM_JOB_ID" ] || sleep 600']},
             "nopart": {"python": PYTHON, "env": env, "partition": "nope"},
+            # More memory than the node has (20000 MB): sbatch itself refuses the job.
+            "bigmem": {"python": PYTHON, "env": env, "mem": "64G"},
+            # sbatch --hold: the job waits in the queue (reason JobHeldUser) until released.
+            "held": {"python": PYTHON, "env": env, "time": "00:10:00",
+                     "sbatch_options": ["--hold"]},
             "broken": {"python": "/nonexistent/env/bin/python", "env": env},
             # The job goes on after the run recorded its outcome, until its limit or a scancel.
             "linger": {"python": str(linger), "env": env, "time": "2", "cpus_per_task": 1},

@@ -20,6 +20,7 @@ import pytest
 import workbench
 from tests.remote.cluster import processes_with, squeue_job_names
 from workbench.spec import RunSpec
+from workbench.targets.backends.remote import SSHTransport
 from workbench.targets.backends.slurm import sbatch_script
 from workbench.targets.backends.ssh import SSHBackend
 from workbench.targets.check import check_target
@@ -486,8 +487,66 @@ def test_a_model_folder_the_target_lacks_is_refused_before_anything_is_made(
 
 
 def test_unknown_host_key_is_refused_by_default(targets):
-    with pytest.raises(TargetError, match="host key .* not in known_hosts"):
+    with pytest.raises(TargetError, match=r"host key of 127\.0\.0\.1 is not in \S*known_hosts"):
         workbench.launch({"name": "hostkey", "target": "ssh:unknown-key", **TINY})
+
+
+def test_the_unknown_host_key_fix_works_as_written(targets, cluster):
+    # The error names the one command that adds the key where this target's ssh looks for it
+    # (ssh-keyscan takes no USER@ and reads no ssh config: the port is the target's own).
+    target = get_target("ssh:unknown-key")
+    known = cluster.root / "empty_known_hosts"
+    with pytest.raises(TargetError) as refused:
+        SSHTransport(target.hosts[0], target).run("true")
+    commands = [line.strip() for line in str(refused.value).splitlines()
+                if line.strip().startswith("ssh-keyscan")]
+    assert commands == [f"ssh-keyscan -p {cluster.ssh_port} 127.0.0.1 | ssh-keygen -lf -",
+                        f"ssh-keyscan -p {cluster.ssh_port} 127.0.0.1 >> {known}"]
+    try:
+        shown = subprocess.run(["bash", "-c", commands[0]], check=True, capture_output=True,
+                               text=True, timeout=30).stdout
+        fingerprint = subprocess.run(["ssh-keygen", "-lf", f"{cluster.ssh_config.parent}/"
+                                      "host_ed25519.pub"], check=True, capture_output=True,
+                                     text=True).stdout.split()[1]
+        assert fingerprint in shown, shown  # the sshd's own host key (tests/remote/cluster.py)
+        subprocess.run(["bash", "-c", commands[1]], check=True, capture_output=True, timeout=30)
+        assert SSHTransport(target.hosts[0], target).run("echo in").stdout == b"in\n"
+    finally:
+        known.write_text("")  # unknown again for the other tests
+
+
+def test_the_changed_host_key_fix_works_as_written(targets, cluster, tmp_path):
+    # known_hosts holds another key for the host: ssh refuses; the error names the two commands
+    # that replace it, and once they ran as written ssh logs in.
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "other")],
+                   check=True)
+    known = tmp_path / "known_hosts"
+    known.write_text(f"[127.0.0.1]:{cluster.ssh_port} "
+                     f"{' '.join((tmp_path / 'other.pub').read_text().split()[:2])}\n")
+    target = get_target("ssh:unknown-key").model_copy(update={"known_hosts": str(known)})
+    with pytest.raises(TargetError, match="(?s)REMOTE HOST IDENTIFICATION HAS CHANGED.*not the "
+                                          "one .* holds") as refused:
+        SSHTransport(target.hosts[0], target).run("true")
+    lines = [line.strip() for line in str(refused.value).splitlines()]
+    commands = [line for line in lines if line.startswith(("ssh-keygen -R", "ssh-keyscan"))]
+    assert commands == [f"ssh-keygen -R '[127.0.0.1]:{cluster.ssh_port}' -f {known}",
+                        f"ssh-keyscan -p {cluster.ssh_port} 127.0.0.1 >> {known}"]
+    for command in commands:
+        subprocess.run(["bash", "-c", command], check=True, capture_output=True, timeout=30)
+    assert SSHTransport(target.hosts[0], target).run("echo in").stdout == b"in\n"
+
+
+def test_ssh_options_written_as_numbers_and_yes_no_log_in(targets, cluster, tmp_path,
+                                                           monkeypatch):
+    # YAML reads the port as a number and yes as true; ssh gets Port=N and IdentitiesOnly=yes.
+    monkeypatch.setenv("WORKBENCH_HOME", str(tmp_path))
+    (tmp_path / "targets.yaml").write_text(
+        "ssh:\n  numbers:\n    hosts: [127.0.0.1]\n"
+        f"    identity_file: {cluster.identity}\n    known_hosts: {cluster.known_hosts}\n"
+        f"    ssh_options: {{Port: {cluster.ssh_port}, IdentitiesOnly: yes, "
+        "ServerAliveCountMax: 3}\n")
+    target = get_target("ssh:numbers")
+    assert SSHTransport(target.hosts[0], target).run("echo in").stdout == b"in\n"
 
 
 def test_broken_remote_env_surfaces_the_remote_error(targets, monkeypatch):
@@ -529,15 +588,59 @@ def test_more_gpus_than_the_ssh_host_has_is_refused_before_anything_starts(targe
 def test_unknown_partition_and_rejected_sbatch_leave_nothing(targets):
     with pytest.raises(TargetError, match="(?s)invalid partition.*one of: debug"):
         workbench.launch({"name": "nopart", "target": "slurm:nopart", **TINY})
-    # 8 GPUs per node where nodes have 2: sbatch itself rejects the job.
+    # --mem=64G where the node has 20000 MB: sbatch itself rejects the job.
     with pytest.raises(TargetError, match="(?s)sbatch refused.*not available.*lower resources"):
-        workbench.launch({"name": "toobig", "target": "slurm:local", **TINY,
-                          "resources": {"gpus_per_node": 8, "processes_per_node": 1,
-                                        "gpu_type": "A100-80G"}}, force=True)
+        workbench.launch({"name": "toobig", "target": "slurm:bigmem", **TINY})
     for name in ("nopart", "toobig"):
         job = workbench.get_job(name)
         assert job.state == "failed" and "sbatch refused" in job.status()["error"]
         _nothing_left(job.id)
+
+
+def test_a_request_no_node_of_the_partition_has_is_refused_before_sbatch(targets):
+    # cluster.py's one node: CPUs=8 RealMemory=20000 Gres=gpu:2, partition debug. Four GPUs
+    # (four processes of 4 CPUs) or two nodes would be accepted by sbatch and left pending for
+    # ever (PartitionConfig, PartitionNodeLimit): the launch refuses them before anything.
+    from workbench.errors import ResourceError
+    from workbench.runs.home import runs_dir
+    from workbench.runs.registry import Registry
+
+    runs, folders = {r.id for r in Registry().list_runs()}, set(runs_dir().iterdir())
+    with pytest.raises(ResourceError) as refused:
+        workbench.launch({"name": "fourgpus", "target": "slurm:local", **TINY,
+                          "resources": {"gpus_per_node": 4, "gpu_type": "T4"}})
+    message = str(refused.value)
+    assert "asks for 1 node(s) with 4 GPU(s) and 16 CPUs each" in message, message
+    assert "partition 'debug' has 1 node(s) with 8 CPUs, 20000 MB, gres gpu:2" in message
+    assert "set resources.gpus_per_node to at most 2" in message
+    with pytest.raises(ResourceError, match=r"asks for 2 node\(s\).* set resources\.nodes to at "
+                                            r"most 1;"):
+        workbench.launch({"name": "twonodes", "target": "slurm:local", **TINY,
+                          "resources": {"nodes": 2}})
+    # slurmctld keeps every job it was given, ended or not, for MinJobAge (600 s): none came.
+    jobs = subprocess.run(["scontrol", "show", "job", "-o"], capture_output=True, text=True,
+                          check=True).stdout
+    assert "JobName=wb-fourgpus" not in jobs and "JobName=wb-twonodes" not in jobs
+    assert {r.id for r in Registry().list_runs()} == runs
+    assert set(runs_dir().iterdir()) == folders
+
+
+def test_a_queued_job_says_why_it_waits(targets, capsys):
+    # slurm:held submits with --hold: Slurm keeps the job pending with reason JobHeldUser.
+    from workbench.cli import main, status_table
+    from workbench.widgets.job_view import JobView
+
+    job = workbench.launch({"name": "held", "target": "slurm:held", **TINY})
+    try:
+        assert job.summary()["queue_reason"] == "JobHeldUser"
+        row = status_table([job]).splitlines()[1]
+        assert f"{job.id}  slurm:held  queued (JobHeldUser)" in row, row
+        assert main(["status", job.id]) == 0
+        assert "queue_reason: JobHeldUser" in capsys.readouterr().out
+        assert "waiting: JobHeldUser" in JobView(job, autostart=False).stats.value
+    finally:
+        assert job.cancel() == "cancelled"
+    _nothing_left(job.id)
 
 
 # -- requeue and time limit ----------------------------------------------------------------------

@@ -31,7 +31,8 @@ def status_table(jobs: list[Any]) -> str:
         step = f"{s['step'] or 0}/{s['total_steps'] or '?'}"
         loss = f"{s['last_loss']:.4f}" if s["last_loss"] is not None else "-"
         eta = _fmt_duration(s["eta_s"]) if s["state"] == "running" else "-"
-        rows.append((job.id, job.target, s["state"] or "-", step, loss, eta))
+        state = (s["state"] or "-") + (f" ({s['queue_reason']})" if s.get("queue_reason") else "")
+        rows.append((job.id, job.target, state, step, loss, eta))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
@@ -152,7 +153,7 @@ def _demo(args: argparse.Namespace) -> Any:
 
 
 def _targets_list(args: argparse.Namespace) -> Any:
-    from workbench.targets.named import load_targets, targets_file
+    from workbench.targets.named import load_targets, target_problems, targets_file
 
     rows = [("TARGET", "WHERE", "PYTHON")]
     rows.append(("local", "this machine", sys.executable))
@@ -161,6 +162,8 @@ def _targets_list(args: argparse.Namespace) -> Any:
                  else f"partition {t.partition or '(default)'}"
                       + (f" via {t.login.host}" if t.login else ""))
         rows.append((ref, where, t.python))
+    for ref in target_problems():  # unusable until corrected; the check says what is wrong
+        rows.append((ref, f"NOT USABLE: see `workbench targets check {ref}`", "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     table = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
     return f"{table}\n(configured in {targets_file()}; see docs/targets.md)"

@@ -375,6 +375,7 @@ class Job:
         speeds = [m["tokens_per_s"] for m in train if m.get("tokens_per_s")]
         return Readable({
             "id": self.id, "state": status.get("state"), "target": self.target,
+            "queue_reason": status.get("queue_reason"),  # why a queued Slurm job waits
             "step": status.get("step"), "total_steps": status.get("total_steps"),
             "first_loss": train[0]["loss"] if train else None,
             "last_loss": train[-1]["loss"] if train else None,

@@ -184,6 +184,8 @@ def _launch(spec: RunSpec | dict | str | Path | None, force: bool,
         from workbench.targets.backends.local import check_local_resources
 
         check_local_resources(spec)
+    elif hasattr(backend, "check_resources"):  # e.g. what the nodes of a Slurm partition have
+        backend.check_resources(spec)
     _validate_tracking(spec)
     from workbench.plan.probe import LaunchProbe
 

@@ -14,7 +14,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workbench.runs.home import home
-from workbench.targets.named import HostSpec, SSHTarget, Target, get_target
+from workbench.targets.named import (
+    HostSpec,
+    SSHTarget,
+    Target,
+    TargetError,
+    get_target,
+    target_problems,
+    targets_file,
+)
 
 
 @dataclass
@@ -127,6 +135,19 @@ print("WORKBENCH-PROBE " + json.dumps(out))
 MIN_FREE_DISK_GB = 5.0
 
 
+def check_reachable(transport: Any, label: str, destination: str, connect_timeout: float,
+                    report: TargetReport) -> bool:
+    """Report whether ``transport`` logs in (``reachable (LABEL)``); whether it did."""
+    try:
+        transport.run("true", timeout=connect_timeout + 20)
+    except TargetError as exc:
+        report.add(f"reachable ({label})", False, str(exc).split("\n-> ")[0],
+                   str(exc).split("\n-> ")[-1])
+        return False
+    report.add(f"reachable ({label})", True, f"ssh {destination} works")
+    return True
+
+
 def probe_environment(transport: Any, target: Target, workdir: str, report: TargetReport,
                       where: str, gpus_expected: int | None = None) -> dict[str, Any] | None:
     """Run PROBE on ``transport`` with the target's Python; add findings to ``report``."""
@@ -191,6 +212,13 @@ def check_target(name: str) -> TargetReport:
         target = SSHTarget(name="local", hosts=[HostSpec(host="localhost")],
                            python=__import__("sys").executable, workdir=str(home() / "runs"))
     else:
+        problem = target_problems().get(name)
+        if problem is not None:  # its entry has a mistake: that is the one thing to report
+            report = TargetReport(name)
+            report.add("targets.yaml entry", False, str(problem),
+                       f"correct {name.replace(':', '.', 1)} in {targets_file()} (docs/targets.md "
+                       "lists the fields)")
+            return report
         target = get_target(name)
         kind = target.kind
     if kind not in _CHECKS:

@@ -20,11 +20,17 @@ one mapping per kind::
         python: /opt/envs/ft/bin/python
         login: login.cluster.org         # omit when the notebook runs on the login node
 
+A mistake in one entry (a misspelt field, a wrong type) leaves the other targets usable: the
+entry is left out of :func:`load_targets`, and using it (:func:`get_target`, a launch, ``workbench
+targets check``) raises what is wrong with it, with a "did you mean" for a misspelt field. Only a
+file that is not YAML, or whose sections are not ``ssh:``/``slurm:`` mappings, stops every target.
+
 Probing a target (``workbench targets check NAME``) is :mod:`workbench.targets.check`.
 """
 
 from __future__ import annotations
 
+import difflib
 import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -66,7 +72,9 @@ class SSHOptions(_Model):
     known_hosts: str | None = None
     strict_host_key_checking: bool = True
     connect_timeout: int = Field(default=10, ge=1)
-    ssh_options: dict[str, str] = Field(default_factory=dict)  # more ssh -o KEY=VALUE
+    # More ssh -o KEY=VALUE. YAML reads `Port: 2222` as a number and `yes` as true: both are
+    # accepted, and written as ssh wants them where the command is built (transport.SSHTransport).
+    ssh_options: dict[str, str | bool | int | float] = Field(default_factory=dict)
 
 
 class _TargetBase(SSHOptions):
@@ -139,7 +147,7 @@ class SlurmTarget(_TargetBase):
     account: str | None = None
     qos: str | None = None
     time: str = "01:00:00"  # --time; a job past it ends "failed" saying the limit expired
-    cpus_per_task: int | None = Field(None, ge=1)  # None: 4 per process (2 on CPU runs)
+    cpus_per_task: int | None = Field(None, ge=1)  # None: 4 per process (1 on CPU runs)
     mem: str | None = None  # --mem per node, e.g. 64G; None: the partition's default
     requeue: bool = True
     sbatch_options: list[str] = Field(default_factory=list)  # extra lines, e.g. --constraint=a100
@@ -162,37 +170,77 @@ def targets_file() -> Path:
 
 
 def load_targets(path: Path | None = None) -> dict[str, Target]:
-    """Every configured target by reference (``ssh:NAME``, ``slurm:NAME``)."""
+    """Every configured target by reference (``ssh:NAME``, ``slurm:NAME``), except entries with a
+    mistake (:func:`target_problems` says what each is)."""
+    return _read(path)[0]
+
+
+def target_problems(path: Path | None = None) -> dict[str, TargetError]:
+    """What is wrong with each entry of targets.yaml that cannot be used, by reference."""
+    return _read(path)[1]
+
+
+def _read(path: Path | None) -> tuple[dict[str, Target], dict[str, TargetError]]:
     path = path or targets_file()
     if not path.is_file():
-        return {}
+        return {}, {}
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as exc:
         raise TargetError(f"{path} is not valid YAML: {exc}") from None
     if not isinstance(raw, dict):
         raise TargetError(f"{path}: expected a mapping with 'ssh:' and/or 'slurm:' sections")
-    out: dict[str, Target] = {}
+    unknown = sorted(set(raw) - {"ssh", "slurm"})
+    if unknown:
+        close = [m for k in unknown for m in difflib.get_close_matches(str(k), ["ssh", "slurm"], 1)]
+        hint = f" (did you mean {' and '.join(repr(m) for m in close)}?)" if close else ""
+        raise TargetError(f"{path}: unknown section(s) {unknown}{hint}; use 'ssh:' and 'slurm:'")
+    good: dict[str, Target] = {}
+    bad: dict[str, TargetError] = {}
     for kind, model in (("ssh", SSHTarget), ("slurm", SlurmTarget)):
         section = raw.get(kind) or {}
+        if not isinstance(section, dict):
+            raise TargetError(f"{path}: {kind}: expected a mapping of target names to their "
+                              "fields (see docs/targets.md)")
         for name, body in section.items():
+            ref = f"{kind}:{name}"
+            if body is not None and not isinstance(body, dict):
+                bad[ref] = TargetError(f"{path}: {kind}.{name}: expected a mapping of fields, got "
+                                       f"{body!r} (see docs/targets.md)")
+                continue
             try:
-                out[f"{kind}:{name}"] = model.model_validate({**(body or {}), "name": name})
+                good[ref] = model.model_validate({**(body or {}), "name": name})
             except ValidationError as exc:
-                problems = "; ".join(
-                    f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}"
-                    for e in exc.errors())
-                raise TargetError(f"{path}: {kind}.{name}: {problems}") from None
-    unknown = set(raw) - {"ssh", "slurm"}
-    if unknown:
-        raise TargetError(f"{path}: unknown section(s) {sorted(unknown)}; use 'ssh:' and 'slurm:'")
-    return out
+                problems = "; ".join(_problem(model, e) for e in exc.errors())
+                bad[ref] = TargetError(f"{path}: {kind}.{name}: {problems}")
+    return good, bad
+
+
+def _problem(model: type[BaseModel], error: Any) -> str:
+    """One validation error of a target entry as ``field: message``; a field the entry's model
+    does not have gets the closest one it has (difflib, as a RunSpec's unknown field does)."""
+    loc = [str(p) for p in error["loc"]]
+    if error["type"] != "extra_forbidden":
+        return f"{'.'.join(loc) or '<root>'}: {error['msg']}"
+    owner: type[BaseModel] = model
+    for part in loc[:-1]:  # down to the model that holds the field: a host, the login node
+        field = owner.model_fields.get(part)
+        inner = [a for a in getattr(field.annotation, "__args__", ()) if isinstance(a, type)
+                 and issubclass(a, BaseModel)] if field is not None else []
+        if inner:
+            owner = inner[0]
+    allowed = sorted(set(owner.model_fields) - {"kind", "name"})
+    close = difflib.get_close_matches(loc[-1], allowed, n=1, cutoff=0.5)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    return f"{'.'.join(loc)}: unknown field; {hint}allowed fields: {', '.join(allowed)}"
 
 
 def target_names(current: str | None = None) -> list[str]:
-    """What a run form offers: ``local`` first, then every configured target."""
+    """What a run form offers: ``local`` first, then every configured target (one whose entry has
+    a mistake too: launching it says what the mistake is)."""
     try:
-        names = ["local", *load_targets()]
+        good, bad = _read(None)
+        names = ["local", *good, *bad]
     except TargetError:
         names = ["local"]  # a broken file must not break the form; `targets check` says why
     if current and current not in names:
@@ -201,9 +249,12 @@ def target_names(current: str | None = None) -> list[str]:
 
 
 def get_target(ref: str) -> Target:
-    targets = load_targets()
+    """The target ``ref``; a TargetError saying what is wrong when its entry has a mistake."""
+    targets, problems = _read(None)
     if ref in targets:
         return targets[ref]
+    if ref in problems:
+        raise problems[ref]
     known = ", ".join(targets) or "none"
     raise TargetError(
         f"target {ref!r} is not configured (known: {known}); add it to {targets_file()} "

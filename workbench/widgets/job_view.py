@@ -121,6 +121,8 @@ class JobView(W.VBox):
         parts = [
             (f"preparing data: {prep.get('split', '')} {prep.get('done', 0):,}/"
              f"{prep.get('total', '?')}" if status.get("phase") == "preparing" else ""),
+            (f"waiting: {html.escape(str(status['queue_reason']))}" if status.get("queue_reason")
+             else ""),  # why Slurm holds it in the queue
             f"step <b>{step}</b> / {status.get('total_steps') or '?'}",
             f"loss <b>{loss:.4f}</b>" if loss is not None else "loss –",
             f"eval loss {eval_loss:.4f}" if eval_loss is not None else "",

@@ -16,7 +16,9 @@ A backend is anything with this shape (a Protocol, not a base class to inherit f
 
 Remote backends also have ``shells(spec) -> [(transport, prefix)]``: a shell, with the target's
 set-up and plain env, on each host whose files the run reads (workbench.targets.remote_model looks for a
-model folder there).
+model folder there). A backend may have ``check_resources(spec)``, which ``launch`` calls before
+anything of the run is made: it raises ResourceError for a request the target can never hold (the
+Slurm backend: more GPUs, CPUs or nodes than the partition's nodes have).
 
 The run directory is the only channel between a run and its readers, so every backend looks the
 same to the Job handle, the widgets, the CLI and the lab panel. ``get_backend(target)`` maps a

@@ -1,11 +1,9 @@
-"""Shared plumbing of the remote backends: run a command on a host, copy a run directory there,
-and read its files incrementally back into the local run directory.
+"""Shared plumbing of the remote backends: copy a run directory to a host, and read its files
+incrementally back into the local run directory.
 
-A :class:`Transport` runs shell commands on one host: :class:`SSHTransport` through the system
-``ssh`` client (so ~/.ssh/config aliases, ProxyJump and agents work, and host keys are checked
-strictly unless the target says otherwise), :class:`LocalTransport` through ``bash`` on this
-machine (a Slurm login node the notebook runs on). :func:`sync_run_dir` mirrors what readers need
-(status.json, metrics.jsonl, logs/) from the remote run directory into the local one with byte
+Commands run on a host through a :class:`~workbench.targets.backends.transport.Transport`
+(re-exported here: ``SSHTransport``, ``LocalTransport``). :func:`sync_run_dir` mirrors what readers
+need (status.json, metrics.jsonl, logs/) from the remote run directory into the local one with byte
 offsets, in one round trip, so the Job handle, widgets and CLI read local files on every backend.
 """
 
@@ -14,134 +12,26 @@ from __future__ import annotations
 import base64
 import json
 import shlex
-import subprocess
 import tarfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from workbench.runs.rundir import CANCEL_REQUESTED, RunDir, write_json_atomic
 from workbench.secrets import remote_quote
-from workbench.targets.named import HostSpec, SSHOptions, TargetError
+from workbench.targets.backends.transport import (  # noqa: F401  (re-exported)
+    LocalTransport,
+    Result,
+    SSHTransport,
+    Transport,
+    ssh_option_value,
+)
+from workbench.targets.named import TargetError
 
 # The remote run directory is authoritative for these; the local copy is a mirror.
 MIRRORED = ("status.json", "metrics.jsonl", "eval.jsonl")
 MAX_CHUNK = 4 << 20  # bytes per file per sync, so one poll never stalls on a huge log
-
-
-@dataclass
-class Result:
-    returncode: int
-    stdout: bytes
-    stderr: bytes
-
-    @property
-    def text(self) -> str:
-        return (self.stderr or self.stdout).decode(errors="replace").strip()
-
-
-class Transport(Protocol):
-    where: str  # for messages: "host gpu1", "this machine"
-
-    def run(self, command: str, *, input: bytes | None = None, check: bool = True,
-            timeout: float = 60.0) -> Result: ...
-
-
-
-def _run(argv: list[str], input: bytes | None, timeout: float, where: str) -> Result:
-    try:
-        proc = subprocess.run(argv, input=input, capture_output=True, timeout=timeout,
-                              stdin=None if input is not None else subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
-        raise TargetError(f"{where} did not answer within {timeout:.0f} s ({argv[0]} timed out); "
-                          "check the network and that the host is up") from None
-    except FileNotFoundError:
-        raise TargetError(f"{argv[0]!r} is not installed on this machine; install it "
-                          "(e.g. apt-get install openssh-client)") from None
-    return Result(proc.returncode, proc.stdout, proc.stderr)
-
-
-class LocalTransport:
-    where = "this machine"
-
-    def run(self, command: str, *, input: bytes | None = None, check: bool = True,
-            timeout: float = 60.0) -> Result:
-        res = _run(["bash", "-c", command], input, timeout, self.where)
-        if check and res.returncode != 0:
-            raise TargetError(f"command failed on {self.where}: {command}\n{res.text}")
-        return res
-
-
-class SSHTransport:
-    """ssh to one host with BatchMode (never prompts) and the target's key and host-key policy."""
-
-    def __init__(self, host: HostSpec, options: SSHOptions) -> None:
-        self.host = host
-        self.options = options
-        self.where = f"host {host.host}"
-
-    def ssh_argv(self) -> list[str]:
-        o = self.options
-        argv = ["ssh"]
-        if o.ssh_config:
-            argv += ["-F", str(Path(o.ssh_config).expanduser())]
-        if self.host.port:
-            argv += ["-p", str(self.host.port)]
-        if o.identity_file:
-            argv += ["-i", str(Path(o.identity_file).expanduser())]
-        opts = {"BatchMode": "yes", "ConnectTimeout": str(o.connect_timeout),
-                "StrictHostKeyChecking": "yes" if o.strict_host_key_checking else "no",
-                "ServerAliveInterval": "15", "LogLevel": "ERROR"}
-        if o.known_hosts:
-            opts["UserKnownHostsFile"] = str(Path(o.known_hosts).expanduser())
-        opts.update(o.ssh_options)
-        for k, v in opts.items():
-            argv += ["-o", f"{k}={v}"]
-        return argv + [self.host.destination]
-
-    def run(self, command: str, *, input: bytes | None = None, check: bool = True,
-            timeout: float = 60.0) -> Result:
-        # ssh joins its arguments into one string for the remote login shell; bash -c makes the
-        # command's meaning independent of that shell (csh, fish, ...).
-        res = _run(self.ssh_argv() + ["--", "bash -c " + shlex.quote(command)], input, timeout,
-                   self.where)
-        if res.returncode == 255:  # ssh's own failure: connection, auth or host key
-            raise TargetError(self.explain(res.text))
-        if check and res.returncode != 0:
-            raise TargetError(f"command failed on {self.where}: {command}\n{res.text}")
-        return res
-
-    def explain(self, err: str) -> str:
-        """ssh's error with the next step to take."""
-        h = self.host.host
-        if "Host key verification failed" in err or "No matching host key" in err or \
-                "REMOTE HOST IDENTIFICATION HAS CHANGED" in err:
-            fix = (f"the host key of {h} is not in known_hosts (strict host key checking is on); "
-                   f"verify it and add it, e.g. ssh-keyscan -p PORT {h} >> ~/.ssh/known_hosts, "
-                   "or set known_hosts: in the target")
-        elif "Permission denied" in err:
-            fix = (f"{h} refused the login; set identity_file: (or add the key to your ssh agent) "
-                   "and check the user name")
-        elif "Could not resolve hostname" in err:
-            fix = f"{h!r} is neither a resolvable host name nor an alias in your ssh config"
-        else:
-            fix = (f"{h} is unreachable; check that it is up, the port, and the network "
-                   "(ssh must log in without a prompt)")
-        return f"cannot reach {h} over SSH: {err or 'ssh failed'}\n-> {fix}"
-
-    def resolved_hostname(self) -> str:
-        """The address behind an alias (``ssh -G``), for other nodes to reach this one."""
-        if self.host.address:
-            return self.host.address
-        res = _run(self.ssh_argv()[:-1] + ["-G", self.host.destination], None, 10, self.where)
-        for line in res.stdout.decode(errors="replace").splitlines():
-            key, _, value = line.partition(" ")
-            if key == "hostname" and value:
-                return value
-        return self.host.host.split("@")[-1]
-
 
 
 def put_dir(transport: Transport, local: Path, parent: str, run_dir: bool = False) -> None:

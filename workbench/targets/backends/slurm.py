@@ -8,6 +8,9 @@ nodes, GPUs per node (``--gres``), CPUs, memory, time, partition/account/qos and
 picks the rendezvous on the first node (``scontrol show hostnames``) and runs one
 ``python -m workbench.runs.supervise`` per node via ``srun``, with the node rank from SLURM_NODEID.
 A requeued job starts the same script again; training resumes from RUN_DIR/checkpoints/latest.
+Before anything of a run is made, ``check_resources`` refuses a request that no node of the
+partition can hold (:mod:`workbench.targets.backends.slurm_check`), which sbatch may accept and
+leave queued forever.
 
 ``status`` is status.json corrected by the scheduler (``scontrol show job``; ``sacct`` once the
 job has left slurmctld's memory, where accounting exists): pending/requeued -> queued, TIMEOUT ->
@@ -21,7 +24,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from workbench.runs.home import runs_dir
 from workbench.runs.rundir import (
     BUDGET_STOPPED,
     CANCELLED,
@@ -53,6 +55,7 @@ from workbench.targets.backends.remote import (
     unconfirmed_cancel,
     write_remote_status,
 )
+from workbench.targets.backends.slurm_check import check_cluster, check_request, read_partitions
 from workbench.targets.backends.slurm_script import (  # noqa: F401  (re-exported)
     ACTIVE,
     SLURM_FAILED,
@@ -61,7 +64,7 @@ from workbench.targets.backends.slurm_script import (  # noqa: F401  (re-exporte
     parse_scontrol,
     sbatch_script,
 )
-from workbench.targets.check import TargetReport, probe_environment, register_check
+from workbench.targets.check import TargetReport, register_check
 from workbench.targets.named import SlurmTarget, TargetError, get_target
 
 
@@ -110,6 +113,11 @@ class SlurmBackend:
         """The sbatch script ``submit`` would write for ``spec`` in ``run_dir``."""
         where = self._cluster_dir(run_dir) or str(Path(run_dir).resolve())
         return sbatch_script(spec, self.target, where, f"wb-{Path(run_dir).name}")
+
+    def check_resources(self, spec: RunSpec) -> None:
+        """Refuse (ResourceError) a run no node of the target's partition can ever hold, before
+        anything of it is made: sbatch would accept some such jobs and leave them queued."""
+        check_request(spec, self.target, read_partitions(self.scheduler))
 
     # -- submit ----------------------------------------------------------------------------------
     def submit(self, run_dir: Path, spec: RunSpec) -> str:
@@ -387,41 +395,7 @@ def _slurm_time(value: str | None) -> float:
 
 
 def check_slurm_target(target: SlurmTarget, report: TargetReport) -> None:
-    backend = SlurmBackend(target.ref, target)
-    tr = backend.transport
-    if target.login:
-        try:
-            tr.run("true", timeout=target.connect_timeout + 20)
-        except TargetError as exc:
-            report.add(f"reachable ({target.login.host})", False, str(exc).split("\n-> ")[0],
-                       str(exc).split("\n-> ")[-1])
-            return
-        report.add(f"reachable ({target.login.host})", True, f"ssh {target.login.destination} works")
-    res = backend.scheduler("command -v sbatch squeue scontrol scancel")
-    found = res.stdout.decode(errors="replace").split()
-    ok = report.add("slurm client", len(found) == 4, f"{len(found)}/4 of sbatch, squeue, scontrol, "
-                    "scancel found", "add the Slurm client tools to PATH via 'setup:' (e.g. "
-                    "module load slurm)")
-    if not ok:
-        return
-    res = backend.scheduler("sinfo -h -o '%P|%a|%D|%c|%m|%G|%l'")
-    rows = [ln.split("|") for ln in res.stdout.decode(errors="replace").split("\n") if ln.strip()]
-    if res.returncode != 0:
-        report.add("slurm controller", False, res.text, "check that slurmctld is up (scontrol ping)")
-        return
-    parts = {r[0].rstrip("*"): r for r in rows}
-    default = next((r[0].rstrip("*") for r in rows if r[0].endswith("*")), None)
-    want = target.partition or default
-    row = parts.get(want or "")
-    report.add("partition", row is not None,
-               f"{want}: {row[1]}, {row[2]} node(s), {row[3]} CPUs, {row[4]} MB, gres {row[5]}, "
-               f"time limit {row[6]}" if row else f"{want!r} not found (have: {', '.join(parts)})",
-               f"set 'partition:' of {target.ref} to one of: {', '.join(parts)}")
-    where = target.login.host if target.login else "the login node"
-    workdir = target.workdir or ("~/workbench-runs" if target.login else
-                                 str(runs_dir()))
-    probe_environment(tr, target, workdir, report, where,
-                      None)  # GPUs live on compute nodes; the partition row shows their gres
+    check_cluster(SlurmBackend(target.ref, target), report)
 
 
 register_check("slurm", check_slurm_target)

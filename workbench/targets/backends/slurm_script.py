@@ -38,13 +38,20 @@ def allocation_lines(target: SlurmTarget, gpus: int) -> list[str]:
     return lines
 
 
+def cpus_per_task(spec: RunSpec, target: SlurmTarget) -> int:
+    """CPUs of a run's one task per node: the target's ``cpus_per_task``, else 4 per process
+    (1 per process on a CPU run)."""
+    r = spec.resources
+    return target.cpus_per_task or r.procs_per_node * (4 if r.gpus_per_node else 1)
+
+
 def sbatch_script(spec: RunSpec, target: SlurmTarget, run_dir: str, job_name: str) -> str:
     """The batch script for ``spec`` on ``target``, running the run directory ``run_dir``.
 
     It holds no secret: the target's secret ``env`` entries are sourced from
     ``env_file_path(run_dir)`` (written by ``write_secret_env``) and shown as ``NAME=***``."""
     r = spec.resources
-    cpus = target.cpus_per_task or r.procs_per_node * (4 if r.gpus_per_node else 1)
+    cpus = cpus_per_task(spec, target)
     d = run_dir.rstrip("/")
     plain, secret = split_env(target.env)  # secret values stay in env_file_path(d), 0600
     lines = [

@@ -36,7 +36,12 @@ from workbench.targets.backends.remote import (
     unconfirmed_cancel,
     write_remote_status,
 )
-from workbench.targets.check import TargetReport, probe_environment, register_check
+from workbench.targets.check import (
+    TargetReport,
+    check_reachable,
+    probe_environment,
+    register_check,
+)
 from workbench.targets.named import SSHTarget, TargetError, get_target
 
 # Imports the supervisor's dependencies and picks a free port for the rendezvous, in one call.
@@ -358,13 +363,8 @@ def check_ssh_target(target: SSHTarget, report: TargetReport) -> None:
     gpus = target.defaults.get("resources.gpus_per_node")
     for host in target.hosts:
         tr = SSHTransport(host, target)
-        try:
-            tr.run("true", timeout=target.connect_timeout + 20)
-        except TargetError as exc:
-            report.add(f"reachable ({host.host})", False, str(exc).split("\n-> ")[0],
-                       str(exc).split("\n-> ")[-1])
+        if not check_reachable(tr, host.host, host.destination, target.connect_timeout, report):
             continue
-        report.add(f"reachable ({host.host})", True, f"ssh {host.destination} works")
         probe_environment(tr, target, host.workdir or target.workdir, report, host.host, gpus)
 
 

@@ -1,0 +1,93 @@
+"""targets.yaml as people write it: a mistake in one entry, and YAML's own reading of values.
+
+Nothing here reaches a host: the checks of a connection are in tests/remote/test_remote.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import workbench
+from workbench.cli import main
+from workbench.errors import TargetError
+from workbench.targets.backends.remote import SSHTransport
+from workbench.targets.check import check_target
+from workbench.targets.named import get_target, load_targets, target_names
+
+TARGETS = """\
+ssh:
+  good:
+    hosts: [gpu1]
+  hosttypo:
+    hosts: [{hots: gpu2}]
+  notamapping: gpu3
+slurm:
+  typo:
+    partiton: gpu
+  fine:
+    partition: gpu
+"""
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("WORKBENCH_HOME", str(tmp_path))
+    return tmp_path
+
+
+def test_a_mistake_in_one_target_entry_spares_the_others(home, capsys):
+    (home / "targets.yaml").write_text(TARGETS)
+    assert set(load_targets()) == {"ssh:good", "slurm:fine"}
+    assert [h.host for h in get_target("ssh:good").hosts] == ["gpu1"]
+    assert get_target("slurm:fine").partition == "gpu"
+    # The broken ones are offered (launching one says what is wrong), after the good ones.
+    assert target_names() == ["local", "ssh:good", "slurm:fine", "ssh:hosttypo",
+                              "ssh:notamapping", "slurm:typo"]
+    path = home / "targets.yaml"
+    with pytest.raises(TargetError) as typo:
+        get_target("slurm:typo")
+    assert str(typo.value).startswith(
+        f"{path}: slurm.typo: partiton: unknown field; did you mean 'partition'? allowed fields: ")
+    with pytest.raises(TargetError, match=r"ssh\.hosttypo: .*hosts\.0\.hots: unknown field; did "
+                                          r"you mean 'host'\? allowed fields: address, host, "
+                                          r"port, user, workdir"):
+        get_target("ssh:hosttypo")
+    with pytest.raises(TargetError, match=r"ssh\.notamapping: expected a mapping of fields, got "
+                                          r"'gpu3'"):
+        get_target("ssh:notamapping")
+    with pytest.raises(TargetError, match="did you mean 'partition'"):
+        workbench.launch({"name": "typo", "target": "slurm:typo", "train": {"max_steps": 1}})
+    # `targets check` reports it (no host is asked), and `targets list` flags it.
+    report = check_target("slurm:typo")
+    assert not report.ok and [c.name for c in report.checks] == ["targets.yaml entry"]
+    assert "did you mean 'partition'" in report.checks[0].detail
+    assert f"correct slurm.typo in {path}" in report.checks[0].fix
+    assert main(["targets", "check", "slurm:typo"]) == 1
+    assert "did you mean 'partition'" in capsys.readouterr().out
+    assert main(["targets", "list"]) == 0
+    listed = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]
+              if line.strip()}
+    assert "gpu1" in listed["ssh:good"]
+    assert "NOT USABLE: see `workbench targets check slurm:typo`" in listed["slurm:typo"]
+
+
+def test_a_misspelt_section_is_refused_with_the_closest_one(home):
+    (home / "targets.yaml").write_text("slurmm:\n  c: {partition: gpu}\n")
+    with pytest.raises(TargetError, match=r"unknown section\(s\) \['slurmm'\] \(did you mean "
+                                          r"'slurm'\?\); use 'ssh:' and 'slurm:'"):
+        load_targets()
+
+
+def test_ssh_options_written_as_numbers_and_yes_no_reach_ssh_as_it_reads_them(home):
+    # YAML reads 2222 as a number and yes/no as booleans.
+    (home / "targets.yaml").write_text(
+        "ssh:\n  gw:\n    hosts: [gpu1]\n    ssh_options: {Port: 2222, ForwardAgent: no, "
+        "Compression: yes, ProxyJump: bastion}\n")
+    target = get_target("ssh:gw")
+    argv = SSHTransport(target.hosts[0], target).ssh_argv()
+    options = [argv[i + 1] for i, a in enumerate(argv) if a == "-o"]
+    assert options[-4:] == ["Port=2222", "ForwardAgent=no", "Compression=yes",
+                            "ProxyJump=bastion"]
+    assert argv[-1] == "gpu1"
