@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-# Packing and the collator live in workbench.data.batches; importable from here as before.
+# Packing and the collator live in workbench.data.batches; callers may import them from here.
 from workbench.data.batches import IGNORE
 from workbench.data.batches import Collator as Collator
 from workbench.data.batches import pack as pack
@@ -316,7 +316,7 @@ class _Tokens:
         """The tokens in ``range(i, j)`` that cover at least one character."""
         if self._enc is None:
             return [k for k in range(i, j) if self._ends[k] > self._starts[k]]
-        # The Rust lookup called directly: a method call per token was a third of tokenising.
+        # The Rust lookup called directly: a method call per token would cost a third of tokenising.
         to_chars = self._enc.token_to_chars
         return [k for k in range(i, j) if (span := to_chars(k)) and span[1] > span[0]]
 

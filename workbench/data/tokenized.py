@@ -38,7 +38,7 @@ from workbench.errors import DataTruncationError
 from workbench.spec import RunSpec
 from workbench.train.quiet import no_progress_bars
 
-# Where callers found them before the cache and the table had modules of their own.
+# With the names of workbench.data.token_cache and .token_table that callers import from here.
 __all__ = ["cached_stats", "check_trainable", "eval_sample", "files_key", "load_tokenized",
            "prepare_tokenized", "reuse_tokenized", "token_stats", "tokenize_split",
            "truncation_notice"]
@@ -162,7 +162,7 @@ def truncation_notice(stats: TokenStats, spec: RunSpec) -> str | None:
 
 
 def load_tokenized(data_dir: Path, split: str) -> Any:
-    """The run's tokenised split, memory-mapped (None for run dirs made before tokenise-once)."""
+    """The run's tokenised split, memory-mapped (None when launch wrote none for ``split``)."""
     path = data_dir / "tokenized" / split
     if not (path / "dataset_info.json").is_file():
         return None

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Kept importable from here, where callers have always found them.
+# Re-exported: callers import these names from here.
 from workbench.plan.calstore import (  # noqa: F401
     CalibrationError,
     CalibrationWarning,

@@ -41,7 +41,7 @@ def measured(plan: dict[str, Any], status: dict[str, Any]) -> dict[str, Any] | N
     # The steady pace after the first logged step, and the first step's warm-up beyond it as the
     # start-up's last part: status.json's step_s (elapsed / steps) carries the warm-up into every
     # step, and a correction learnt from a short run then over-planned a longer or wider one.
-    # Runs from before the pace was written give step_s and no warm-up.
+    # A status.json without the pace gives step_s and no warm-up.
     pace = status.get("pace_s") or step_s
     warm = (status.get("first_step_extra_s") or 0.0) if status.get("pace_s") else 0.0
     out: dict[str, Any] = {
@@ -61,8 +61,8 @@ def measured(plan: dict[str, Any], status: dict[str, Any]) -> dict[str, Any] | N
 
 def record_run(rd: Any, final: dict[str, Any]) -> dict[str, Any] | None:
     """Append the run's record and return status.json's ``measured`` (the supervisor writes it
-    with ``final``, its last status fields); None when the plan had no clock (a plan from before
-    this module) or the run took no step."""
+    with ``final``, its last status fields); None when the plan has no clock or the run took no
+    step."""
     try:
         plan = json.loads(rd.plan_file.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -158,7 +158,8 @@ def correction(target: str, device: str, shape: str, method: str,
     parameter count (same target, device, method and world size): a ratio measured / modelled is
     what the FLOPs/tokens model missed on that device, so it carries to another shape, sequence
     length or batch. None without any. Other world sizes are not used: on CPU one process trains
-    with every core's threads and two with one each, measured 3-20x apart."""
+    with every core's threads and two with one each, and their step times are far apart
+    (docs/planning.md)."""
     try:
         lines = runs_file().read_text(encoding="utf-8").splitlines()
     except OSError:

@@ -24,7 +24,8 @@ Parallel = Literal["ddp", "zero1", "zero2", "zero3"]
 # = 4 + 8/64 + 32/(64*256) = 4.127 bits. LLM.int8: 8 bits + one fp32 scale per row (negligible).
 _QUANT_BYTES = {"4bit": 4.127 / 8, "8bit": 1.0}
 # CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers that torch's allocator does not count,
-# plus allocator fragmentation; measured ~0.5-0.9 GiB context on A100/H100 with torch 2.x.
+# plus allocator fragmentation; the context alone takes up to ~0.9 GiB on A100/H100
+# (docs/planning.md).
 _GPU_FIXED_OVERHEAD_GIB = 0.9
 _FRAGMENTATION = 0.05
 # A CPU training process: python + torch + transformers + peft imported, before the model.

@@ -31,8 +31,8 @@ from typing import Any
 
 DECODE_EFFICIENCY = 0.1  # decoding's share of the training FLOPs rate, without a measurement
 PERPLEXITY_MAX_TOKENS = 1024  # workbench.evaluate.perplexity.run's max_length
-# heldout's first metrics call in a process (sacrebleu and rouge-score imported), without a
-# measurement: 1.7 s measured on a loaded 2-core host.
+# heldout's first metrics call in a process (sacrebleu and rouge-score imported), when the run's
+# step measurement has no figure for it (docs/planning.md).
 METRICS_S = 1.5
 
 

@@ -6,7 +6,7 @@ later estimate (memory, time, cost) starts from this. The decoder families whose
 known (:data:`COUNTED_TYPES`: llama, mistral, qwen2, qwen3) are counted from config.json's fields
 by arithmetic, so planning a local or built-in model imports neither torch nor transformers (3-6 s
 of a launch); anything else (remote code, another model_type, a config that leaves a shape field
-to a library default) is instantiated on the meta device through transformers, as before.
+to a library default) is instantiated on the meta device through transformers.
 """
 
 from __future__ import annotations

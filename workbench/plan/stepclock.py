@@ -39,10 +39,9 @@ from workbench.plan.calstore import CalibrationError, CalibrationWarning
 
 _SEQ_NEAR = 1.25  # a measurement at tokens per example within this factor is scaled, else unused
 # The layer counts the step is timed at: up to _WIDE layers and half as many, as long as the wider
-# model's layers stay under _WIDE_PARAMS parameters. On a 0.5B model (full fine-tuning, 2 threads)
-# 1 and 4 layers stepped in 3.15 and 3.75 s, then 8 in 5.04 and 24 in 10.03: the first layers
-# hide under the lm_head's fixed cost and the slope only settles past them, so a line through
-# 1 and 2 (or 1 and 4) layers planned the step 0.3-0.8x the measured one (issue 21).
+# model's layers stay under _WIDE_PARAMS parameters. The first layers hide under the lm_head's
+# fixed cost and the per-layer slope settles only past them, so a line through 1 and 2 (or 1 and
+# 4) layers plans the step short (docs/planning.md).
 _WIDE, _WIDE_PARAMS = 8, 1e9
 
 
@@ -65,13 +64,13 @@ class StepMeasure:
     import_s: float | None  # a fresh interpreter importing what a rank imports
     # One greedy generate call of a micro-batch of prompts of ``seq`` tokens, the whole model:
     # prefill (the prompt's forward and the call's overhead) and each new token's decode step.
-    # None in files written before scoring was measured: the planner then uses FLOPs.
+    # None when the stored measurement has no such figure: the planner then uses FLOPs.
     gen_prefill_s: float | None = None
     gen_token_s: float | None = None
     # heldout's first metrics call in a process: importing sacrebleu and rouge-score dominates it.
     metrics_s: float | None = None
     # A CPU rank's peak resident memory (GiB) while it trained and generated, the whole model:
-    # what the memory formula's CPU figure is corrected by (None on a GPU and in older files).
+    # what the memory formula's CPU figure is corrected by (None on a GPU, or when not stored).
     peak_gib: float | None = None
 
     def at(self, seq: float, grad_accum: int) -> float:

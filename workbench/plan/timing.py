@@ -287,8 +287,8 @@ _CPU_ADAM_PARAMS_PER_S = 1e9  # DeepSpeed CPUAdam on a many-core host (ZeRO-Offl
 # The optimizer step without offload (gradient clipping, AdamW, zero_grad) streams ~7 fp32 values
 # per trainable parameter through memory: a memory-bound cost FLOPs miss, which dominates full
 # fine-tuning of small batches. Uncalibrated: ~1 TB/s effective on a datacenter card; on a CPU
-# host 1.5e7 parameters/s per core (measured 1.9-4.1e7 for this 2-core host, 1 or 2 threads,
-# torch AdamW). A calibration measures it (workbench.plan.calibrate.measure_optimizer).
+# host 1.5e7 parameters/s per core, about what torch AdamW reaches (docs/planning.md). A
+# calibration measures it (workbench.plan.calibrate.measure_optimizer).
 _GPU_OPTIMIZER_PARAMS_PER_S = 3e10
 _CPU_OPTIMIZER_PARAMS_PER_S_PER_CORE = 1.5e7
 

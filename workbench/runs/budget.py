@@ -26,11 +26,10 @@ from workbench.errors import BudgetError
 from workbench.spec import RunSpec
 
 # What is still paid after the ranks have ended: the launcher's exit, the reproduce bundle (the
-# package list, checksums of every snapshot) and the final status write, measured at 3-4 s for the
-# tiny model on a loaded 2-core machine when torchrun and `pip freeze` still did this (both are
-# faster now, so the figure is a margin, never short); plus ~2 s for one more supervisor that
-# starts, finds the budget spent and leaves at once (what a Slurm requeue of an ended run costs).
-# A big run's snapshot time is covered by the ranks' measured stop time (Billing.shutdown_s).
+# package list, checksums of every snapshot) and the final status write, with a margin so it is
+# never short; plus one more supervisor that starts, finds the budget spent and leaves at once
+# (what a Slurm requeue of an ended run costs). Basis: docs/planning.md. A big run's snapshot
+# time is covered by the ranks' measured stop time (Billing.shutdown_s).
 RELEASE_S = 6.0
 # A rank's graceful stop (final snapshot, saving the adapter, leaving the process group) before
 # any snapshot has been timed.

@@ -1,7 +1,7 @@
 """``python -m workbench.runs.launcher NPROC MODULE ARG...``: start one node's ranks without torchrun.
 
 A single-node run needs nothing of torchrun's rendezvous, yet torchrun imports torch before it
-starts a rank (about 1.5 s idle, more under load), so every local run waited for it. This launcher
+starts a rank (over a second, more under load), and every local run would wait for it. This launcher
 is the torch-free stand-in for one node (multi-node runs over SSH/Slurm keep torchrun): it gives
 each rank the environment torchrun's standalone agent gives (RANK, LOCAL_RANK, WORLD_SIZE,
 LOCAL_WORLD_SIZE, MASTER_ADDR/PORT on a free port, ...) and keeps torchrun's contracts with the

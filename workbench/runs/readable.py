@@ -1,7 +1,7 @@
 """How a result dict reads in a notebook: the values a person reads rounded and in units, the
 exact values untouched.
 
-:class:`Readable` is a dict (code reads and compares it as before); only its display changes:
+:class:`Readable` is a dict (code reads and compares it as any dict); only its display changes:
 seconds as ``1h02m`` / ``3m05s`` / ``4.2 s``, other floats to four significant digits, empty
 values left out, as a two-column table (HTML) or aligned lines (text).
 """

@@ -1,4 +1,4 @@
-"""The registry: one SQLite file under WORKBENCH_HOME listing every run (and, later, endpoint).
+"""The registry: one SQLite file under WORKBENCH_HOME listing every run and endpoint.
 
 The kernel helpers, the CLI and the Jupyter server extension all read and write it through this
 module. WAL mode and one short transaction per call keep it safe for concurrent readers and
@@ -78,7 +78,7 @@ class EndpointRecord:
     created: float
     updated: float
     # The deploy this row describes (workbench.serve.identity): a name outlives its deployments.
-    # None for a row recorded before deployments had ids.
+    # None for a row that records none.
     deployment: str | None = None
 
 

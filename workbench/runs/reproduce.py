@@ -55,7 +55,8 @@ def code_version() -> dict[str, Any]:
 
 def pip_freeze() -> str:
     """What ``pip freeze --all`` prints, read from the installed packages' metadata in this
-    process (importlib.metadata): pip's own start-up cost ~1.5 s at the end of every run.
+    process (importlib.metadata): running pip would add its own start-up (over a second) to
+    the end of every run.
 
     ``name==version``; ``name @ URL`` for a package installed from a URL (pip's direct_url.json);
     an editable install as pip writes one without version control (a comment, ``-e PATH``).

@@ -9,10 +9,9 @@ Every attempt (launch, automatic restart, Slurm requeue, resume) pays it, and th
 
 Basis of each phase (seconds; ``None`` where the input is unknown):
 
-- ``python``: interpreter, torch, transformers, peft and the process group: 10 s, measured
-  6-10 s on an idle machine with warm page cache (2 ranks on CPU); a cold cache or a loaded host
-  is slower (measured 25 s to the first step of the tiny model with the machine shared by
-  several test sessions, and far more under heavier load).
+- ``python``: interpreter, torch, transformers, peft and the process group: 10 s, what an idle
+  machine with a warm page cache takes; a cold cache or a loaded host is slower, several times
+  so under heavy load (docs/planning.md).
 - ``download``: the weights at 100 MB/s when not in the local Hugging Face cache (a cloud VM
   typically gets 50-200 MB/s from the Hub); 0 when cached or a local folder.
 - ``load``: every rank on a node makes the weights ready in its own memory at the load dtype
@@ -21,20 +20,19 @@ Basis of each phase (seconds; ``None`` where the input is unknown):
   new memory), else 1 GB/s; at least the file read from local disk once at 1 GB/s (safetensors
   on NVMe reads 1-3 GB/s; the ranks share the page cache). Quantisation at load (QLoRA) doubles it.
 - ``tokenise``: only where the ranks tokenise for themselves (launch could not load the tokenizer,
-  so it did not tokenise once before submitting: workbench.data.tokenized); 300 rows/s, measured
-  on the built-in tiny model's chat rows (~17 tokens); long rows are slower: a floor. Give
+  so it did not tokenise once before submitting: workbench.data.tokenized); 300 rows/s, the
+  rate of short chat rows such as the built-in tiny model's; long rows are slower: a floor. Give
   ``rows`` only then; the planner does not (ranks read the memory-mapped data in well under 1 s).
 - ``strategy``: DDP set-up 2 s; DeepSpeed ZeRO engine creation 10 s (it builds its optimizer and
   partitions; ZeRO-3 partitions the weights too: 20 s). With several ranks, DDP and ZeRO-1/2 also
   pay for the weights once more: the wrap broadcasts every parameter, frozen ones too (torch's
   ``_sync_module_states``), from rank 0 at the link's rate (the GPU table's ``interconnect_gbps``).
   CPU ranks train the weights where they were loaded (workbench.train.run gives them the device
-  ``cpu``: the Trainer's move to accelerate's ``cpu:N`` copied every weight of every rank).
+  ``cpu``: the Trainer's move to accelerate's ``cpu:N`` would copy every weight of every rank).
 - ``first step``: on CPU, what the first step spends beyond the steady pace: its gradients and
   AdamW's two float32 states made in new memory at the load rate, on every rank of the node at
-  once (a 0.5B full fine-tune: ~6 GB, planned 3.5 s, its first step took 4.1 s more than the
-  next). Not counted on a GPU (the allocator's pages are the device's; its kernels' first calls
-  are not modelled).
+  once (a 0.5B full fine-tune: ~6 GB). Not counted on a GPU (the allocator's pages are the
+  device's; its kernels' first calls are not modelled).
 
 The finish (:func:`finish_estimate`) is what follows the last step besides the last validation
 pass and the ``eval:`` scoring, which the plan times apart: the trained weights' save (the LoRA
@@ -55,8 +53,8 @@ LOAD_BYTES_PER_S = 1e9  # weights made ready in memory, uncalibrated
 TOKENISE_ROWS_PER_S = 300.0
 STRATEGY_S = {"ddp": 2.0, "zero1": 10.0, "zero2": 10.0, "zero3": 20.0}
 SAVE_BYTES_PER_S = 0.5e9  # weights written by save_model, uncalibrated
-# The ranks' exit and the supervisor's last write: the tiny model's finish was 0.2 s once its
-# scoring (1.6 s) and validation (0.02 s) were taken out (idle, this 2-core machine).
+# The ranks' exit and the supervisor's last write: a fraction of a second once the scoring and
+# the last validation, which the plan times apart, are taken out (docs/planning.md).
 EXIT_S = 0.3
 _BYTES_PER_PARAM = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
 

@@ -35,8 +35,8 @@ def new_deployment(workdir: Path) -> str:
 
 
 def folder_deployment(endpoint_dir: str | Path) -> str | None:
-    """The deployment whose files the endpoint folder holds; None when it records none (absent,
-    or written before deployments had ids)."""
+    """The deployment whose files the endpoint folder holds; None when it records none (no
+    readable deployment.json)."""
     try:
         data = json.loads((Path(endpoint_dir) / DEPLOYMENT_FILE).read_text(encoding="utf-8"))
         return str(data["deployment"])

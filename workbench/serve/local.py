@@ -35,7 +35,7 @@ PROCESSES = "processes.json"  # the guard's and the server's identities, in the 
 
 
 def _identities(record: EndpointRecord) -> list[procs.ProcessIdentity] | None:
-    """The endpoint's recorded processes; None for an endpoint started before they were kept,
+    """The endpoint's recorded processes; None when its folder keeps no readable record of them,
     none at all once the folder holds a newer deployment of the name."""
     if not folder_is_of(record):
         return []

@@ -69,7 +69,7 @@ class GpuType:
 # Memory: what torch.cuda reports as total memory, in GiB (e.g. A100 80GB: 81920 MiB).
 # TFLOP/s: NVIDIA datasheets, dense bf16 tensor throughput with fp32 accumulation (the mode torch
 # uses), no 2:4 sparsity. Cards without bf16 (V100, T4) list fp16 and train in fp16.
-# Prices: per card-hour list prices of a small GPU cloud in CNY (issue 4); None where we have no
+# Prices: per card-hour list prices of a small GPU cloud in CNY; None where we have no
 # list price: set RunSpec.budget.price_per_gpu_hour or add one in gpus.yaml.
 # Utilisation: 35-40% MFU is typical for well-tuned transformer fine-tuning on datacenter cards
 # (PaLM reports 46% for pre-training at scale; fine-tuning with short sequences does worse).

@@ -209,7 +209,7 @@ class AsyncWriter:
         self.current: _Copies | None = None  # the snapshot last captured
         # The buffers of the last snapshot written, reused by the next capture: copying into
         # memory already mapped is one memcpy, while fresh memory is first faulted in page by page.
-        # Holds at most one snapshot's state (which, written, the old code freed and reallocated).
+        # Holds at most one snapshot's state.
         self._free: dict[tuple, list[torch.Tensor]] = {}
         self._lock = threading.Lock()
         self.hashes: dict[str, tuple[str, int]] = {}  # path -> (sha256, bytes) of what we wrote

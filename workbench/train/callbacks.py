@@ -19,7 +19,8 @@ _RENAME = {"learning_rate": "lr"}
 _SUMMARY_KEY = "train_loss"
 _SPEED_KEYS = ("train_runtime", "train_tokens_per_second")  # per-step noise, not metrics
 # status.json (step, ETA, cost) is rewritten with fsync at most this often; metrics.jsonl gets
-# every step at once. Rewriting it every step cost the tiny model's run ~5 % of its speed.
+# every step at once. Rewriting it every step would slow a small model's run measurably
+# (docs/benchmarks.md).
 STATUS_EVERY_S = 0.5
 
 

@@ -1,16 +1,16 @@
 """What a rank imports before it trains, with Python's cyclic garbage collector off meanwhile.
 
-A rank imports torch, transformers, peft and datasets: ~480,000 long-lived objects (modules,
-classes, functions). With the collector on, the allocations of those imports trigger ~1,200
-collections, the full ones walking everything imported so far: ~1.3 of a rank's ~7 CPU s of
-imports (measured on the 2-core machine, docs/benchmarks-data.md). So ``python -m
-workbench.train`` turns the collector off before its first import, and :func:`imports_done`,
-called once the imports are done (in a standby rank: before the go), moves every object alive
-then into the permanent generation (``gc.freeze``) and turns the collector back on. Later
-collections, the Trainer's ``gc.collect()`` at the start of training among them, then walk only
-what training allocated since (0.3 CPU s less at that one call). Nothing is freed later than it
-would be: a frozen object is one the imports keep alive for the process's life anyway, reference
-counting still frees everything else at once, and the collector is on for the whole of training.
+A rank imports torch, transformers, peft and datasets: about half a million long-lived objects
+(modules, classes, functions). With the collector on, the allocations of those imports trigger
+over a thousand collections, the full ones walking everything imported so far: about a fifth of
+a rank's import CPU time (docs/benchmarks-data.md). So ``python -m workbench.train`` turns the
+collector off before its first import, and :func:`imports_done`, called once the imports are
+done (in a standby rank: before the go), moves every object alive then into the permanent
+generation (``gc.freeze``) and turns the collector back on. Later collections, the Trainer's
+``gc.collect()`` at the start of training among them, then walk only what training allocated
+since. Nothing is freed later than it would be: a frozen object is one the imports keep alive for
+the process's life anyway, reference counting still frees everything else at once, and the
+collector is on for the whole of training.
 """
 
 from __future__ import annotations

@@ -44,8 +44,8 @@ def _startup(stage: str) -> None:
     import psutil
 
     now, cpu = time.time(), time.process_time()
-    # CPU seconds (what 2 busy cores share) and the clock time, so the ranks' stages line up
-    # with the supervisor's attempt_started.
+    # CPU seconds (what a rank gets of the busy cores it shares) and the clock time, so the
+    # ranks' stages line up with the supervisor's attempt_started.
     print(f"startup: {stage} at {now - psutil.Process().create_time():.2f} s "
           f"(cpu {cpu:.2f} s, t={now:.2f})", flush=True)
 
@@ -113,8 +113,9 @@ def _log_partitioning(model: Any) -> None:
 
 def load_split(rd: RunDir, split: str, tokenizer: Any, spec: RunSpec) -> Any:
     """The split's tokenised rows: the Arrow files launch wrote (memory-mapped, shared by every
-    rank), or, for run dirs made before tokenise-once, the jsonl tokenised here. Validation is
-    cut to data.eval_samples (the same deterministic sample on every rank)."""
+    rank), or, where launch did not tokenise (it could not load the tokenizer), the jsonl
+    tokenised here. Validation is cut to data.eval_samples (the same deterministic sample on
+    every rank)."""
     from workbench.data.tokenized import eval_sample, load_tokenized, tokenize_split
 
     rows = load_tokenized(rd.data_dir, split)
@@ -165,7 +166,8 @@ def training_arguments(spec: RunSpec, rd: RunDir, has_eval: bool, args_class: ty
             os.environ.pop(key, None)
     if not cuda and ds_config is None:
         # accelerate gives a DDP run's CPU rank the device cpu:N, and .to("cpu:0") copies a
-        # tensor on "cpu": the Trainer's move and accelerate's prepare each copied every weight.
+        # tensor on "cpu": the Trainer's move and accelerate's prepare would each copy every
+        # weight.
         os.environ["ACCELERATE_TORCH_DEVICE"] = "cpu"
     print(f"strategy: {spec.method.kind} + {parallel.strategy}"
           f"{' (offload optimizer)' if parallel.offload_optimizer else ''}"
@@ -175,7 +177,7 @@ def training_arguments(spec: RunSpec, rd: RunDir, has_eval: bool, args_class: ty
     if spec.tracking.tensorboard:
         report_to.append("tensorboard")
         # Always this run's folder: an inherited value (a user's shell, or a process that built
-        # another run's arguments) sent the run's TensorBoard logs elsewhere.
+        # another run's arguments) would send the run's TensorBoard logs elsewhere.
         os.environ["TENSORBOARD_LOGGING_DIR"] = str(rd.tb_dir)
     if spec.tracking.wandb != "disabled":
         report_to.append("wandb")
@@ -448,11 +450,11 @@ def _storage(model: Any) -> int:
 
 def _exit_now(code: int) -> NoReturn:
     """End the rank now that everything it writes is closed and on disk. The interpreter's own
-    teardown of torch/transformers (half a million objects: 0.2 s of atexit work, then ~3 s of
-    module and object teardown measured on this 2-core machine) would only delay torchrun, the
-    supervisor's bill and the user's ``wait``. What a normal exit would still do for data is
-    done here: other threads are joined and the exit handlers (logging's flush, wandb's finish,
-    temporary folders) run, as the interpreter does before its teardown."""
+    teardown of torch/transformers (half a million objects: seconds of module and object
+    teardown, docs/benchmarks.md) would only delay torchrun, the supervisor's bill and the
+    user's ``wait``. What a normal exit would still do for data is done here: other threads are
+    joined and the exit handlers (logging's flush, wandb's finish, temporary folders) run, as the
+    interpreter does before its teardown."""
     import atexit
     import threading
 

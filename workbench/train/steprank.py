@@ -9,11 +9,11 @@ callbacks (metrics.jsonl and status.json, the snapshot and budget checks), in a 
 directory of its own. Every cost the run pays per step is then in the time: the Trainer's per-step
 logging (loss and gradient-norm reads, token counts, each a collective across ranks), LoRA
 dropout, the learning-rate schedule, the data loader and collation, the callbacks' writes. A hand
-loop of forward + backward + clip + AdamW, timed before, planned the Trainer's step 1.4-4x short
-(issue 21). It also times the run's scoring (greedy ``generate`` on rank 0, as the run scores,
-at two forced new-token counts so prefill and per-token decode separate) and heldout's first
-metrics call; the plan side (stepclock) fits all of it over the layers and stores it. Here, not
-in :mod:`workbench.plan`, because it runs the training code, which the plan must not import.
+loop of forward + backward + clip + AdamW leaves these out and plans the Trainer's step short
+(docs/planning.md). It also times the run's scoring (greedy ``generate`` on rank 0, as the run
+scores, at two forced new-token counts so prefill and per-token decode separate) and heldout's
+first metrics call; the plan side (stepclock) fits all of it over the layers and stores it. Here,
+not in :mod:`workbench.plan`, because it runs the training code, which the plan must not import.
 
 The scratch run differs from the run only where a measurement must: a few steps (``_WARM`` warm
 up, then at least ``_CALLS`` and ``_MIN_TIMED_S`` seconds of them timed, the ranks agreeing when
@@ -31,9 +31,8 @@ from typing import Any
 
 _WARM = 2  # steps before the timed ones (the first allocates and initialises lazily)
 _CALLS = 4  # timed steps at least: intervals between consecutive step ends
-# ... and at least this many seconds of them, up to _MAX_STEPS steps: four intervals of the tiny
-# model's 0.1-0.2 s step were under a second, and two calibrations of one shape planned its step
-# +20 % and +91 % of the run's (idle).
+# ... and at least this many seconds of them, up to _MAX_STEPS steps: a small model's step takes
+# a fraction of a second, and a few such intervals are too noisy to plan from (docs/planning.md).
 _MIN_TIMED_S, _MAX_STEPS = 2.0, 64
 _GEN_TOKENS = (2, 16)  # forced new tokens of the two timed generate calls (prefill vs decode)
 
@@ -82,7 +81,8 @@ def main() -> None:
                       "gen_prefill_s": at_n(p1, p2),
                       # A decode step reads every weight once: a layer costs at least its share
                       # of the 1-layer model's bytes. Two layers' decode differ by a few ms on a
-                      # big vocabulary, under the noise, and a clamped 0 left out every layer.
+                      # big vocabulary, under the noise, and a clamped 0 would leave out every
+                      # layer.
                       "gen_token_s": at_n(d1, d2, d1 * max(0, n2 - n1) / max(1, n1)),
                       "metrics_s": metrics_s,
                       # None where the peak cannot be read (a GPU rank's is its allocator's;
@@ -132,7 +132,7 @@ def _measure_layers(spec: Any, job: dict[str, Any], layers: int, run_dir: Path
            if on_gpu and job["dtype"] != job["load_dtype"] else _null())
     # After the steps, as the run scores after its steps, and on rank 0 alone, as the run
     # scores, the others waiting: a decode step is bound by memory bandwidth, which two CPU ranks
-    # decoding at once share (the 0.5B shape's 2-process scoring was planned 16-18 % long).
+    # decoding at once share (timing every rank at once plans the scoring long).
     alone = int(os.environ.get("RANK", "0")) == 0
     generate = _time_generate(model, ids, ctx, on_gpu) if alone else (0.0, 0.0)
     if torch.distributed.is_available() and torch.distributed.is_initialized():

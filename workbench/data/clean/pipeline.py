@@ -42,8 +42,8 @@ STEPS: dict[str, type[Step]] = {
     for cls in (Normalize, LengthFilter, LanguageFilter, ExactDedup, QualityFilter,
                 ToxicityFilter, NearDedup, PIIScrubber)
 }
-#: The default pipeline, in order (issue 7: language ID -> exact dedup -> quality -> toxicity
-#: -> near dedup -> PII; normalisation and the cheap length filter go first).
+#: The default pipeline, in order: language ID -> exact dedup -> quality -> toxicity -> near
+#: dedup -> PII, with normalisation and the cheap length filter first.
 DEFAULT_STEPS: tuple[str, ...] = ("normalize", "length", "langid", "exact_dedup", "quality",
                                   "toxicity", "near_dedup", "pii")
 
