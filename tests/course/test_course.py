@@ -336,11 +336,17 @@ def test_in_the_browser_a_student_is_refused_and_the_instructor_sees_every_stude
             page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").wait_for(
                 timeout=180_000)
             run_first_cell(page)
-            refused = page.locator(".jp-OutputArea-output", has_text="InsufficientCreditError")
+            # The cell's error: the message itself, its traceback folded in the output above it.
+            refused = page.locator(".jp-OutputArea-output[data-mime-type="
+                                   "'application/vnd.jupyter.stderr']",
+                                   has_text="InsufficientCreditError")
             refused.wait_for(timeout=180_000)
             message = refused.inner_text()
+            assert message.startswith("InsufficientCreditError: "), message
             assert "0.01 CNY" in message and "nothing was started" in message, message
-            assert "instructor" in message, message
+            assert "instructor" in message and "Traceback" not in message, message
+            expect(page.locator(".jp-OutputArea-output summary",
+                                has_text="full traceback")).to_be_visible()
             expect(credit).to_contain_text("held 0.00 CNY")  # the panel after the refusal
         finally:
             shot(page, "course-student-refused")
