@@ -3,16 +3,20 @@
 tests/conftest.py makes that home when it is imported and puts it in os.environ, which every
 kernel nbval starts inherits. A session that collects only notebooks/ would not import it, so
 this file does: once per session whatever the order of the paths (Python imports a module once),
-and the notebooks and the tests share one home when both are collected.
+and the notebooks and the tests share one home when both are collected. The tests package is
+reached through a folder holding only a link to it: the checkout's root stays off sys.path.
 """
 
 from __future__ import annotations
 
 import sys
+import tempfile
 from pathlib import Path
 
-_ROOT = str(Path(__file__).resolve().parents[1])
-if _ROOT not in sys.path:  # `pytest notebooks` from elsewhere than the checkout's root
-    sys.path.insert(0, _ROOT)
+if "tests.conftest" not in sys.modules:
+    _TESTS_ONLY = Path(tempfile.mkdtemp(prefix="workbench-tests-pkg-"))
+    (_TESTS_ONLY / "tests").symlink_to(Path(__file__).resolve().parents[1] / "tests",
+                                       target_is_directory=True)
+    sys.path.append(str(_TESTS_ONLY))
 
 import tests.conftest  # noqa: E402,F401  (sets WORKBENCH_HOME for the kernels)

@@ -7,6 +7,7 @@ import ast
 import functools
 import inspect
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +17,13 @@ import pytest
 
 _HOME = Path(tempfile.mkdtemp(prefix="workbench-test-home-"))
 os.environ["WORKBENCH_HOME"] = str(_HOME)
+
+# Children that import test helpers by name (multiprocessing's spawn) find the tests package
+# through a folder holding only a link to it: the checkout's root stays off every sys.path, so
+# its other top-level folders (kernels/) are not importable (tests/test_lint.py).
+_TESTS_ONLY = Path(tempfile.mkdtemp(prefix="workbench-tests-pkg-"))
+(_TESTS_ONLY / "tests").symlink_to(Path(__file__).resolve().parent, target_is_directory=True)
+sys.path.append(str(_TESTS_ONLY))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never depend on the hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
