@@ -15,13 +15,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from workbench.errors import WorkbenchError
+from workbench.runs.readable import clock
 
 
 def _fmt_duration(s: float | None) -> str:
-    if s is None:
-        return "-"
-    s = int(s)
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+    return "-" if s is None else clock(int(s))
 
 
 def status_table(jobs: list[Any]) -> str:

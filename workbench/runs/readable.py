@@ -25,12 +25,15 @@ def shown(key: str, value: Any) -> str:
     return str(value)
 
 
+def clock(seconds: int) -> str:
+    """Whole seconds as ``1h02m`` (an hour or more) or ``3m05s``: how every view writes a time."""
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
 def _duration(s: float) -> str:
-    if s < 60:
-        return f"{s:.1f} s"
-    m, sec = divmod(round(s), 60)
-    h, m = divmod(m, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{sec:02d}s"
+    return f"{s:.1f} s" if s < 60 else clock(round(s))
 
 
 class Readable(dict):

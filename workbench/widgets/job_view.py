@@ -18,6 +18,7 @@ from typing import Any
 import ipywidgets as W
 
 from workbench.evaluate import results
+from workbench.runs.readable import clock
 from workbench.runs.rundir import TERMINAL
 from workbench.widgets.charts import SeriesChart
 
@@ -27,12 +28,7 @@ _STATE_COLOURS = {"succeeded": "#2ca02c", "failed": "#d62728", "cancelled": "#7f
 
 
 def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "–"
-    seconds = int(seconds)
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+    return "–" if seconds is None else clock(int(seconds))
 
 
 def eval_table(lines: list[dict[str, Any]], limit: int = 20) -> str:
