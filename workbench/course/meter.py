@@ -52,7 +52,7 @@ class Attempt:
     hold: int  # minor units
     start: float
     procs: list[tuple[int, float]] = field(default_factory=list)  # holder first
-    last_seen: float = 0.0
+    last_seen: float = 0.0  # the last tick that saw it alive: with ``end``, an outage billed
     stopping: float | None = None
     end: float | None = None
     why: str = ""
