@@ -30,8 +30,8 @@ from nbformat.v4 import new_code_cell, new_notebook
 from tests.course.conftest import http, service_pids, wait_until
 from tests.lab.browser import shot
 from workbench.course.client import CourseClient
-from workbench.course.ledger import Ledger
 from workbench.errors import CourseError, InsufficientCreditError
+from workbench.runs.ledger import Ledger
 from workbench.runs.procs import ProcessIdentity
 
 pytestmark = pytest.mark.slow

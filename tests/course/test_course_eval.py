@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from workbench.course.desk import CourseDesk
-from workbench.course.ledger import Ledger
 from workbench.course.students import ensure_space
 from workbench.errors import CourseError
+from workbench.runs.ledger import Ledger
 from workbench.runs.registry import Registry, RunRecord
 from workbench.runs.rundir import RunDir
 from workbench.spec import RunSpec

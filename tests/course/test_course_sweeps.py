@@ -14,9 +14,9 @@ import pytest
 
 from workbench.course.config import Course
 from workbench.course.desk import CourseDesk
-from workbench.course.ledger import Ledger
 from workbench.course.sweeps import CourseSweeps
 from workbench.errors import CourseError, InsufficientCreditError, RunNotFoundError
+from workbench.runs.ledger import Ledger
 from workbench.runs.procs import ProcessIdentity
 from workbench.sweep.record import SweepRecord
 

@@ -23,7 +23,7 @@ import pytest
 from workbench.course.config import Course
 from workbench.course.desk import CourseDesk
 from workbench.course.endpoints import STOP_FILE, EndpointMeter
-from workbench.course.ledger import Ledger
+from workbench.runs.ledger import Ledger
 from workbench.runs.registry import EndpointRecord, Registry
 from workbench.serve.endpoint import refresh_state
 

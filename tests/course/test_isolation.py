@@ -23,11 +23,11 @@ import pytest
 
 from tests.waiting import wait_for
 from workbench.course.config import Course
-from workbench.course.ledger import Ledger
 from workbench.course.meter import Meter
 from workbench.course.policy import admit, eval_price, hourly_rate
 from workbench.course.students import Worker, ensure_space, read_json, space, sudoers_rule
 from workbench.errors import CourseError, CourseSpecError
+from workbench.runs.ledger import Ledger
 
 SPACE = "/srv/c/students/ana"
 

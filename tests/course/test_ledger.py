@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.waiting import wait_for
-from workbench.course.ledger import Ledger, to_minor
 from workbench.errors import CourseError, InsufficientCreditError
+from workbench.runs.ledger import Ledger, to_minor
 
 
 @pytest.fixture
@@ -102,7 +102,7 @@ def test_minor_units_round_up_and_are_exact() -> None:
 _HOLDER = """
 import sys, time
 from pathlib import Path
-from workbench.course.ledger import Ledger
+from workbench.runs.ledger import Ledger
 from workbench.errors import InsufficientCreditError
 url, ready, go = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
 led = Ledger(url)

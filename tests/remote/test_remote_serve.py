@@ -29,7 +29,7 @@ from workbench.assets.teaching import teaching_rows
 from workbench.course.config import Course
 from workbench.course.desk import CourseDesk
 from workbench.course.endpoints import EndpointMeter
-from workbench.course.ledger import Ledger
+from workbench.runs.ledger import Ledger
 from workbench.serve import DeployError, ServingEnvironmentError, deploy, get_endpoint
 from workbench.serve.remote import close_tunnel
 

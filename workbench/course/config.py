@@ -145,7 +145,7 @@ class Course(_Strict):
         return self.credits.get(student, self.default_credit)
 
     def minor(self, amount: float) -> int:
-        from workbench.course.ledger import to_minor
+        from workbench.runs.ledger import to_minor
 
         return to_minor(amount, self.minor_per_unit)
 

@@ -21,13 +21,13 @@ import time
 from typing import Any
 
 from workbench.course.config import Course
-from workbench.course.ledger import Ledger, RunHold
 from workbench.course.meter import Meter
 from workbench.course.students import Worker, parse_answer, read_json, space
 from workbench.errors import (
     CourseError,
     InsufficientCreditError,
 )
+from workbench.runs.ledger import Ledger, RunHold
 
 SERVICE_ACTOR = "course-service"
 # A run that ended without its supervisor marking ``released`` (the supervisor was killed) is

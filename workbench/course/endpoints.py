@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 from workbench.course.desk import SERVICE_ACTOR, CourseDesk, Forbidden
-from workbench.course.ledger import RunHold
 from workbench.errors import (
     CourseError,
     DeployError,
@@ -38,6 +37,7 @@ from workbench.errors import (
     InsufficientCreditError,
     WorkbenchError,
 )
+from workbench.runs.ledger import RunHold
 
 RENEW_AHEAD_S = 30.0  # the next block is held this long before the current one ends
 STOP_FILE = "course_stop.json"  # why the course stopped an endpoint, in its folder

@@ -36,8 +36,8 @@ from workbench.course.desk import (
     CourseDesk,
     Forbidden,
 )
-from workbench.course.ledger import RunHold
 from workbench.errors import CourseError, WorkbenchError
+from workbench.runs.ledger import RunHold
 from workbench.sweep.handle import Sweep
 from workbench.sweep.record import CANCELLED, ENDED, FAILED, SweepRecord, controller_alive
 

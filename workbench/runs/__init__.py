@@ -2,8 +2,8 @@
 directory every reader goes through (:mod:`.rundir`), the registry of runs (:mod:`.registry`),
 the Job handle (:mod:`.jobs`), the processes that run it on a node (:mod:`.standby`,
 :mod:`.supervise`, :mod:`.launcher`, :mod:`.procs`), what it costs (:mod:`.budget`,
-:mod:`.startup`), its snapshots (:mod:`.snapshots`), reproduce.zip (:mod:`.reproduce`) and
-WORKBENCH_HOME (:mod:`.home`).
+:mod:`.startup`) and who pays it (:mod:`.ledger`, :mod:`.wallet`), its snapshots
+(:mod:`.snapshots`), reproduce.zip (:mod:`.reproduce`) and WORKBENCH_HOME (:mod:`.home`).
 
 Nothing is re-exported here: import the module that owns the name.
 """

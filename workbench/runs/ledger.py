@@ -1,4 +1,8 @@
-"""The course ledger: every student's money as append-only rows in a real database.
+"""The ledger: each account's money as append-only rows in a real database.
+
+One implementation, two owners: a course keeps one account per student (:mod:`workbench.course`),
+the single-user wallet keeps one for its owner (:mod:`.wallet`). The ``student`` column names the
+account either way.
 
 Rows are never updated or deleted. Each has a ``kind``: ``credit`` (the course's starting credit),
 ``grant`` (an instructor's top-up), ``hold`` (money set aside before a run starts), ``charge``
