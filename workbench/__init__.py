@@ -32,7 +32,8 @@ _LAZY = {"Job": "workbench.runs.jobs", "get_job": "workbench.runs.jobs", "jobs":
          "compare": "workbench.widgets.compare",
          "launch": "workbench.runs.launching", "plan": "workbench.plan", "deploy": "workbench.serve",
          "RunSpec": "workbench.spec", "sweep": "workbench.sweep", "get_sweep": "workbench.sweep",
-         "sweeps": "workbench.sweep", "evaluate": "workbench.evaluate.runner"}
+         "sweeps": "workbench.sweep", "evaluate": "workbench.evaluate.runner",
+         "credit": "workbench.runs.wallet"}
 
 from workbench.train.quiet import install as _quiet  # noqa: E402
 
@@ -53,6 +54,7 @@ __all__ = [
     "WorkbenchError",
     "__version__",
     "compare",
+    "credit",
     "deploy",
     "evaluate",
     "get_job",

@@ -122,6 +122,11 @@ class BudgetError(WorkbenchError, ValueError):
     """A budget limit that could not be kept: no price, another currency, or already spent."""
 
 
+class CreditError(BudgetError):
+    """The wallet (workbench.runs.wallet) cannot cover what was asked, or was asked wrongly:
+    nothing was started."""
+
+
 class RunBusyError(WorkbenchError, RuntimeError):
     """A run still has live processes (or another resume is starting it): it cannot start again."""
 

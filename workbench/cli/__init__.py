@@ -222,6 +222,19 @@ def _undeploy(args: argparse.Namespace) -> Any:
     return undeploy(args.name)
 
 
+def _credit(args: argparse.Namespace) -> Any:
+    from workbench.runs.wallet import credit
+
+    if args.action == "set":
+        return credit(args.amount, args.currency)
+    wallet = credit()
+    if args.action == "add":
+        wallet.add(args.amount, note="added from the command line")
+    elif args.action == "history":
+        return wallet.history_text()
+    return wallet
+
+
 def _course(args: argparse.Namespace) -> Any:
     from workbench.course import config
 
@@ -340,6 +353,13 @@ def build_parser() -> argparse.ArgumentParser:
     k = ksub.add_parser("remove", help="remove a Workbench remote kernel")
     k.add_argument("name", help="kernel name (workbench-slurm-NAME) or target")
     c.set_defaults(func=_kernels)
+
+    c = sub.add_parser("credit", help="the wallet every run, sweep, evaluation and endpoint "
+                       "draws from: show, set, add, history")
+    c.add_argument("action", nargs="?", choices=("show", "set", "add", "history"), default="show")
+    c.add_argument("amount", nargs="?", type=float)
+    c.add_argument("currency", nargs="?", default="CNY")
+    c.set_defaults(func=_credit)
 
     c = sub.add_parser("course", help="a class on JupyterHub with a credit per student "
                                       "(docs/course.md)")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ def evaluate_job(job: Any, tasks: Any = None, *, endpoint: str | None = None,
     on ``tasks`` (default: the spec's ``eval.tasks``) with its validation split as the default
     file; lines go to the run's eval.jsonl (phase ``manual``, at the run's last step). A run
     whose directory of record is on a remote target is scored there."""
-    from workbench.evaluate.runner import as_tasks, evaluate_run_dir
+    from workbench.evaluate.runner import as_tasks
     from workbench.runs.rundir import TERMINAL
 
     state = job.state
@@ -49,13 +50,31 @@ def evaluate_job(job: Any, tasks: Any = None, *, endpoint: str | None = None,
         raise EvalError(f"run {job.id}'s directory {rd.path} is not on this machine; evaluate "
                         "it where it ran (`workbench eval --run-dir DIR` on the target)")
     parsed = as_tasks(tasks if tasks is not None else job.spec.eval.tasks, **knobs)
+    from workbench.runs.wallet import Wallet
+
+    wallet = Wallet.open()
+    held = None
+    if wallet is not None and endpoint is None:  # an endpoint's time is metered on its own
+        held = wallet.hold_time(job.spec, float(wallet.settings["eval_hold_minutes"]),
+                                f"evaluation of {job.id}", "evaluate", job.id, str(rd.path))
+    started = time.time()
+    try:
+        return _evaluate(job, parsed, endpoint)
+    finally:
+        if held is not None:  # charged by the second, at most its hold
+            wallet.charge_time(*held, time.time() - started,  # type: ignore[union-attr]
+                               f"evaluate {job.id}")
+
+
+def _evaluate(job: Any, parsed: list[Any], endpoint: str | None) -> EvalReport:
+    from workbench.evaluate.runner import evaluate_run_dir
     from workbench.targets.backends.slurm import SlurmBackend
 
     if isinstance(job.backend, SlurmBackend):  # on a compute node, in place or on the cluster
         return evaluate_on_slurm(job, parsed, endpoint)
-    if placed_elsewhere(rd.path):
+    if placed_elsewhere(job.run_dir.path):
         return evaluate_there(job, parsed, endpoint)
-    return evaluate_run_dir(rd.path, parsed, endpoint=endpoint,
+    return evaluate_run_dir(job.run_dir.path, parsed, endpoint=endpoint,
                             step=int(job.status().get("step") or 0))
 
 

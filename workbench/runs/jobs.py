@@ -284,29 +284,46 @@ class Job:
         status = self.status()
         spent = status.get("cost") or 0.0
         limit = changes.get("budget.limit")
-        if state == BUDGET_STOPPED and (not isinstance(limit, (int, float)) or limit <= spent):
-            raise BudgetError(
-                f"run {self.id} stopped at its budget: {spent:.4g} {status.get('currency', '')} "
-                f"spent of {self.spec.budget.limit or 0:g}; resuming with "
-                + ("no new limit" if limit is None else f"a budget.limit of {limit:g}")
-                + " would stop it again at once. Give a larger one: "
-                f"job.resume(**{{'budget.limit': N}}) or `workbench resume {self.id} --budget N`")
-        merged: dict[str, Any] = {}
-        if changes:
-            import yaml
+        import yaml
 
-            if self.run_dir.resume_file.is_file():
-                merged = yaml.safe_load(self.run_dir.resume_file.read_text()) or {}
-            merged.update(changes)
         from workbench.runs.budget import check_enforceable
+        from workbench.runs.wallet import Wallet
 
-        # Validated (and the budget checked against what is spent) before anything is written.
-        check_enforceable(RunSpec.from_yaml(self.run_dir.spec_file).updated(**merged), spent)
-        if changes:
-            self.run_dir.resume_file.write_text(yaml.safe_dump(merged), encoding="utf-8")
-        job_id = submit_attempt(self.backend, self.run_dir, self.run_dir.spec(), {
-            "state": QUEUED, "error": None, "stop_reason": None, "stop_request": None,
-            "note": None, "ended": None})
+        earlier: dict[str, Any] = {}
+        if self.run_dir.resume_file.is_file():
+            earlier = yaml.safe_load(self.run_dir.resume_file.read_text()) or {}
+        merged = {**earlier, **changes}
+        resumed = RunSpec.from_yaml(self.run_dir.spec_file).updated(**merged)
+        wallet, hold_id = Wallet.open(), None
+        if wallet is not None:  # the resume holds what it may add, and is limited to it
+            resumed, hold_id = wallet.hold_resume(self.run_dir, resumed, spent, limit,
+                                                  f"resume of {self.id}")
+            if hold_id is not None:
+                merged["budget.limit"] = limit = resumed.budget.limit
+        try:
+            if state == BUDGET_STOPPED and (not isinstance(limit, (int, float)) or limit <= spent):
+                raise BudgetError(
+                    f"run {self.id} stopped at its budget: {spent:.4g} "
+                    f"{status.get('currency', '')} spent of {self.spec.budget.limit or 0:g}; "
+                    "resuming with " + ("no new limit" if limit is None
+                                        else f"a budget.limit of {limit:g}")
+                    + " would stop it again at once. Give a larger one: "
+                    f"job.resume(**{{'budget.limit': N}}) or `workbench resume {self.id} "
+                    "--budget N`")
+            # Validated (and the budget checked against what is spent) before anything is written.
+            check_enforceable(resumed, spent)
+            if merged != earlier:
+                self.run_dir.resume_file.write_text(yaml.safe_dump(merged), encoding="utf-8")
+            if hold_id is not None:
+                wallet.attach(hold_id, "resume", self.id, str(self.run_dir.path),  # type: ignore[union-attr]
+                              base_cost=spent)
+            job_id = submit_attempt(self.backend, self.run_dir, self.run_dir.spec(), {
+                "state": QUEUED, "error": None, "stop_reason": None, "stop_request": None,
+                "note": None, "ended": None})
+        except BaseException:
+            if hold_id is not None:
+                wallet.release(hold_id, 0, f"resume of {self.id} refused")  # type: ignore[union-attr]
+            raise
         self.registry.update_run(self.id, backend_job_id=job_id or self.record.backend_job_id,
                                  state=self.run_dir.status().get("state", QUEUED))
         self.record = self.registry.get_run(self.id)

@@ -196,7 +196,7 @@ def _launch(spec: RunSpec | dict | str | Path | None, force: bool,
 
         standby = Standby.start(spec)
     try:
-        rd = _accept(spec, force, registry, backend, probe)
+        rd, spec = _accept(spec, force, registry, backend, probe)
     except BaseException:  # refused: no process of the run may outlive the refusal
         if standby is not None:
             standby.discard()
@@ -215,9 +215,10 @@ def _launch(spec: RunSpec | dict | str | Path | None, force: bool,
 
 
 def _accept(spec: RunSpec, force: bool, registry: Registry, backend: Backend,
-            probe: Any = None) -> RunDir:
-    """Plan, check the model, create the run directory and prepare its data: the accepted run's
-    directory, registered; nothing is left behind when any of it is refused."""
+            probe: Any = None) -> tuple[RunDir, RunSpec]:
+    """Plan, check the model, hold the plan's cost in the wallet (if one is set), create the run
+    directory and prepare its data: the accepted run's directory, registered, and its spec
+    (limited to its hold); nothing is left behind, and nothing held, when any of it is refused."""
     on_target = _model_on_target(spec, backend)
     if on_target is None:
         plan = _plan(spec, force)
@@ -232,6 +233,28 @@ def _accept(spec: RunSpec, force: bool, registry: Registry, backend: Backend,
                 plan = _plan(spec, force)
         finally:
             model_shape.cache_clear()
+    from workbench.runs.wallet import Wallet
+
+    wallet = Wallet.open()
+    hold_id = None
+    imposed = spec.budget.limit is None
+    if wallet is not None:  # the run is limited to what it holds
+        spec, hold_id = wallet.hold_run(spec, plan.get("cost"), f"run {spec.name!r}",
+                                        limit=spec.budget.limit)
+        if hold_id is not None:
+            plan["budget_limit"] = spec.budget.limit
+            plan["wallet_hold"] = wallet.money(wallet.minor(spec.budget.limit or 0.0))
+    try:
+        return (_create(spec, plan, force, registry, probe, on_target, wallet, hold_id, imposed),
+                spec)
+    except BaseException:
+        if wallet is not None and hold_id is not None:
+            wallet.release(hold_id, 0, f"run {spec.name!r} refused before it started")
+        raise
+
+
+def _create(spec: RunSpec, plan: dict[str, Any], force: bool, registry: Registry, probe: Any,
+            on_target: Any, wallet: Any, hold_id: int | None, imposed: bool) -> RunDir:
     for _ in range(20):
         run_id = _new_run_id(spec.name)
         rd = RunDir(runs_dir() / run_id)
@@ -243,6 +266,8 @@ def _accept(spec: RunSpec, force: bool, registry: Registry, backend: Backend,
     else:
         raise LaunchError(f"could not find a free run id for {spec.name!r} under {runs_dir()}; "
                           "check that the folder is writable and not full of stale runs")
+    if hold_id is not None:
+        wallet.attach(hold_id, "launch", run_id, str(rd.path), imposed=imposed)
     now = time.time()
     # Registered before the data step so `workbench status` and the panel show it preparing;
     # removed again (with its run dir) if the data is refused.

@@ -159,9 +159,9 @@ class Ledger:
 
     def _add(self, db: Connection, student: str, kind: str, amount: int, actor: str,
              note: str = "", hold_id: int | None = None) -> int:
-        if not isinstance(amount, int) or amount < 0:
-            raise CourseError(f"a {kind} must be a whole, non-negative number of minor units, "
-                              f"got {amount!r}")
+        if not isinstance(amount, int) or not 0 <= amount < 2**63:  # what the column holds
+            raise CourseError(f"a {kind} must be a whole, non-negative number of minor units "
+                              f"below 2**63, got {amount!r}")
         res = db.execute(entries.insert().values(at=time.time(), student=student, kind=kind,
                                                  amount=amount, hold_id=hold_id, actor=actor,
                                                  note=note))

@@ -63,7 +63,7 @@ def deploy(source: Any, *more: Any, name: str | None = None, target: str = "loca
         options = {k: v for k, v in (("merge", merge), ("max_model_len", max_model_len))
                    if v is not None}
         return deploy_via_course(source, *more, name=name, **options)  # type: ignore[return-value]
-    from workbench.runs.registry import EndpointRecord, Registry
+    from workbench.runs.registry import Registry
 
     registry = registry or Registry()
     sources = [source, *more]
@@ -101,7 +101,34 @@ def deploy(source: Any, *more: Any, name: str | None = None, target: str = "loca
         api_key = secrets.token_urlsafe(24)
 
     workdir = endpoints_dir() / name
+    from workbench.serve.metering import hold_first_block, settle_start
+
+    paid = hold_first_block(_run_spec(sources[0], plan.run_ids), name, workdir)
+    started, ok = time.time(), False
+    try:
+        endpoint = _start(serve_target, plan, registry, name, target, py, host, port, api_key,
+                          max_model_len, lora_rank, on_cpu, extra_args, keep, gpus, workdir)
+        if wait:
+            try:
+                endpoint.wait_healthy(timeout=timeout, progress=progress)
+            except KeyboardInterrupt:  # an interrupted cell must not leave a half-started server
+                endpoint.stop()
+                raise
+        ok = True
+    finally:
+        if paid is not None:  # the wallet's first block: charged if it failed, else metered
+            settle_start(paid, started, ok)
+    return endpoint
+
+
+def _start(serve_target: Any, plan: Any, registry: Any, name: str, target: str, py: str,
+           host: str, port: int | None, api_key: str | None, max_model_len: int,
+           lora_rank: int | None, on_cpu: bool, extra_args: Sequence[str], keep: bool,
+           gpus: int | None, workdir: Any) -> Endpoint:
+    """Write the endpoint folder, start the guard on the target and register the endpoint."""
     import shutil
+
+    from workbench.runs.registry import EndpointRecord
 
     shutil.rmtree(workdir, ignore_errors=True)
     (workdir / "cache").mkdir(parents=True)
@@ -136,14 +163,25 @@ def deploy(source: Any, *more: Any, name: str | None = None, target: str = "loca
         name=name, target=target, url=f"http://{_url_host(url_host)}:{port}" if port else "",
         state="starting", pid=pid, server_pid=server_pid, endpoint_dir=str(workdir),
         serves=json.dumps(serves), created=now, updated=now, deployment=deployment))
-    endpoint = Endpoint(registry.get_endpoint(name), registry)
-    if wait:
+    return Endpoint(registry.get_endpoint(name), registry)
+
+
+def _run_spec(source: Any, run_ids: Sequence[str]) -> Any:
+    """The spec of the (first) run served, which prices the endpoint; None when none is."""
+    if hasattr(source, "spec"):
         try:
-            endpoint.wait_healthy(timeout=timeout, progress=progress)
-        except KeyboardInterrupt:  # an interrupted cell must not leave a half-started server
-            endpoint.stop()
-            raise
-    return endpoint
+            return source.spec
+        except Exception:
+            return None
+    if not run_ids:
+        return None
+    from workbench.runs.registry import Registry
+    from workbench.runs.rundir import RunDir
+
+    try:
+        return RunDir(Registry().get_run(run_ids[0]).run_dir).spec()
+    except Exception:  # not a run of this home (a folder): priced from the wallet's setting
+        return None
 
 
 def _spec_serve(source: Any) -> Any:

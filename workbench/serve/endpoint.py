@@ -30,6 +30,12 @@ LIVE_STATES = ("starting", "healthy")
 _client_lock = threading.Lock()
 
 
+# Written in an endpoint's folder by the meter paying for it (workbench.serve.metering): why it
+# stopped the endpoint, and what the wallet still covers.
+STOP_FILE = "stopped_because.json"
+CREDIT_FILE = "credit.json"
+
+
 def endpoints_dir() -> Path:
     from workbench.runs.home import home
 
@@ -111,9 +117,26 @@ class Endpoint:
         except EndpointNotFoundError:
             return self.listen_url, "replaced by a newer deployment of the name, or removed"
 
+    def money_note(self) -> str | None:
+        """Why a meter stopped the endpoint, or what the wallet still covers of it (with a
+        warning once that is short): written in its folder by :mod:`workbench.serve.metering`."""
+        try:
+            return str(json.loads((self.dir / STOP_FILE).read_text())["reason"]).join(
+                ("stopped: ", ""))
+        except (OSError, ValueError, KeyError):
+            pass
+        try:
+            note = json.loads((self.dir / CREDIT_FILE).read_text())
+        except (OSError, ValueError):
+            return None
+        return note.get("warning") or (
+            f"the wallet covers about {note['seconds_left'] / 60:.0f} more minute(s)")
+
     def __repr__(self) -> str:
         url, state = self._shown()
-        return f"<Endpoint {self.name} {url} {state} serving {', '.join(self.models)}>"
+        note = self.money_note()
+        return (f"<Endpoint {self.name} {url} {state} serving {', '.join(self.models)}"
+                + (f"; {note}" if note else "") + ">")
 
     def _repr_html_(self) -> str:
         import html
@@ -122,10 +145,11 @@ class Endpoint:
         rows = {"name": self.name, "target": self.target, "url": url,
                 "listens on": self.listen_url, "state": state,
                 "models": ", ".join(self.models), "base": self.serves.get("model"),
-                "api key": "required" if self.api_key else "none (loopback)"}
+                "api key": "required" if self.api_key else "none (loopback)",
+                "money": self.money_note()}
         cells = "".join(f"<tr><th style='text-align:left'>{k}</th>"
                         f"<td style='text-align:left'>{html.escape(str(v))}</td></tr>"
-                        for k, v in rows.items())
+                        for k, v in rows.items() if v is not None)
         return f"<table>{cells}</table>"
 
     # -- HTTP ------------------------------------------------------------------------------------

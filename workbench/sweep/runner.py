@@ -291,10 +291,14 @@ class Controller:
                 free = max(1, min(data["concurrent"] - len(self.active), to_start))
                 trial_limit = min(left, max(need, left / free))
                 spec = spec.updated(**{"budget.limit": trial_limit})
-            self._launch(t, spec, planned, trial_limit)
+            if not self._launch(t, spec, planned, trial_limit):
+                return
 
     def _launch(self, t: dict[str, Any], spec: RunSpec, planned: float | None,
-                limit: float | None) -> None:
+                limit: float | None) -> bool:
+        """Start trial ``t``; False when the wallet cannot cover it (it waits for a running
+        trial to settle, or, with none running, the sweep ends as when its budget is spent)."""
+        from workbench.errors import CreditError
         from workbench.runs.launching import launch
 
         n = t["number"]
@@ -302,18 +306,24 @@ class Controller:
                                  launched=time.time())
         try:
             job = launch(spec, registry=self.registry)
+        except CreditError as exc:  # the owner's wallet (workbench.runs.wallet) is short
+            self.record.update_trial(n, state=rec.WAITING)
+            if not self.active:
+                self._budget_spent(0.0, planned or 0.0, why=f"wallet: {exc}")
+            return False
         except WorkbenchError as exc:
             data = self.record.update_trial(n, state=rec.FAILED, error=str(exc), released=True,
                                             cost=0.0)
             self._tell(next(x for x in data["trials"] if x["number"] == n))
             print(f"controller: trial {n} could not start: {exc}", flush=True)
-            return
+            return True
         job.run_dir.write_status(sweep={"id": self.record.id, "trial": n})
         self.record.update_trial(n, run_id=job.id, state=job.record.state)
         self.active[n] = job
         print(f"controller: trial {n} started as {job.id} {t['params']} limit {limit}", flush=True)
+        return True
 
-    def _budget_spent(self, left: float, need: float) -> None:
+    def _budget_spent(self, left: float, need: float, why: str | None = None) -> None:
         """Nothing runs and what is left cannot pay for the next trial: the sweep ends here."""
         data = self.record.read()
         for t in data["trials"]:
@@ -322,9 +332,10 @@ class Controller:
                 self.record.update_trial(t["number"], state=rec.SKIPPED, released=True, cost=0.0)
                 self._tell({**t, "state": rec.SKIPPED})
         cur = data.get("currency", "")
-        self.record.write(note=f"budget: {left:.4g} {cur} left of {data['budget']:g}, but the next "
-                               f"trial is priced at {need:.4g} {cur} (planner estimate x "
-                               f"{PRICE_MARGIN} + start and release); no more trials start")
+        self.record.write(note=why or (
+            f"budget: {left:.4g} {cur} left of {data['budget']:g}, but the next trial is priced "
+            f"at {need:.4g} {cur} (planner estimate x {PRICE_MARGIN} + start and release); no "
+            "more trials start"))
         self.stop_launching = "budget"
 
     # -- watching ---------------------------------------------------------------------------------

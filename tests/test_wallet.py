@@ -1,0 +1,220 @@
+"""The wallet on real runs: a credit every launch, resume, sweep trial and evaluation draws from,
+never overspent, refused before anything starts when short, settled from each run's own bill.
+
+Real runs: 2 gloo ranks on the built-in tiny model, priced through budget.price_per_cpu_core_hour.
+Each test has its own wallet (WORKBENCH_WALLET names a folder), so the session's other runs draw
+from none. Money is checked against the ledger's own rows and against bills recomputed here from
+the attempt times each run recorded (seconds x processes x price), never with the code's formula.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import workbench
+from tests.waiting import wait_for
+from workbench.errors import CreditError
+from workbench.runs.home import runs_dir
+
+PRICE = 36.0  # per process-core-hour: 0.01 a second a process, 0.02 a second for a 2-rank run
+SPEC = {"name": "wallet", "train": {"max_steps": 6, "lr": 3e-3}, "data": {"eval_samples": 8},
+        "checkpoint": {"keep": 1}, "eval": {"tasks": []},
+        "budget": {"price_per_cpu_core_hour": PRICE}}
+
+
+@pytest.fixture
+def wallet_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    folder = tmp_path / "wallet"
+    monkeypatch.setenv("WORKBENCH_WALLET", str(folder))
+    return folder
+
+
+def _rows(folder: Path) -> list[dict]:
+    """The ledger's rows as the database holds them (read with sqlite3, not the ledger)."""
+    with sqlite3.connect(folder / "wallet.sqlite") as db:
+        db.row_factory = sqlite3.Row
+        return [dict(r) for r in db.execute("SELECT * FROM entries ORDER BY id")]
+
+
+def _sums(folder: Path) -> dict[str, int]:
+    out = {k: 0 for k in ("credit", "grant", "hold", "charge", "release")}
+    for r in _rows(folder):
+        out[r["kind"]] += r["amount"]
+    return out
+
+
+def _balance(folder: Path) -> int:
+    s = _sums(folder)
+    return s["credit"] + s["grant"] - s["charge"] - (s["hold"] - s["release"])
+
+
+def _recomputed_cents(status: dict) -> int:
+    """A run's bill from what it recorded: each attempt's held seconds x 2 processes x PRICE."""
+    seconds = float(status["billed_s"])
+    return math.ceil(round(seconds * 2 * PRICE / 3600 * 100, 6))
+
+
+@pytest.mark.parametrize("amount", ["nan", "inf", "-1", "0", "ten"])
+def test_a_bad_amount_is_refused_and_nothing_is_written(wallet_dir: Path, amount: str) -> None:
+    with pytest.raises(CreditError, match="number"):
+        workbench.credit(amount)  # type: ignore[arg-type]
+    assert not (wallet_dir / "wallet.json").exists()
+
+
+def test_a_wallet_is_set_topped_up_and_never_set_lower(wallet_dir: Path) -> None:
+    with pytest.raises(CreditError, match="no wallet is set"):
+        workbench.credit()
+    workbench.credit(2, "CNY")
+    workbench.credit().add(0.5)
+    with pytest.raises(CreditError, match="cannot be set lower"):
+        workbench.credit(1, "CNY")
+    with pytest.raises(CreditError, match="in CNY, not USD"):
+        workbench.credit(5, "USD")
+    with pytest.raises(CreditError, match="unknown wallet setting"):
+        workbench.credit(endpoint_hold_minuts=3)
+    assert _balance(wallet_dir) == 250
+    out = subprocess.run([sys.executable, "-m", "workbench.cli", "credit"], capture_output=True,
+                         text=True, check=True, env=os.environ).stdout
+    assert "balance 2.50 CNY" in out
+
+
+def test_a_run_the_wallet_cannot_cover_is_refused_before_anything_starts(
+        wallet_dir: Path) -> None:
+    workbench.credit(0.05, "CNY")
+    before = sorted(p.name for p in runs_dir().iterdir())
+    with pytest.raises(CreditError) as err:
+        workbench.launch({**SPEC, "name": "too-dear", "train": {"max_steps": 400}})
+    assert "nothing was started" in str(err.value)
+    assert "train.max_steps of about" in str(err.value)  # what would fit
+    assert sorted(p.name for p in runs_dir().iterdir()) == before
+    assert _balance(wallet_dir) == 5 and _sums(wallet_dir)["hold"] == 0
+
+
+def test_a_run_holds_while_it_trains_and_is_charged_its_own_bill(wallet_dir: Path) -> None:
+    workbench.credit(20, "CNY")
+    job = workbench.launch({**SPEC, "name": "wallet-run"})
+    held = [r for r in _rows(wallet_dir) if r["kind"] == "hold"]
+    assert len(held) == 1 and held[0]["amount"] > 0
+    assert job.spec.budget.limit == held[0]["amount"] / 100  # the run stops at its hold
+    assert _balance(wallet_dir) == 2000 - held[0]["amount"]
+    job.wait(timeout=600, progress=False)
+    status = job.status()
+    wallet = workbench.credit()  # settles what ended
+    charges = [r for r in _rows(wallet_dir) if r["kind"] == "charge"]
+    assert len(charges) == 1
+    assert charges[0]["amount"] == _recomputed_cents(status)
+    assert _balance(wallet_dir) == 2000 - charges[0]["amount"]
+    assert wallet.account().balance == _balance(wallet_dir)
+    assert job.id in wallet.history_text() or "wallet-run" in wallet.history_text()
+
+
+def test_a_sweep_stops_when_the_wallet_cannot_pay_the_next_trial(wallet_dir: Path) -> None:
+    planned = workbench.plan(SPEC).cost
+    assert planned and planned > 0
+    credit = round(planned * 2.4, 2)  # one trial's hold (1.5 x plan) and not much more
+    workbench.credit(credit, "CNY")
+    with pytest.raises(CreditError, match="the sweep's budget"):
+        workbench.sweep(SPEC, space={"train.lr": [1e-3, 2e-3]}, budget=credit * 2)
+    s = workbench.sweep(SPEC, space={"train.lr": {"low": 1e-4, "high": 1e-2, "log": True}},
+                        strategy="random", trials=8)
+    s.wait(timeout=1200, progress=False)
+    note = s.record.read().get("note") or ""
+    assert note.startswith("wallet:"), note
+    started = [t for t in s.trials if t.get("run_id")]
+    assert 1 <= len(started) < 8
+    workbench.credit()  # settles the last trial
+    assert _sums(wallet_dir)["hold"] == _sums(wallet_dir)["release"]  # nothing left held
+    assert 0 <= _balance(wallet_dir) <= round(credit * 100)
+    bills = sum(_recomputed_cents(workbench.get_job(t["run_id"]).status()) for t in started)
+    assert _sums(wallet_dir)["charge"] == bills
+
+
+def test_a_launch_killed_after_its_hold_leaves_nothing_held(wallet_dir: Path) -> None:
+    """kill -9 of a launching process once it holds: the next read of the wallet releases it."""
+    workbench.credit(20, "CNY")
+    gate = wallet_dir / "gate"
+    code = ("import os, sys, workbench\n"
+            "from workbench.runs import wallet\n"
+            "real = wallet.Wallet.attach\n"
+            "def stuck(self, *a, **k):\n"
+            f"    open({str(gate)!r}, 'w').close()\n"
+            "    import time\n"
+            "    while True: time.sleep(1)\n"
+            "wallet.Wallet.attach = stuck\n"
+            f"workbench.launch({json.dumps({**SPEC, 'name': 'killed'})})\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], env=os.environ)
+    try:
+        wait_for(gate.exists, 300, "the launch to hold its cost")
+        assert _sums(wallet_dir)["hold"] > 0
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    finally:
+        proc.kill()
+    workbench.credit()
+    assert _sums(wallet_dir)["hold"] == _sums(wallet_dir)["release"]
+    assert _balance(wallet_dir) == 2000  # nothing ran, nothing charged
+
+
+def test_an_evaluation_is_held_and_charged_for_the_seconds_it_ran(wallet_dir: Path) -> None:
+    workbench.credit(20, "CNY", eval_hold_minutes=1)
+    job = workbench.launch({**SPEC, "name": "wallet-eval"})
+    job.wait(timeout=600, progress=False)
+    workbench.credit()
+    before = _balance(wallet_dir)
+    started = time.time()
+    job.evaluate(["heldout"], max_samples=4)
+    took = time.time() - started
+    evals = [r for r in _rows(wallet_dir) if r["note"].startswith("evaluate ")]
+    hold = next(r for r in _rows(wallet_dir) if r["kind"] == "hold"
+                and r["note"] == f"evaluation of {job.id}")
+    assert hold["amount"] == 120  # a minute at 0.02 a second
+    charge = next(r for r in evals if r["kind"] == "charge")
+    # Charged by the second it ran: no more than the test saw, rounded up to a whole cent.
+    assert charge["amount"] <= math.ceil(took * 2 * PRICE / 3600 * 100)
+    assert charge["amount"] >= math.floor((took - 2.0) * 2 * PRICE / 3600 * 100)
+    assert _balance(wallet_dir) == before - charge["amount"]
+
+
+def test_an_endpoint_is_paid_block_by_block_and_stopped_before_the_credit_runs_out(
+        wallet_dir: Path, served_run) -> None:
+    """Real vLLM: the first block is held before the server starts, the keeper holds the next
+    ones, and stops the endpoint when the wallet cannot pay another; what it charged is its
+    time up at its rate (to a cent a block), and nothing is left held."""
+    from workbench.serve import deploy, get_endpoint
+    from workbench.serve.endpoint import LIVE_STATES
+
+    rate = 24.0  # an hour: 0.4 a minute, so 1.00 covers 2.5 minutes, start-up included
+    workbench.credit(0.05, "CNY", endpoint_price_per_hour=rate, endpoint_hold_minutes=0.25,
+                     endpoint_idle_minutes=60)
+    with pytest.raises(CreditError, match="nothing was started"):  # a block is 0.10
+        deploy(served_run, name="wallet-ep", progress=False)
+    assert not (Path(os.environ["WORKBENCH_HOME"]) / "endpoints" / "wallet-ep").exists()
+    workbench.credit(1.0, "CNY")
+    ep = deploy(served_run, name="wallet-ep", progress=False, timeout=500)
+    try:
+        wait_for(lambda: get_endpoint("wallet-ep").record.state not in LIVE_STATES
+                 and _sums(wallet_dir)["hold"] == _sums(wallet_dir)["release"], 400,
+                 "the keeper to stop the endpoint and settle its blocks", every=1.0)
+    finally:
+        ep.stop()
+    assert ep.money_note() == "stopped: the credit ran out"
+    rows = _rows(wallet_dir)
+    blocks = [r for r in rows if r["kind"] == "hold" and r["note"].startswith("endpoint")]
+    assert len(blocks) >= 2
+    assert 0 <= _balance(wallet_dir) < 10  # less than one more block was left
+    with sqlite3.connect(wallet_dir / "wallet.sqlite") as db:
+        since = min(r[0] for r in db.execute("SELECT created FROM runs WHERE kind='endpoint'"))
+    ended = json.loads((ep.dir / "exit.json").read_text())["time"]
+    up_cents = rate / 3600 * (ended - since) * 100
+    charged = sum(r["amount"] for r in rows if r["kind"] == "charge")
+    assert abs(charged - up_cents) <= len(blocks) + 1, (charged, up_cents)
