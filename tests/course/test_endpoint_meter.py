@@ -20,12 +20,13 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.waiting import wait_for
 from workbench.course.config import Course
 from workbench.course.desk import CourseDesk
-from workbench.course.endpoints import STOP_FILE, EndpointMeter
+from workbench.course.endpoints import EndpointMeter
 from workbench.runs.ledger import Ledger
 from workbench.runs.registry import EndpointRecord, Registry
-from workbench.serve.endpoint import refresh_state
+from workbench.serve.endpoint import STOP_FILE, refresh_state
 
 
 def _metrics(done: int, running: int) -> str:
@@ -58,13 +59,14 @@ def course_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dic
                                 start_new_session=True)
         servers.append(proc)
         url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 60
-        while time.time() < deadline:
+        def answers() -> bool:
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
+                return True
             except OSError:
-                time.sleep(0.2)
+                return False
+
+        wait_for(answers, 60, f"the stand-in server on port {port}")
         now = time.time()
         Registry().add_endpoint(EndpointRecord(
             name=name, target="local", url=url, state="healthy", pid=proc.pid, server_pid=None,

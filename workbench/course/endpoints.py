@@ -2,53 +2,45 @@
 credit runs out or nobody uses it.
 
 An endpoint runs on the course's ``serve_target`` (the hub machine, an SSH host or a Slurm
-partition), started by :func:`workbench.serve.deploy` like any other, and everything the meter
-reads or does to it goes through that serve target (:attr:`Endpoint.serve_target`): whether it is
-alive, its guard's files, its /metrics (through a tunnel where needed), stopping it. Its time is
-held in blocks of ``endpoint_hold_minutes`` at ``prices.endpoint_hour`` (per endpoint, wherever it
-runs). The first block is held before the server starts (402 when the credit is short: nothing
-starts).
-:meth:`EndpointMeter.tick` (run by the service every few seconds) holds the next block shortly
-before the current one ends; when that hold is refused the endpoint is stopped at once, so it
-never runs on time nobody paid for. A block is charged in full once its time has passed; the
-block in which the endpoint stopped is charged for the seconds it was up (until the guard's
-exit.json, read where the server ran, else until the meter saw it gone: never less than it
-used). Every endpoint has its own API key, given only to its student and the instructors, so
-only their requests reach it (and its meter). An endpoint with no request running or finished
-for ``idle_minutes`` (read from vLLM's /metrics) is stopped too.
+partition), started by :func:`workbench.serve.deploy` like any other. Its time is held in blocks
+of ``endpoint_hold_minutes`` at ``prices.endpoint_hour`` (per endpoint, wherever it runs); the
+first block is held before the server starts (402 when the credit is short: nothing starts), and
+the service's tick meters the rest with :class:`workbench.serve.metering.BlockMeter`, the meter a
+wallet's keeper uses too: next blocks held ahead, passed blocks charged, the endpoint stopped when
+a block cannot be held or it idles for ``idle_minutes``. Every endpoint has its own API key,
+given only to its student and the instructors, so only their requests reach it (and its meter).
 """
 
 from __future__ import annotations
 
-import json
 import re
 import secrets
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from workbench.course.desk import SERVICE_ACTOR, CourseDesk, Forbidden
 from workbench.errors import (
     CourseError,
-    DeployError,
     EndpointNotFoundError,
-    InsufficientCreditError,
     WorkbenchError,
 )
 from workbench.runs.ledger import RunHold
-
-RENEW_AHEAD_S = 30.0  # the next block is held this long before the current one ends
-STOP_FILE = "course_stop.json"  # why the course stopped an endpoint, in its folder
+from workbench.serve.metering import BlockMeter, stopped_because
 
 
 class EndpointMeter:
     def __init__(self, desk: CourseDesk) -> None:
         self.desk, self.course, self.ledger = desk, desk.course, desk.ledger
         self._starting: set[str] = set()  # deploys in progress in this process
-        self._seen: dict[str, tuple[float | None, float]] = {}  # name -> (done, last change)
         self._guard = threading.Lock()
+        self.meter = BlockMeter(self.ledger, self.block_s, self.course.idle_minutes * 60,
+                                actor=SERVICE_ACTOR, starting=self._deploying)
+
+    def _deploying(self, h: RunHold) -> bool:
+        with self._guard:
+            return h.run_id in self._starting
 
     @property
     def block_s(self) -> float:
@@ -61,11 +53,6 @@ class EndpointMeter:
                               "(prices.endpoint_hour), so deploying is not available; ask an "
                               "instructor")
         return price
-
-    def _used(self, h: RunHold, until: float) -> int:
-        """What ``h``'s block cost up to ``until``: whole minor units, up, at most its hold."""
-        seconds = max(0.0, until - float(h.since or h.at))
-        return min(h.amount, self.course.minor(self._price() * seconds / 3600))
 
     # -- deploying -------------------------------------------------------------------------------
     def deploy(self, user: str, runs: list[str], name: str | None = None,
@@ -124,7 +111,7 @@ class EndpointMeter:
             raise CourseError(f"no live endpoint {name!r}; GET /endpoints lists them")
         if holds[0].student != user and not self.desk.is_instructor(user):
             raise Forbidden(f"endpoint {name} is not {user}'s; GET /endpoints lists yours")
-        self._stop(name, f"undeployed by {user}")
+        self.meter.stop(name, f"undeployed by {user}")
         return self.view(name)
 
     def _holds_of(self, name: str) -> list[RunHold]:
@@ -135,105 +122,8 @@ class EndpointMeter:
     # -- metering --------------------------------------------------------------------------------
     def tick(self, now: float | None = None) -> list[str]:
         """Settle passed blocks, hold next ones, stop endpoints out of credit, idle or gone;
-        the names of endpoints stopped or found ended."""
-        by_name: dict[str, list[RunHold]] = {}
-        for h in self.ledger.holds(open_only=True):
-            if h.kind == "endpoint" and h.run_id:
-                by_name.setdefault(h.run_id, []).append(h)
-        ended = []
-        now = time.time() if now is None else now
-        for name, holds in by_name.items():
-            with self._guard:
-                if name in self._starting:
-                    continue  # its deploy call settles it if the start fails
-            holds.sort(key=lambda h: float(h.since or h.at))
-            gone_at = self._ended_at(name)
-            if gone_at is not None:
-                for h in holds:
-                    self.ledger.settle(h.hold_id, self._used(h, gone_at), actor=SERVICE_ACTOR,
-                                       note=f"endpoint {name} ended")
-                ended.append(name)
-                continue
-            for h in holds[:-1]:
-                if now >= float(h.since or h.at) + self.block_s:
-                    self.ledger.settle(h.hold_id, h.amount, actor=SERVICE_ACTOR,
-                                       note=f"endpoint {name}: block used")
-            current = holds[-1]
-            block_end = float(current.since or current.at) + self.block_s
-            if now >= block_end - RENEW_AHEAD_S:
-                try:
-                    hold_id = self.ledger.hold(current.student, current.amount,
-                                               actor=SERVICE_ACTOR, note=f"endpoint {name}")
-                except InsufficientCreditError:
-                    if self._stop_or_retry(name, "the credit ran out", at=now):
-                        ended.append(name)
-                    continue
-                self.ledger.attach_run(hold_id, name, str(current.run_dir), kind="endpoint",
-                                       since=block_end)
-            idle = self._idle_s(name, now)
-            if idle > self.course.idle_minutes * 60 and self._stop_or_retry(
-                    name, f"idle for {idle / 60:.1f} min", at=now):
-                ended.append(name)
-        return ended
-
-    def _stop_or_retry(self, name: str, why: str, at: float) -> bool:
-        """:meth:`_stop` from the meter: whether it stopped. An endpoint whose processes outlive
-        the stop (or whose machine cannot say) keeps its holds open, and the next tick tries
-        again, rather than ending the tick of every other endpoint."""
-        try:
-            self._stop(name, why, at=at)
-        except DeployError:
-            return False
-        return True
-
-    def _ended_at(self, name: str) -> float | None:
-        """When the endpoint stopped, if it has; None while it is up. The time is the one in
-        its guard's exit.json, read where the server ran; now (when the meter saw it gone) if
-        that cannot be read."""
-        from workbench.serve.endpoint import LIVE_STATES, refresh_state
-        from workbench.serve.remote import close_tunnel
-        from workbench.serve.targets import get_serve_target
-
-        try:
-            record = refresh_state(name)
-        except EndpointNotFoundError:
-            return time.time()  # never registered: its deploy died with the service
-        if record.state in LIVE_STATES:
-            return None
-        close_tunnel(record.endpoint_dir)  # the meter's own tunnel to it, if one was opened
-        try:
-            exit_info = json.loads(get_serve_target(record.target).read(record, "exit.json"))
-            return float(exit_info["time"])
-        except (WorkbenchError, ValueError, KeyError, TypeError):
-            return time.time()
-
-    def _idle_s(self, name: str, now: float) -> float:
-        """Seconds since a request last ran on the endpoint, as far as this service has seen
-        (after a restart of the service, idle time counts again from its first look)."""
-        last_done, last_change = self._seen.get(name, (None, now))
-        reading = _requests_seen(name)
-        if reading is not None:
-            done, running = reading
-            if running or (last_done is not None and done != last_done):
-                last_change = now
-            last_done = done
-        self._seen[name] = (last_done, last_change)
-        return now - last_change
-
-    def _stop(self, name: str, why: str, at: float | None = None) -> None:
-        """Stop the endpoint and settle every open block of it for the time it was up."""
-        from workbench.serve.endpoint import get_endpoint
-
-        try:
-            ep = get_endpoint(name)
-            ep.stop()
-            (ep.dir / STOP_FILE).write_text(json.dumps({"reason": why, "time": time.time()}))
-        except EndpointNotFoundError:
-            pass
-        stopped = time.time() if at is None else at
-        for h in self._holds_of(name):  # read again: a block held in this tick is one of them
-            self.ledger.settle(h.hold_id, self._used(h, stopped), actor=SERVICE_ACTOR,
-                               note=f"endpoint {name} stopped: {why}")
+        the names of endpoints stopped or found ended (:meth:`BlockMeter.tick`)."""
+        return self.meter.tick(now)
 
     # -- views -----------------------------------------------------------------------------------
     def view(self, name: str) -> dict[str, Any]:
@@ -258,39 +148,15 @@ class EndpointMeter:
                 pass  # unreachable for now: where it listens is all there is to say
             if ep.api_key:  # the server takes requests with its key only; views go to the
                 out["api_key"] = ep.api_key  # endpoint's student and instructors, nobody else
-        try:
-            out["stopped_because"] = json.loads(
-                (Path(record.endpoint_dir) / STOP_FILE).read_text())["reason"]
-        except (OSError, ValueError, KeyError):
-            pass
+        why = stopped_because(record.endpoint_dir)
+        if why is not None:
+            out["stopped_because"] = why
         return out
 
     def endpoints(self, user: str) -> list[dict[str, Any]]:
         who = None if self.desk.is_instructor(user) else self.desk._student(user)
         names = {str(h.run_id) for h in self.ledger.holds(who) if h.kind == "endpoint"}
         return [self.view(n) for n in sorted(names)]
-
-
-def _requests_seen(name: str) -> tuple[float, float] | None:
-    """(requests finished, requests running) from vLLM's Prometheus /metrics, reached through
-    the endpoint's serve target (an SSH tunnel, a Slurm node's address); None: no reading
-    (starting, stopped or not answering)."""
-    from workbench.serve.endpoint import get_endpoint
-
-    try:
-        ep = get_endpoint(name)
-        req = urllib.request.Request(f"{ep.url}/metrics", headers=ep._headers())
-        with urllib.request.urlopen(req, timeout=3) as resp:
-            text = resp.read().decode("utf-8", "replace")
-    except Exception:
-        return None
-    done = running = 0.0
-    for line in text.splitlines():
-        if line.startswith("vllm:request_success_total"):
-            done += float(line.rsplit(" ", 1)[-1])
-        elif line.startswith("vllm:num_requests_running"):
-            running += float(line.rsplit(" ", 1)[-1])
-    return done, running
 
 
 def _endpoint_name(name: str) -> str:

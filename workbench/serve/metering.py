@@ -37,7 +37,7 @@ from workbench.runs.wallet import (
 )
 from workbench.serve.endpoint import CREDIT_FILE, STOP_FILE
 
-RENEW_AHEAD_S = 30.0  # the next block is held this long before the current one ends (at most)
+RENEW_AHEAD_S = 30.0  # the next block is held this long (at most half a block) before one ends
 TICK_S = 2.0  # how often the wallet's keeper ticks
 
 
@@ -73,7 +73,7 @@ class BlockMeter:
         the names of endpoints stopped or found ended."""
         ended = []
         now = time.time() if now is None else now
-        renew = min(RENEW_AHEAD_S, self.block_s / 3)
+        renew = min(RENEW_AHEAD_S, self.block_s / 2)
         for name, holds in self.open_blocks().items():
             # A deploy under way is paid block by block too, but only its own call may judge
             # that it failed (it is not registered yet) or idles.
