@@ -17,7 +17,8 @@ import sys
 import tempfile
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -104,11 +105,16 @@ def service_pids(course_json: Path) -> list[int]:
     return out
 
 
-@pytest.fixture(scope="session")
-def hub(students_reach: list) -> Iterator[dict[str, Any]]:  # students_reach: tests/course/reach.py
+@contextmanager
+def running_hub(people: dict[str, str], course_of: Callable[[dict[str, str]], dict[str, Any]],
+                prefix: str = "wbc") -> Iterator[dict[str, Any]]:
+    """A real class on the hub: ``people`` maps each key to the end of its Unix user's name
+    (``{prefix}{tag}{end}``, a random tag); ``course_of(users)`` gives the course file's people,
+    money and limits, to which the state folder, ports and the students' interpreter are added.
+    Each person gets a password (the hub's PAM login page) and a hub token; all go at the end."""
     assert os.geteuid() == 0, "the course tests create Unix users: run them as root (CI does)"
     tag = secrets.token_hex(3)
-    users = {"a": f"wbc{tag}a", "b": f"wbc{tag}b", "teacher": f"wbc{tag}t"}
+    users = {key: f"{prefix}{tag}{end}" for key, end in people.items()}
     passwords = {key: secrets.token_urlsafe(12) for key in users}
     for key, name in users.items():
         subprocess.run(["useradd", "-m", "-s", "/bin/bash", name], check=True)
@@ -119,20 +125,9 @@ def hub(students_reach: list) -> Iterator[dict[str, Any]]:  # students_reach: te
     root.chmod(0o755)
     state = root / "state"
     port = free_port()
-    course = {
-        "name": "test-class", "instructors": [users["teacher"]],
-        "students": [users["a"], users["b"]], "currency": "CNY", "default_credit": 20,
-        # 36 CNY a core-hour is 1 fen a second; an endpoint's first hour (1000 CNY) fits nobody.
-        "credits": {users["b"]: 0.01}, "prices": {"cpu_core_hour": 36, "endpoint_hour": 1000},
-        "hold_margin": 10,  # the shared 2-core machine runs far slower than planned
-        # Two at once: A's sweep runs its two trials side by side (half the wall time).
-        "caps": {"concurrent_runs": 2, "processes_per_run": 1, "hours_per_run": 1,
-                 "eval_minutes": 5},  # held 3 CNY; a loaded machine took 140 s
-        "idle_minutes": 1,  # the culler stops the browser test's servers once its pages close
-        "state_dir": str(state),
-        "hub": {"port": port, "hub_port": free_port(), "proxy_api_port": free_port(),
-                "service_port": free_port()},
-    }
+    course = {**course_of(users), "state_dir": str(state),
+              "hub": {"port": port, "hub_port": free_port(), "proxy_api_port": free_port(),
+                      "service_port": free_port()}}
     # The students' servers and their work (run as them by the service, through sudo) use a
     # Python their users can execute; `init` passes its library path to the service.
     python = _students_python(root)
@@ -171,7 +166,7 @@ def hub(students_reach: list) -> Iterator[dict[str, Any]]:  # students_reach: te
     base = f"http://127.0.0.1:{port}"
     info: dict[str, Any] = {"users": users, "state": state, "root": root, "log": log,
                             "admin": admin_token, "base": base,
-                            "passwords": passwords,
+                            "passwords": passwords, "course": course,
                             "service": f"{base}/services/course/",
                             "course_json": state / "course.json", "tokens": {}}
     try:
@@ -184,8 +179,9 @@ def hub(students_reach: list) -> Iterator[dict[str, Any]]:  # students_reach: te
             assert code == 201, answer
             info["tokens"][key] = answer["token"]
         info["client"] = {k: CourseClient(info["service"], t) for k, t in info["tokens"].items()}
+        first = next(k for k, n in users.items() if n in course["students"])
         wait_until("the course service",
-                  lambda: http("GET", info["service"] + "me", info["tokens"]["a"])[0] == 200,
+                  lambda: http("GET", info["service"] + "me", info["tokens"][first])[0] == 200,
                   120, log)
         yield info
     finally:
@@ -199,6 +195,27 @@ def hub(students_reach: list) -> Iterator[dict[str, Any]]:  # students_reach: te
         for name in users.values():
             subprocess.run(["userdel", "-r", name], check=False, capture_output=True)
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def hub(students_reach: list) -> Iterator[dict[str, Any]]:  # students_reach: tests/course/reach.py
+    def course(users: dict[str, str]) -> dict[str, Any]:
+        return {
+            "name": "test-class", "instructors": [users["teacher"]],
+            "students": [users["a"], users["b"]], "currency": "CNY", "default_credit": 20,
+            # 36 CNY a core-hour is 1 fen a second; an endpoint's first hour (1000 CNY) fits
+            # nobody.
+            "credits": {users["b"]: 0.01},
+            "prices": {"cpu_core_hour": 36, "endpoint_hour": 1000},
+            "hold_margin": 10,  # the shared 2-core machine runs far slower than planned
+            # Two at once: A's sweep runs its two trials side by side (half the wall time).
+            "caps": {"concurrent_runs": 2, "processes_per_run": 1, "hours_per_run": 1,
+                     "eval_minutes": 5},  # held 3 CNY; a loaded machine took 140 s
+            "idle_minutes": 1,  # the culler stops the browser test's servers once its pages close
+        }
+
+    with running_hub({"a": "a", "b": "b", "teacher": "t"}, course) as info:
+        yield info
 
 
 @pytest.fixture(scope="session")

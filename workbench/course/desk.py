@@ -152,13 +152,13 @@ class CourseDesk:
         student = self._student(user)
         with self._lock(student):
             last = self._visible(student, run_id)
-            if last.charge is None:
-                raise CourseError(f"run {run_id} is still going or not settled yet; wait for "
-                                  "job.wait() to return before resuming it")
             bad = set(changes) - {"train.max_steps", "train.epochs"}
             if bad:
                 raise CourseError(f"a course resume may change train.max_steps or train.epochs, "
                                   f"not {sorted(bad)} (the course sets the budget)")
+            if last.charge is None:
+                raise CourseError(f"run {run_id} is still going or not settled yet; wait for "
+                                  "job.wait() to return before resuming it")
             self._check_concurrent(student)
             # The run's spec as the student's worker reads it, admitted again like a launch's.
             known = Worker(self.course, student, {"verb": "spec", "run": run_id}).answer()

@@ -157,12 +157,15 @@ def _count(value: Any, what: str) -> int:
     return value
 
 
+MAX_AMOUNT = 1e9  # currency units: far above any grant, far below what the ledger can keep
+
+
 def _amount(value: Any) -> float:
     """A positive, finite amount of money from a JSON body (a number, not text), or 400."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(value) or value <= 0:
+            or not math.isfinite(value) or not 0 < value <= MAX_AMOUNT:
         raise _Refused(400, f'amount must be a positive number in currency units (e.g. 5 or '
-                            f'2.5), got {value!r}')
+                            f'2.5, at most {MAX_AMOUNT:.0f}), got {value!r}')
     return float(value)
 
 
