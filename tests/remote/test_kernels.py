@@ -131,6 +131,8 @@ def test_kernels_install_list_remove(kernels):
     assert "installed kernel workbench-ssh-one" in cli(["kernels", "install", "ssh:one"])
     table = cli(["kernels", "list"])
     assert "Workbench on one (CPU)" in table and "never" in table
+    row = next(ln for ln in table.splitlines() if ln.startswith("workbench-ssh-one "))
+    assert "01:00:00" not in row and " none " in row  # no time limit holds an SSH kernel
     from jupyter_client.kernelspec import KernelSpecManager
 
     spec = KernelSpecManager().get_kernel_spec("workbench-ssh-one")  # what the launcher lists

@@ -50,7 +50,7 @@ if not out:
     os.makedirs(d, mode=0o700, exist_ok=True)
     os.makedirs(os.path.expanduser(req["cwd"]), exist_ok=True)
     conn = os.path.join(d, "connection.json")
-    for name in ("identity.json", "activity.json"):
+    for name in ("identity.json", "activity.json", "ended.json", "heartbeat"):
         if os.path.exists(os.path.join(d, name)):
             os.remove(os.path.join(d, name))  # a restart must not read the last kernel's
     os.umask(0o077)
@@ -86,7 +86,7 @@ req = json.loads(REQ)
 if not out:
     os.umask(0o077)
     os.makedirs(req["dir"], exist_ok=True)
-    for name in ("identity.json", "activity.json"):
+    for name in ("identity.json", "activity.json", "ended.json", "heartbeat"):
         if os.path.exists(os.path.join(req["dir"], name)):
             os.remove(os.path.join(req["dir"], name))
     for name, text in req["files"].items():
@@ -105,11 +105,12 @@ if req["op"] == "signal":
 elif req["op"] == "stop":
     terminate([ident], grace_s=req["grace"])
 out["alive"] = ident.alive()
-try:
-    with open(os.path.join(os.path.expanduser(req["dir"]), "activity.json")) as fh:
-        out["activity"] = json.load(fh)
-except (OSError, ValueError):
-    out["activity"] = None
+for name in ("activity", "ended"):
+    try:
+        with open(os.path.join(os.path.expanduser(req["dir"]), name + ".json")) as fh:
+            out[name] = json.load(fh)
+    except (OSError, ValueError):
+        out[name] = None
 print(TAG + json.dumps(out))
 '''
 
@@ -218,7 +219,7 @@ class SlurmPlacement:
         return self.transport.run(f"{self.target.shell_prefix()}{command}",
                                   check=False, timeout=timeout)
 
-    def _look(self, *files: str) -> tuple[dict[str, str], list[Any]]:
+    def look(self, *files: str) -> tuple[dict[str, str], list[Any]]:
         """The job as ``scontrol`` sees it ({} once Slurm forgot it) and the JSON ``files`` of the
         kernel's folder (None where missing), in one round trip."""
         from workbench.targets.backends.slurm_script import parse_scontrol
@@ -283,7 +284,7 @@ class SlurmPlacement:
             raise RemoteKernelError(self.backend.explain_sbatch(res.text))
         self.job = job
         info = self._wait_running(wait_s)
-        self.started = _slurm_time(info.get("StartTime")) or time.time()
+        self.started = slurm_epoch(info.get("StartTime")) or time.time()
         node = info.get("BatchHost") or info.get("NodeList", "")
         addr = self._sh(f"scontrol show node -o {shlex.quote(node)}").stdout.decode(errors="replace")
         from workbench.targets.backends.slurm_script import parse_scontrol
@@ -296,7 +297,7 @@ class SlurmPlacement:
 
         deadline = time.time() + wait_s
         while True:
-            info = self._look()[0]
+            info = self.look()[0]
             state = info.get("JobState", "")
             if state == "RUNNING":
                 return info
@@ -316,7 +317,7 @@ class SlurmPlacement:
     def _wait_ports(self, timeout: float) -> dict[str, int]:
         deadline = time.time() + timeout
         while time.time() < deadline:
-            job, (info, identity) = self._look("connection.json", "identity.json")
+            job, (info, identity) = self.look("connection.json", "identity.json")
             if job.get("JobState") != "RUNNING":
                 raise RemoteKernelError(f"the kernel in Slurm job {self.job} exited at start:\n"
                                         f"{self._out_tail()}\n-> fix the error above in the "
@@ -339,7 +340,7 @@ class SlurmPlacement:
 
         if not self.job:
             return False, None
-        info, (activity,) = self._look("activity.json")
+        info, (activity,) = self.look("activity.json")
         return info.get("JobState", "") in (WAITING | ACTIVE) - {"COMPLETING"}, activity
 
     def signal(self, sig: int) -> None:
@@ -363,7 +364,7 @@ class SlurmPlacement:
         self._sh(f"scancel {self.job}")
         while True:
             try:
-                if self._look()[0].get("JobState", "") not in WAITING | ACTIVE:
+                if self.look()[0].get("JobState", "") not in WAITING | ACTIVE:
                     return
             except TargetError:
                 pass  # slurmctld busy: ask again
@@ -373,7 +374,8 @@ class SlurmPlacement:
             time.sleep(0.5)
 
 
-def _slurm_time(value: str | None) -> float:
+def slurm_epoch(value: str | None) -> float:
+    """Epoch seconds of a Slurm time (``2024-05-01T12:00:00``, local); 0.0 for none/Unknown."""
     try:
         return time.mktime(time.strptime(value or "", "%Y-%m-%dT%H:%M:%S"))
     except ValueError:

@@ -10,7 +10,10 @@ Jupyter find it. For each start it:
    ``WORKBENCH_TARGET`` set (``workbench.launch`` in the kernel then defaults to that target);
 3. forwards its five ports to this machine's loopback (:mod:`workbench.kernels.tunnel`); a Slurm
    target whose notebook runs on the login node connects to the node directly;
-4. opens the session's bill (:mod:`workbench.kernels.ledger`), rewritten at every poll.
+4. opens the session's bill (:mod:`workbench.kernels.ledger`), rewritten at every poll;
+5. beats the kernel's heartbeat (:mod:`workbench.kernels.heartbeat`) until the kernel is released:
+   a client that dies or exits without shutting the kernel down stops beating, and the kernel ends
+   itself (on Slurm with its allocation); the bill is then settled from what the target saw.
 
 Interrupt, terminate and kill signal the remote kernel by its recorded identity (Slurm: its job
 step); shutdown and restart end the kernel, and on Slurm its allocation, which is cancelled and
@@ -19,6 +22,8 @@ process ended) marks the kernel dead and releases what it held. With ``cull_idle
 provisioner's own poll culls a kernel idle (no cell running) that long: it stops the server's
 auto-restart for it, ends the kernel and releases its node, so an idle notebook does not hold GPUs
 (jupyter-server's ``MappingKernelManager.cull_idle_timeout`` would cull every kernel alike).
+Every remote look runs in a worker thread, or in the caller's thread once the interpreter is
+shutting down (jupyter_client's atexit shutdown of ``jupyter run``), when no thread can start.
 """
 
 from __future__ import annotations
@@ -26,14 +31,16 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.provisioning.provisioner_base import KernelProvisionerBase
 from traitlets import Float, Integer, Unicode
 
 from workbench.errors import RemoteKernelError, TargetError
-from workbench.kernels.ledger import Session
+from workbench.kernels.heartbeat import ORPHAN_AFTER_S, ORPHAN_ENV, Beater, beat_command
+from workbench.kernels.ledger import Session, settle
 from workbench.kernels.placement import SlurmPlacement, SSHPlacement
 from workbench.kernels.tunnel import Tunnel
 
@@ -42,6 +49,16 @@ POLL_EVERY_S = 1.0  # jupyter_client polls every 0.1 s while it waits: one remot
 # A kernel stops this many seconds' worth of money before its budget: the next poll, stopping the
 # kernel and releasing its allocation (scancel, the tunnel) are still paid.
 STOP_MARGIN_S = 15.0
+T = TypeVar("T")
+
+
+async def _off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a worker thread; in this thread once the interpreter is shutting down."""
+    try:
+        future = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+    except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
+        return fn(*args)
+    return await future
 
 
 class WorkbenchProvisioner(KernelProvisionerBase):  # type: ignore[misc]
@@ -60,6 +77,7 @@ class WorkbenchProvisioner(KernelProvisionerBase):  # type: ignore[misc]
     placement: SSHPlacement | SlurmPlacement | None = None
     tunnel: Tunnel | None = None
     session: Session | None = None
+    beater: Beater | None = None
     dead_reason: str | None = None  # why the kernel was lost or culled, once it was
     _polled: tuple[float, int | None] = (0.0, None)
     _loop: asyncio.AbstractEventLoop | None = None
@@ -81,10 +99,11 @@ class WorkbenchProvisioner(KernelProvisionerBase):  # type: ignore[misc]
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
         env = kwargs.get("env") or {}
         remote_env = {"WORKBENCH_TARGET": self.target, "WORKBENCH_KERNEL_ID": self.kernel_id,
-                      "JPY_SESSION_NAME": env.get("JPY_SESSION_NAME", "")}
+                      "JPY_SESSION_NAME": env.get("JPY_SESSION_NAME", ""),
+                      ORPHAN_ENV: f"{ORPHAN_AFTER_S:g}"}
         self.dead_reason, self._polled = None, (0.0, None)
         try:
-            info = await asyncio.to_thread(self._launch, remote_env)
+            info = await _off_loop(self._launch, remote_env)
         except TargetError as exc:
             raise RemoteKernelError(f"could not start the Workbench kernel on {self.target}: "
                                     f"{exc}") from None
@@ -121,12 +140,15 @@ class WorkbenchProvisioner(KernelProvisionerBase):  # type: ignore[misc]
                 self.placement = ssh
                 ports = self.tunnel.open(ssh.remote_host, ssh.start(conn, env,
                                                                     self.start_timeout_s))
+                started = float((ssh.identity or {}).get("create_time") or started)
                 ip = "127.0.0.1"
+            self.session = Session(self.kernel_id, self.target, self.gpus)
+            self.session.open(started, self.placement.job, self.placement.dir,
+                              self.placement.identity)
+            self.beater = Beater(self._beat, self.log, name=self.kernel_id).start()
         except BaseException:
             self._release("the start failed")
             raise
-        self.session = Session(self.kernel_id, self.target, self.gpus)
-        self.session.open(started, self.placement.job)
         self.log.info("Workbench kernel %s on %s: %s", self.kernel_id, self.target,
                       f"Slurm job {self.placement.job}" if self.placement.job else "started")
         info: Any = {**self.connection_info, **ports, "ip": ip}
@@ -141,7 +163,7 @@ class WorkbenchProvisioner(KernelProvisionerBase):  # type: ignore[misc]
         checked, code = self._polled
         if time.time() - checked < POLL_EVERY_S:
             return code
-        code = await asyncio.to_thread(self._poll)
+        code = await _off_loop(self._poll)
         self._polled = (time.time(), code)
         return code
 
@@ -171,6 +193,15 @@ class WorkbenchProvisioner(KernelProvisionerBase):  # type: ignore[misc]
             return self._cull()
         return None
 
+    def _beat(self, n: int) -> None:
+        placement, session = self.placement, self.session
+        if session is not None:
+            session.bill()
+        if placement is not None:
+            res = placement.transport.run(beat_command(placement.dir, n), check=False, timeout=30)
+            if res.returncode != 0:
+                raise RemoteKernelError(res.text.strip()[-500:])
+
     def _lose(self, reason: str) -> int:
         self.log.error("Workbench kernel %s is dead: %s; releasing what it held", self.kernel_id,
                        reason)
@@ -181,6 +212,7 @@ class WorkbenchProvisioner(KernelProvisionerBase):  # type: ignore[misc]
     # -- money -----------------------------------------------------------------------------------
     def _check_budget(self) -> None:
         """Refuse a start a budget cannot keep: no price, or already spent (with the release)."""
+        settle(self.kernel_id)  # a past session whose client died is billed as the target saw it
         if self.budget_limit <= 0:
             return
         from workbench.kernels.ledger import hourly_price, spent
@@ -235,7 +267,7 @@ class WorkbenchProvisioner(KernelProvisionerBase):  # type: ignore[misc]
     # -- signals and stop --------------------------------------------------------------------------
     async def send_signal(self, signum: int) -> None:
         if self.placement is not None and self.dead_reason is None and signum:
-            await asyncio.to_thread(self.placement.signal, signum)
+            await _off_loop(self.placement.signal, signum)
             self._polled = (0.0, None)
 
     async def terminate(self, restart: bool = False) -> None:
@@ -245,15 +277,18 @@ class WorkbenchProvisioner(KernelProvisionerBase):  # type: ignore[misc]
 
     async def kill(self, restart: bool = False) -> None:
         if self.placement is not None and self.dead_reason is None:
-            await asyncio.to_thread(self.placement.stop, 0.5)
+            await _off_loop(self.placement.stop, 0.5)
             self._polled = (0.0, None)
 
     async def cleanup(self, restart: bool = False) -> None:
-        await asyncio.to_thread(self._release, "shut down")
+        await _off_loop(self._release, "shut down")
 
     def _release(self, reason: str) -> None:
         """End the tunnel, the kernel (if it still runs) and the allocation; close the bill."""
         placement, self.placement = self.placement, None
+        if self.beater is not None:
+            self.beater.stop()
+            self.beater = None
         if self.tunnel is not None:
             self.tunnel.close()
             self.tunnel = None

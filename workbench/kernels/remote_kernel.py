@@ -5,23 +5,22 @@ Slurm step) that :mod:`workbench.kernels.placement` chose. Beside the connection
 ``identity.json`` (this process's :class:`~workbench.runs.procs.ProcessIdentity`, so the provisioner
 signals this very process and never a reused PID) and keeps ``activity.json`` current
 (``{"busy": bool, "since": time}``, rewritten before and after every cell) for the idle cull.
+With ``WORKBENCH_KERNEL_ORPHAN_S`` set (the provisioner sets it) it watches its client's heartbeat
+and ends itself once the client is gone (:mod:`workbench.kernels.heartbeat`); any exit it makes
+itself is recorded in ``ended.json``, which the bill of a client that died is settled from.
 Everything else is :mod:`workbench.kernels.kernel`: the magics, widgets and startup imports.
 """
 
 from __future__ import annotations
 
-import json
+import atexit
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
-
-def _write(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data), encoding="utf-8")
-    os.replace(tmp, path)  # a reader never sees half a file
+from workbench.kernels.heartbeat import ENDED_FILE, ORPHAN_ENV, watch
+from workbench.kernels.heartbeat import write_json as _write
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -43,6 +42,10 @@ def main(argv: list[str] | None = None) -> None:
     events.register("post_run_cell", lambda *_: _write(activity, {"busy": False,
                                                                   "since": time.time()}))
     _write(activity, {"busy": False, "since": time.time()})  # idle from when it can answer
+    atexit.register(lambda: _write(folder / ENDED_FILE, {"ended": time.time(),
+                                                         "reason": "the kernel exited"}))
+    if os.environ.get(ORPHAN_ENV):
+        watch(folder, float(os.environ[ORPHAN_ENV]))
     app.start()
 
 
