@@ -133,12 +133,13 @@ def test_ssh_commands_get_the_secrets_from_a_private_file_not_their_command_line
         subprocess.run(["rm", "-rf", str(Path.home() / ".wb-secret-test")])
 
 
-@pytest.mark.parametrize(("slurm", "recorded"), [
-    ("COMPLETED", "succeeded"), ("FAILED", "failed"), ("CANCELLED", "running"),
-    ("COMPLETED", "budget_stopped"), ("TIMEOUT", "running"), ("NODE_FAIL", "running"),
+@pytest.mark.parametrize(("slurm", "recorded", "ends"), [
+    ("COMPLETED", "succeeded", "succeeded"), ("FAILED", "failed", "failed"),
+    ("CANCELLED", "running", "cancelled"), ("COMPLETED", "budget_stopped", "budget_stopped"),
+    ("TIMEOUT", "running", "failed"), ("NODE_FAIL", "running", "failed"),
 ])
 def test_the_secret_env_file_stays_while_slurm_may_requeue_the_job_and_goes_at_its_end(
-        tmp_path, monkeypatch, slurm, recorded):
+        tmp_path, monkeypatch, slurm, recorded, ends):
     from workbench.targets.backends.remote import LocalTransport, load_placement, save_placement
 
     target = SlurmTarget(name="secretive", partition="debug", env=SECRETS)
@@ -150,16 +151,19 @@ def test_the_secret_env_file_stays_while_slurm_may_requeue_the_job_and_goes_at_i
     # (tests/remote runs real Slurm jobs; this checks every ending without paying for each).
     said = {"JobState": "PENDING"}
     monkeypatch.setattr(backend, "job_info", lambda job: dict(said))
-    for state, run_state in (("PENDING", "queued"), ("RUNNING", "running"),
-                             ("REQUEUED", "cancelled"), ("RUNNING", "running")):
+    # (Slurm's state, what status.json says, what the run shows): a requeue is queued again.
+    for state, run_state, shown in (("PENDING", "queued", "queued"),
+                                    ("RUNNING", "running", "running"),
+                                    ("REQUEUED", "cancelled", "queued"),
+                                    ("RUNNING", "running", "running")):
         said["JobState"] = state
         rd.write_status(state=run_state)
-        assert backend.status(rd.path, "slurm:42")["state"] in ("queued", "running")
+        assert backend.status(rd.path, "slurm:42")["state"] == shown, state
         assert env_file.is_file(), state  # a requeued attempt sources it again
     said["JobState"] = slurm
     rd.write_status(state=recorded)
     final = backend.status(rd.path, "slurm:42")
-    assert final["state"] in ("succeeded", "failed", "cancelled", "budget_stopped")
+    assert final["state"] == ends
     assert load_placement(rd.path)["final"]
     assert not env_file.exists()
     assert env_file.parent.is_dir()  # other runs' files live there too

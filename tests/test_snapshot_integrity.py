@@ -290,16 +290,28 @@ def test_a_failed_write_shows_in_status_until_the_next_snapshot_commits(rd, trai
 
 
 def test_the_commit_waits_for_ranks_on_other_nodes(rd, trainer_factory, monkeypatch):
+    from workbench.train import async_snapshot
+
+    # The commit's wait, watched: which ranks it waits for, and that it has begun waiting.
+    real_wait, waited_for, waiting = async_snapshot.wait_for_ranks, [], threading.Event()
+
+    def watched(folder, ranks, timeout=1800.0):
+        waited_for.append(list(ranks))
+        waiting.set()
+        return real_wait(folder, ranks, timeout)
+
+    monkeypatch.setattr(async_snapshot, "wait_for_ranks", watched)
     trainer = trainer_factory(1, [_save_every_step()])
     # This process is global rank 0 of a world of 2, alone on its node; rank 1 (another node,
-    # same shared folder) is played by a thread that writes its marker when the test says.
+    # same shared folder) is played by the test, which writes its marker once the commit waits.
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     folder = rd.path / "checkpoints" / "checkpoint-1"
     trainer.train()
-    assert _poll(lambda: (folder / ".done-rank-0").is_file(), 120)
-    committed_early = _poll(lambda: (rd.path / "checkpoints" / "step-1").exists(), 1.0)
-    assert not committed_early  # rank 1's part is not there yet
+    assert waiting.wait(120)
+    assert waited_for == [[0, 1]]  # every rank of the world, not only this node's
+    assert (folder / ".done-rank-0").is_file()
+    assert not (rd.path / "checkpoints" / "step-1").exists()  # rank 1's part is not there yet
     (folder / ".done-rank-1").write_text("ok")
     trainer.writer.wait()
     assert verify(rd.path / "checkpoints" / "step-1") is None

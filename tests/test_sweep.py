@@ -18,7 +18,7 @@ import time
 import pytest
 
 import workbench
-from tests.waiting import wait_for
+from tests.waiting import seen_stopped, wait_for
 from workbench.errors import SweepError, SweepNotFoundError, WorkbenchError
 from workbench.runs.procs import ProcessIdentity
 from workbench.runs.registry import Registry
@@ -223,9 +223,9 @@ def test_a_trial_that_ended_without_an_end_time_is_finished_once_its_bill_is_wai
 
 # The main thread of this child ends on its own (the SYS_exit system call, not exit_group), the way
 # a process killed with kill -9 loses its main thread first: from then on it shows as a zombie,
-# while another thread still holds its files (the controller lock) for LINGER_S.
+# while another thread still holds its files (the controller lock) until the test closes its stdin.
 _DYING_CONTROLLER = """
-import ctypes, os, platform, sys, threading, time
+import ctypes, os, platform, sys, threading
 from workbench.runs.procs import ProcessIdentity
 from workbench.sweep.record import SweepRecord
 
@@ -233,7 +233,7 @@ record = SweepRecord(sys.argv[1])
 held = record.controller_lock()  # kept referenced: the lock is released when it is collected
 assert held.__enter__()
 record.write(controller=ProcessIdentity.me("sweep-controller").to_dict())
-threading.Thread(target=lambda: (time.sleep(float(sys.argv[2])), os._exit(0))).start()
+threading.Thread(target=lambda: (sys.stdin.read(), os._exit(0))).start()
 print("holding", flush=True)
 ctypes.CDLL(None).syscall({"x86_64": 60, "aarch64": 93}[platform.machine()], 0)
 """
@@ -241,24 +241,40 @@ ctypes.CDLL(None).syscall({"x86_64": 60, "aarch64": 93}[platform.machine()], 0)
 
 def test_a_controller_whose_main_thread_is_gone_is_not_alive_once_its_lock_is_released(
         monkeypatch):
-    from workbench.sweep.record import controller_alive
+    import contextlib
+
+    from workbench.sweep.record import SweepRecord, controller_alive
 
     s = _recorded_sweep(monkeypatch, space={"train.lr": [1e-3]})
-    linger_s = 4.0
-    child = subprocess.Popen([sys.executable, "-c", _DYING_CONTROLLER, str(s.record.path),
-                              str(linger_s)], stdout=subprocess.PIPE, text=True)
-    assert child.stdout.readline().strip() == "holding"
-    controller = ProcessIdentity.from_dict(s.data()["controller"])
-    _wait_for(lambda: not controller.alive(), 30, "the child's main thread to end")
-    with s.record.controller_lock() as free:
-        held_while_gone = not free
-    started = time.time()
-    alive = controller_alive(s.record)
-    waited = time.time() - started
-    child.wait(timeout=60)
-    assert held_while_gone, "the child ended before the check; raise linger_s"
+    child = subprocess.Popen([sys.executable, "-c", _DYING_CONTROLLER, str(s.record.path)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "holding"
+        controller = ProcessIdentity.from_dict(s.data()["controller"])
+        _wait_for(lambda: not controller.alive(), 30, "the child's main thread to end")
+        with s.record.controller_lock() as free:
+            assert not free  # gone as a process, its last thread still holds the lock
+        # The child's last thread ends (and the kernel releases the lock) once controller_alive
+        # has seen the lock held by a controller that is gone, not at a time of its own.
+        probes: list[bool] = []
+        real_lock = SweepRecord.controller_lock
+
+        @contextlib.contextmanager
+        def probed(self, wait_s=0.0):
+            with real_lock(self, wait_s) as free:
+                probes.append(free)
+                if not free and len(probes) == 1:
+                    child.stdin.close()
+                yield free
+
+        monkeypatch.setattr(SweepRecord, "controller_lock", probed)
+        alive = controller_alive(s.record)
+    finally:
+        if not child.stdin.closed:
+            child.stdin.close()
+        child.wait(timeout=60)
+    assert probes[0] is False and probes[-1] is True, probes
     assert alive is False  # the dying controller's lock was waited for, not taken as a live one
-    assert waited < 30
 
 
 # -- real trials ----------------------------------------------------------------------------------
@@ -289,13 +305,15 @@ def test_budget_sweep_survives_a_controller_restart_and_never_overspends(wb_home
                         concurrent=1, budget=limit, pruner="none")
     assert s.data()["trials_total"] == 4
 
+    controller = ProcessIdentity.from_dict(s.data()["controller"])
+
     def one_ended():
         return [t for t in s.trials if t.get("released") and t.get("run_id")]
 
-    # Polled often: the kill must land before the controller has started, watched and ended the
-    # next trial (a finished sweep has nothing to resume).
-    wait_for(one_ended, 400, "a trial to end", every=0.02)
-    controller = ProcessIdentity.from_dict(s.data()["controller"])
+    # The record is read with the controller stopped (SIGSTOP), and it is killed in that state:
+    # it cannot go on to end the next trial, and the sweep, between the read and the kill.
+    wait_for(lambda: seen_stopped(controller, one_ended), 400, "a trial to end")
+    assert s.state == "running"  # something is left to resume
     assert controller.signal(signal.SIGKILL)
     _wait_for(lambda: not controller.alive(), 60, "the controller to die")
     released = [t for t in s.trials if t.get("released")]

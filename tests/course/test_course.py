@@ -29,6 +29,7 @@ from nbformat.v4 import new_code_cell, new_notebook
 
 from tests.course.conftest import http, service_pids, wait_until
 from tests.lab.browser import shot
+from tests.waiting import seen_stopped
 from workbench.course.client import CourseClient
 from workbench.errors import CourseError, InsufficientCreditError
 from workbench.runs.ledger import Ledger
@@ -222,8 +223,15 @@ def test_a_students_sweep_is_held_whole_and_charged_per_trial(
     # Its controller dies mid-sweep (its trials launched, not ended): the service resumes it (a new
     # controller process, against the same hold) and each trial is still charged once.
     record = hub["state"] / "home" / "sweeps" / s.id / "sweep.json"
-    first = wait_until("A's trials to start", lambda: _running_trial(record), 240,
-                       hub["log"])
+
+    def running_trial_seen_stopped() -> dict[str, Any] | None:
+        # Read with the controller stopped (SIGSTOP), and killed in that state: it cannot
+        # release the running trial, or end the sweep, between the read and the kill.
+        ident = json.loads(record.read_text()).get("controller")
+        return seen_stopped(ProcessIdentity.from_dict(ident), lambda: _running_trial(record)) \
+            if ident else None
+
+    first = wait_until("A's trials to start", running_trial_seen_stopped, 240, hub["log"])
     old = ProcessIdentity.from_dict(first["controller"])
     assert old.signal(signal.SIGKILL), "the recorded controller is not running"
     wait_until("the killed controller to be gone", lambda: not old.alive(), 60, hub["log"])

@@ -46,8 +46,9 @@ def test_dedup_precision_and_recall_on_planted_duplicates(corpus, cleaned) -> No
     precision = true_pos / by_dedup
     recall = true_pos / len(planted)
     print(f"dedup precision {precision:.3f} recall {recall:.3f} on {len(planted)} planted")
+    # The targets docs/benchmarks-data.md states (it measures 1.00 / 1.00 on this corpus).
     assert precision >= 0.98
-    assert recall >= 0.9
+    assert recall >= 0.95
     assert report.step("exact_dedup").removed == sum(r["kind"] == "exact_dup" for r in corpus)
 
 

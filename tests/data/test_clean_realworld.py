@@ -5,15 +5,18 @@ as people actually type it (spaces, dashes, brackets, country codes, full-width 
 sub-addressed emails, "name at domain dot com") and look-alikes that are not PII; abusive text
 phrased the way people write it and clean text that comes close. Each test measures recall and
 precision through the pipeline (``normalize`` first, as in the default order) and holds the
-filter to the floor it reaches today, so a regression fails and an improvement shows in the
-printed figures (``pytest -s``).
+filter to exactly what docs/data.md says it catches: the figures there and the misses it lists,
+so a regression fails, and so does an improvement until the docs say it.
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from workbench.data.clean import clean_records
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "data.md"
 
 _PLACEHOLDER = re.compile(r"<[A-Z_]+>")  # what the scrubber writes in place of a value
 
@@ -100,7 +103,7 @@ def _pii_scores() -> tuple[float, float, list[str], list[str]]:
                             progress=False)
     out = [r["text"] for r in rows]
     missed = [t for (t, value), o in zip(PII, out) if value in o or not _PLACEHOLDER.search(o)]
-    false = [o for o in out[len(PII):] if _PLACEHOLDER.search(o)]
+    false = [t for t, o in zip(NOT_PII, out[len(PII):]) if _PLACEHOLDER.search(o)]
     caught = len(PII) - len(missed)
     recall = caught / len(PII)
     precision = caught / (caught + len(false)) if caught + len(false) else 1.0
@@ -120,26 +123,44 @@ def _toxicity_scores() -> tuple[float, float, list[str], list[str]]:
     return recall, precision, missed, false
 
 
+def _documented(figure: str, texts: list[str]) -> None:
+    text = DOCS.read_text(encoding="utf-8")
+    assert figure in text, f"docs/data.md does not say {figure!r}"
+    for t in texts:
+        assert f"`{t}`" in text, f"docs/data.md does not list {t!r}"
+
+
 def test_pii_recall_and_precision_on_hand_written_text() -> None:
     recall, precision, missed, false = _pii_scores()
     print(f"\nPII: recall {recall:.2f} ({len(PII) - len(missed)}/{len(PII)}), "
           f"precision {precision:.2f}; missed: {missed}; false positives: {false}")
-    assert recall >= RECALL_FLOOR["pii"], missed
-    assert precision >= PRECISION_FLOOR["pii"], false
+    assert missed == KNOWN_MISSES["pii"]
+    assert false == KNOWN_FALSE["pii"]
+    _documented(f"catches **{len(PII) - len(missed)} of {len(PII)}**", missed + false)
 
 
 def test_toxicity_recall_and_precision_on_hand_written_text() -> None:
     recall, precision, missed, false = _toxicity_scores()
     print(f"\ntoxicity: recall {recall:.2f} ({len(TOXIC) - len(missed)}/{len(TOXIC)}), "
           f"precision {precision:.2f}; missed: {missed}; false positives: {false}")
-    assert recall >= RECALL_FLOOR["toxicity"], missed
-    assert precision >= PRECISION_FLOOR["toxicity"], false
+    assert missed == KNOWN_MISSES["toxicity"]
+    assert false == KNOWN_FALSE["toxicity"]
+    _documented(f"removes **{len(TOXIC) - len(missed)} of {len(TOXIC)}**", missed)
 
 
-# What the filters reach today on the fixtures above (2026-12-01). PII misses the spelled-out
-# emails ("x at y dot com"), full-width digits (normalize does not fold them), a German number
-# with a "(0)" trunk prefix and a resident ID written in groups; it takes a 14-digit order number
-# that happens to pass Luhn for a card. Toxicity misses "dumbass" / "kill yourself" and masked
-# spellings ("f*ck", "c u n t"); nothing clean was removed.
-RECALL_FLOOR = {"pii": 16 / 21, "toxicity": 9 / 12}
-PRECISION_FLOOR = {"pii": 16 / 17, "toxicity": 1.0}
+# What the filters miss, and take that is clean, on the fixtures above: as docs/data.md lists
+# them. PII misses the spelled-out emails ("x at y dot com"), full-width digits (normalize does
+# not fold them), a German number with a "(0)" trunk prefix and a resident ID written in groups;
+# it takes a 14-digit order number that happens to pass Luhn for a card. Toxicity misses
+# "dumbass" / "kill yourself" and masked spellings ("f*ck", "c u n t").
+KNOWN_MISSES = {
+    "pii": ["mail me: kim dot lee at gmail dot com", "reach bob at example dot org for the keys",
+            "手机号：１３８１２３４５６７８", "Phone: +49 (0)30 901820",
+            "身份证：110105 19491231 002X"],
+    "toxicity": ["What a dumbass, go kill yourself.", "f*ck this place and everyone in it",
+                 "You stupid c u n t."],
+}
+KNOWN_FALSE = {
+    "pii": ["Order #20240517001234 shipped; total $1,299.00 incl. tax."],
+    "toxicity": [],
+}

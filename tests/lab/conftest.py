@@ -95,7 +95,7 @@ def running_lab(root: Path, state: Path, log_name: str = "jupyter-server.log",
                                 start_new_session=True)
     server = LabServer(f"http://127.0.0.1:{port}", token, root, log)
     try:
-        deadline = time.time() + 60
+        deadline = time.time() + 180  # a deadline only: the loop ends as soon as it answers
         while True:
             if proc.poll() is not None:
                 pytest.fail(f"jupyter lab exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
@@ -105,7 +105,7 @@ def running_lab(root: Path, state: Path, log_name: str = "jupyter-server.log",
             except requests.ConnectionError:
                 pass
             if time.time() > deadline:
-                pytest.fail(f"jupyter lab did not answer in 60 s:\n{log.read_text()[-3000:]}")
+                pytest.fail(f"jupyter lab did not answer in 180 s:\n{log.read_text()[-3000:]}")
             time.sleep(0.3)
         yield server
     finally:

@@ -54,6 +54,19 @@ def _wait_accepting_dialogs(page, locator, timeout_s: float) -> None:
     wait_for(seen, timeout_s, f"{locator} to appear")
 
 
+# Whether the Workbench panel's computed background is dark (the first non-transparent one up
+# from the panel, as painted): the theme's CSS has reached the page, not only its attribute.
+DARK_PANEL = """() => {
+  for (let el = document.querySelector('.jp-WorkbenchRuns'); el; el = el.parentElement) {
+    const m = getComputedStyle(el).backgroundColor.match(/[\\d.]+/g);
+    if (!m || (m.length === 4 && Number(m[3]) === 0)) continue;
+    const [r, g, b] = m.map(Number);
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b < 100;
+  }
+  return false;
+}"""
+
+
 def _run_card(page, run_id: str):
     """Open the Workbench side panel; the run's card, once it is listed."""
     page.locator(".jp-SideBar [data-id='workbench-runs']").click()
@@ -93,8 +106,13 @@ def test_launcher_offers_the_kernel_and_the_new_run_card(page, lab_server: LabSe
     assert any("workbench.launch" in c.source for c in nb.cells)
     shot(page, "02-new-run-notebook")
     _command(page, "application:close-all")
-    page.wait_for_timeout(500)
-    accept_kernel_dialog(page)
+    # Closed once no notebook is left open; a dialog asking about the kernel or unsaved changes
+    # is accepted meanwhile.
+    def closed() -> bool:
+        accept_kernel_dialog(page)
+        return page.locator(".jp-NotebookPanel").count() == 0
+
+    wait_for(closed, 60, "every notebook to close")
 
 
 def test_run_from_a_notebook_shows_in_the_panel_grows_and_cancels(page, lab_server: LabServer) -> None:
@@ -141,7 +159,8 @@ def test_run_from_a_notebook_shows_in_the_panel_grows_and_cancels(page, lab_serv
 
     _command(page, "apputils:change-theme", {"theme": "JupyterLab Dark"})
     page.locator("body[data-jp-theme-light='false']").wait_for(state="attached")
-    page.wait_for_timeout(1000)
+    # The dark theme's style sheet has applied once the panel itself is painted dark.
+    page.wait_for_function(DARK_PANEL)
     shot(page, "06-dark")
     _command(page, "apputils:change-theme", {"theme": "JupyterLab Light"})
 

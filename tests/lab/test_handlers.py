@@ -192,6 +192,57 @@ def test_cancel_and_resume_from_the_api_stop_and_restart_a_live_run(lab_server: 
     assert job.state == "cancelled"
 
 
+def test_settings_are_in_the_settings_editor(lab_server: LabServer) -> None:
+    reply = requests.get(f"{lab_server.url}/lab/api/settings/workbench-lab:plugin",
+                         headers=lab_server.auth, timeout=30)
+    assert reply.status_code == 200
+    props = reply.json()["schema"]["properties"]
+    assert props["refreshInterval"]["default"] == 2 and props["defaultTarget"]["default"] == "local"
+
+
+def test_tensorboard_opens_for_a_run_with_events(lab_server: LabServer, short_run,
+                                                 cookie_session: requests.Session) -> None:
+    assert list(short_run.run_dir.tb_dir.rglob("events.out.tfevents.*"))  # tracking default
+    reply = requests.post(lab_server.api(f"runs/{short_run.id}/tensorboard"),
+                          headers=lab_server.auth, timeout=60)
+    assert reply.status_code == 200, reply.text
+    url = reply.json()["url"]
+    # Served through Jupyter (a path on its own server), so it works wherever Jupyter is reached.
+    assert url == f"/workbench/tensorboard/{short_run.id}/"
+    page = requests.get(lab_server.url + url, headers=lab_server.auth, timeout=30)
+    assert page.status_code == 200 and "<title>TensorBoard</title>" in page.text, page.text[:300]
+    tags = requests.get(lab_server.url + url + "data/plugin/scalars/tags", headers=lab_server.auth,
+                        timeout=30).json()
+    run = next(r for r, t in tags.items() if "train/loss" in t)
+    # The page's own scalar query is a POST with TensorBoard's header and no Jupyter XSRF token.
+    series = requests.post(lab_server.url + url + "data/plugin/scalars/scalars_multirun",
+                           data={"tag": "train/loss", "runs": run}, timeout=30,
+                           headers={**lab_server.auth, "X-XSRF-Protected": "1"})
+    assert series.status_code == 200, series.text[:300]
+    losses = {m["step"]: m["loss"] for m in short_run.metrics() if "loss" in m}
+    points = series.json()[run]  # [wall time, step, value]
+    assert sorted(p[1] for p in points) == sorted(losses)  # every logged step, each once
+    assert all(p[2] == pytest.approx(losses[p[1]], rel=1e-5) for p in points)
+    # A browser tab opened from the panel carries Jupyter's login cookie, not a token.
+    assert cookie_session.get(lab_server.url + url, timeout=30).status_code == 200
+    # Jupyter's authentication still applies.
+    anonymous = requests.get(lab_server.url + url + "data/plugin/scalars/tags", timeout=30,
+                             allow_redirects=False)
+    assert anonymous.status_code == 302, anonymous.status_code  # to Jupyter's login page
+    assert "/login" in anonymous.headers["Location"]
+    assert "tags" not in anonymous.text
+    # Asking again reuses the same TensorBoard.
+    again = requests.post(lab_server.api(f"runs/{short_run.id}/tensorboard"),
+                          headers=lab_server.auth, timeout=60)
+    assert again.json()["url"] == url
+
+
+def test_tensorboard_of_a_run_not_opened_is_a_clear_404(lab_server: LabServer, short_run) -> None:
+    reply = requests.get(f"{lab_server.url}/workbench/tensorboard/no-such-run/", timeout=30,
+                         headers=lab_server.auth)
+    assert reply.status_code == 404 and "open it from the Runs panel" in reply.reason
+
+
 @pytest.mark.parametrize(("body", "says"), [
     ({"budget_limit": "lots"}, "budget_limit must be a positive number"),
     ({"budget_limit": -5}, "budget_limit must be a positive number"),
