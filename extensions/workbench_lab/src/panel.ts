@@ -17,6 +17,7 @@ import {
   IRun,
   IRunsReply,
   ISweep,
+  IWallet,
   RunAction,
   TERMINAL_STATES,
   WorkbenchService
@@ -303,6 +304,7 @@ export class RunsPanel extends Widget {
   private readonly endpointsList = document.createElement('ul');
   private readonly endpointsSection = document.createElement('section');
   private readonly statusNode = document.createElement('div');
+  private readonly walletNode = document.createElement('details');
   private readonly course: CourseSection;
   private timer: number | null = null;
   private intervalMs = 2000;
@@ -344,8 +346,11 @@ export class RunsPanel extends Widget {
     this.endpointsList.className = 'jp-WorkbenchRuns-list';
     this.endpointsSection.append(eh, this.endpointsList);
     this.endpointsSection.hidden = true;
+    this.walletNode.className = 'jp-WorkbenchRuns-wallet';
+    this.walletNode.hidden = true;
     this.node.append(
       header,
+      this.walletNode,
       this.course.node,
       this.statusNode,
       this.list,
@@ -526,6 +531,41 @@ export class RunsPanel extends Widget {
       this.statusNode.textContent = 'No runs yet: launch one from a notebook or with “New run”.';
     }
     this.renderEndpoints(reply.capabilities.endpoints ? reply.endpoints : null);
+    this.renderWallet(reply.wallet ?? null, reply.endpoints);
+  }
+
+  /** The wallet's balance and holds in one line; what holds and the newest history a click
+   * away; an endpoint's credit warning in the line itself. */
+  private renderWallet(wallet: IWallet | null, endpoints: IEndpoint[]): void {
+    this.walletNode.hidden = wallet === null;
+    if (wallet === null) {
+      return;
+    }
+    const amount = (v: number) => `${v.toFixed(2)} ${wallet.currency}`;
+    const summary = document.createElement('summary');
+    const warnings = endpoints
+      .map(e => e.money)
+      .filter((m): m is string => !!m && m.startsWith('the wallet covers about') && m.includes('stops'));
+    summary.textContent =
+      `Credit ${amount(wallet.balance)} left` +
+      (wallet.held ? ` · ${amount(wallet.held)} held` : '') +
+      ` · ${amount(wallet.charged)} spent of ${amount(wallet.credit)}`;
+    this.walletNode.classList.toggle('jp-mod-warning', warnings.length > 0);
+    const lines = [
+      ...warnings,
+      ...wallet.holds.map(h => `held ${amount(h.held)} by ${h.what}`),
+      ...wallet.history
+        .filter(h => h.kind !== 'release')
+        .map(
+          h =>
+            `${new Date(h.at * 1000).toLocaleString()}  ${h.kind}  ${amount(h.amount)}  ${h.note}`
+        )
+    ];
+    const list = document.createElement('pre');
+    list.textContent = lines.join('\n');
+    const open = this.walletNode.open;
+    this.walletNode.replaceChildren(summary, list);
+    this.walletNode.open = open;
   }
 
   private group(sweep: ISweep): SweepGroup {
@@ -564,6 +604,12 @@ export class RunsPanel extends Widget {
         meta.className = 'jp-WorkbenchRuns-meta';
         meta.textContent = [e.target, e.url, e.models.join(', ')].filter(Boolean).join(' · ');
         li.append(head, meta);
+        if (e.money) {
+          const money = document.createElement('div');
+          money.className = 'jp-WorkbenchRuns-meta jp-WorkbenchRuns-money';
+          money.textContent = e.money;
+          li.append(money);
+        }
         if (this.capabilities.stop_endpoint && (e.state === 'starting' || e.state === 'healthy')) {
           const actions = document.createElement('div');
           actions.className = 'jp-WorkbenchRuns-actions';

@@ -103,6 +103,19 @@ export interface IEndpoint {
   target: string | null;
   url: string | null;
   models: string[];
+  /** What the wallet still covers of it, or why a meter stopped it (older servers: absent). */
+  money?: string | null;
+}
+
+/** The wallet every run, sweep, evaluation and endpoint draws from, in currency units. */
+export interface IWallet {
+  currency: string;
+  balance: number;
+  held: number;
+  charged: number;
+  credit: number;
+  holds: { what: string; held: number; since: number }[];
+  history: { at: number; kind: string; amount: number; note: string }[];
 }
 
 export interface IRunsReply {
@@ -113,6 +126,8 @@ export interface IRunsReply {
   targets?: string[];
   /** Sweeps, newest first (older servers: absent). */
   sweeps?: ISweep[];
+  /** The wallet, when one is set (older servers: absent). */
+  wallet?: IWallet | null;
 }
 
 /** One student's account in currency units, as an instructor sees it. */

@@ -136,7 +136,7 @@ class RunsView:
             tag = trial_of.get(row["id"]) or _sweep_tag(self._jobs[row["id"]])
             row["sweep"] = tag
         return {"capabilities": capabilities(), "runs": rows, "endpoints": self.endpoints(),
-                "targets": self.targets(), "sweeps": groups}
+                "targets": self.targets(), "sweeps": groups, "wallet": wallet()}
 
     def sweeps(self) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
         """One row per sweep (newest first), for the panel to group its trials under, and which
@@ -308,4 +308,22 @@ def _endpoint_row(endpoint: Any) -> dict[str, Any]:
         row["models"] = list(endpoint.models)
     except (AttributeError, KeyError, TypeError):
         row["models"] = []
+    note = getattr(endpoint, "money_note", None)
+    row["money"] = note() if callable(note) else None  # what the wallet covers, why it stopped
     return row
+
+
+def wallet() -> dict[str, Any] | None:
+    """The wallet of this WORKBENCH_HOME for the panel's header (ended work settled first):
+    balance, held and by what, spent; None without a wallet (or a workbench without wallets)."""
+    try:
+        from workbench.runs.wallet import Wallet
+    except ImportError:
+        return None
+    found = Wallet.open()
+    if found is None:
+        return None
+    found.settle_ended()
+    data = found.to_dict()
+    data["history"] = data["history"][-20:]  # the newest lines; `workbench credit history`: all
+    return data
