@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -95,9 +96,20 @@ def test_a_run_the_wallet_cannot_cover_is_refused_before_anything_starts(
     with pytest.raises(CreditError) as err:
         workbench.launch({**SPEC, "name": "too-dear", "train": {"max_steps": 400}})
     assert "nothing was started" in str(err.value)
-    assert "train.max_steps of about" in str(err.value)  # what would fit
+    assert "even its start-up and release" in str(err.value)  # no number of steps fits 0.05
     assert sorted(p.name for p in runs_dir().iterdir()) == before
     assert _balance(wallet_dir) == 5 and _sums(wallet_dir)["hold"] == 0
+
+
+def test_the_steps_a_refusal_suggests_are_accepted(wallet_dir: Path) -> None:
+    workbench.credit(1, "CNY")
+    dear = {**SPEC, "name": "dear", "train": {"max_steps": 5000}}
+    note = workbench.plan(dear).wallet_note
+    assert note.startswith("this run is planned at"), note
+    steps = int(re.search(r"train.max_steps of about (\d+)", note).group(1))
+    fits = workbench.plan({**dear, "train": {"max_steps": steps}}).wallet_note
+    assert fits.startswith("this run would hold"), fits
+    assert _sums(wallet_dir)["hold"] == 0  # planning holds nothing
 
 
 def test_a_run_holds_while_it_trains_and_is_charged_its_own_bill(wallet_dir: Path) -> None:
@@ -119,19 +131,17 @@ def test_a_run_holds_while_it_trains_and_is_charged_its_own_bill(wallet_dir: Pat
 
 
 def test_a_sweep_stops_when_the_wallet_cannot_pay_the_next_trial(wallet_dir: Path) -> None:
-    planned = workbench.plan(SPEC).cost
-    assert planned and planned > 0
-    credit = round(planned * 2.4, 2)  # one trial's hold (1.5 x plan) and not much more
+    credit = 1.0  # a few trials of 6 steps at 0.02 a second, not twelve
     workbench.credit(credit, "CNY")
     with pytest.raises(CreditError, match="the sweep's budget"):
         workbench.sweep(SPEC, space={"train.lr": [1e-3, 2e-3]}, budget=credit * 2)
     s = workbench.sweep(SPEC, space={"train.lr": {"low": 1e-4, "high": 1e-2, "log": True}},
-                        strategy="random", trials=8)
+                        strategy="random", trials=12)
     s.wait(timeout=1200, progress=False)
     note = s.record.read().get("note") or ""
     assert note.startswith("wallet:"), note
     started = [t for t in s.trials if t.get("run_id")]
-    assert 1 <= len(started) < 8
+    assert 1 <= len(started) < 12
     workbench.credit()  # settles the last trial
     assert _sums(wallet_dir)["hold"] == _sums(wallet_dir)["release"]  # nothing left held
     assert 0 <= _balance(wallet_dir) <= round(credit * 100)

@@ -33,7 +33,7 @@ _LAZY = {"Job": "workbench.runs.jobs", "get_job": "workbench.runs.jobs", "jobs":
          "launch": "workbench.runs.launching", "plan": "workbench.plan", "deploy": "workbench.serve",
          "RunSpec": "workbench.spec", "sweep": "workbench.sweep", "get_sweep": "workbench.sweep",
          "sweeps": "workbench.sweep", "evaluate": "workbench.evaluate.runner",
-         "credit": "workbench.runs.wallet"}
+         "credit": "workbench.runs.credit"}
 
 from workbench.train.quiet import install as _quiet  # noqa: E402
 

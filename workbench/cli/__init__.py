@@ -223,7 +223,7 @@ def _undeploy(args: argparse.Namespace) -> Any:
 
 
 def _credit(args: argparse.Namespace) -> Any:
-    from workbench.runs.wallet import credit
+    from workbench.runs.credit import credit
 
     if args.action == "set":
         return credit(args.amount, args.currency)

@@ -469,6 +469,11 @@ def plan(spec: RunSpec | dict | str | Path | None = None, *,
     data = stage_data(spec, data)  # grpo trains on prompt + completion, G times per prompt
     p = _evaluate(spec, gpu, on_gpu, shape, data)
     p.suggestions = _suggest(spec, p, gpu, on_gpu, shape, data)
+    from workbench.runs.wallet import Wallet
+
+    wallet = Wallet.open()
+    if wallet is not None:  # what launching it would hold of the credit left, or why not
+        p.wallet_note = wallet.quote(spec, p.cost, p.startup_cost or 0.0)
     return p
 
 

@@ -86,6 +86,7 @@ class Plan:
     # before correction: workbench.plan.history compares them with what the run measured.
     clock: dict[str, Any] | None = None
     memory_seq_len: int | None = None  # tokens per sequence the activations are sized at
+    wallet_note: str | None = None  # what it would hold of the wallet (workbench.runs.wallet)
 
     @property
     def headroom_gib(self) -> float:
@@ -97,7 +98,8 @@ class Plan:
             "devices_per_node", "nodes", "world_size", "capacity_gib", "safety_margin_gib",
             "fits", "reasons", "tokens_per_step", "steps", "total_tokens", "flops", "hours",
             "cost", "currency", "price_per_hour", "budget_limit", "budget_verdict", "data_note",
-            "assumptions", "data_tokens", "startup_s", "startup_cost", "clock", "memory_seq_len")}
+            "assumptions", "data_tokens", "startup_s", "startup_cost", "clock", "memory_seq_len",
+            "wallet_note")}
         d["headroom_gib"] = round(self.headroom_gib, 4)
         d["memory_gib"] = self.memory.to_dict()
         d["strategy"] = {**asdict(self.strategy), "label": self.strategy.label}
@@ -155,6 +157,8 @@ class Plan:
         lines.append(f"Budget: {self.budget_verdict}"
                      + (f" (limit {self.budget_limit:,.2f} {self.currency})"
                         if self.budget_limit else ""))
+        if self.wallet_note:
+            lines.append(f"Wallet: {self.wallet_note}")
         lines += [f"  - {r}" for r in self.reasons]
         if self.suggestions:
             lines.append("Suggestions:")

@@ -294,10 +294,12 @@ class Job:
             earlier = yaml.safe_load(self.run_dir.resume_file.read_text()) or {}
         merged = {**earlier, **changes}
         resumed = RunSpec.from_yaml(self.run_dir.spec_file).updated(**merged)
-        wallet, hold_id = Wallet.open(), None
+        wallet, hold_id = Wallet.open(status_of=lambda run_id: get_job(run_id).status()), None
         if wallet is not None:  # the resume holds what it may add, and is limited to it
+            from workbench.plan import plan
+
             resumed, hold_id = wallet.hold_resume(self.run_dir, resumed, spent, limit,
-                                                  f"resume of {self.id}")
+                                                  plan(resumed).cost, f"resume of {self.id}")
             if hold_id is not None:
                 merged["budget.limit"] = limit = resumed.budget.limit
         try:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from workbench.errors import DataTruncationWarning, LaunchError
 from workbench.runs.home import runs_dir
-from workbench.runs.jobs import Job, submit_attempt
+from workbench.runs.jobs import Job, get_job, submit_attempt
 from workbench.runs.registry import Registry, RunRecord
 from workbench.runs.rundir import CANCEL_REQUESTED, PENDING, QUEUED, RunDir, write_json_atomic
 from workbench.spec import RunSpec
@@ -235,12 +235,13 @@ def _accept(spec: RunSpec, force: bool, registry: Registry, backend: Backend,
             model_shape.cache_clear()
     from workbench.runs.wallet import Wallet
 
-    wallet = Wallet.open()
+    wallet = Wallet.open(status_of=lambda run_id: get_job(run_id, registry).status())
     hold_id = None
     imposed = spec.budget.limit is None
     if wallet is not None:  # the run is limited to what it holds
         spec, hold_id = wallet.hold_run(spec, plan.get("cost"), f"run {spec.name!r}",
-                                        limit=spec.budget.limit)
+                                        limit=spec.budget.limit,
+                                        fixed_cost=plan.get("startup_cost") or 0.0)
         if hold_id is not None:
             plan["budget_limit"] = spec.budget.limit
             plan["wallet_hold"] = wallet.money(wallet.minor(spec.budget.limit or 0.0))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,10 +68,14 @@ class Wallet:
     minor_per_unit: int
     settings: dict[str, Any]
     ledger: Ledger
+    # How a run's status is read when settling: through its backend, which records how an
+    # attempt whose processes are gone ended (given by callers that reach the backends);
+    # status.json as it is without it.
+    status_of: Callable[[str], dict[str, Any]] | None = None
 
     # -- opening ---------------------------------------------------------------------------------
     @classmethod
-    def open(cls) -> Wallet | None:
+    def open(cls, status_of: Callable[[str], dict[str, Any]] | None = None) -> Wallet | None:
         """The wallet of this WORKBENCH_HOME, or None when none was set."""
         conf, db = wallet_files()
         try:
@@ -81,7 +86,8 @@ class Wallet:
             raise CreditError(f"{conf} is not valid JSON ({exc}); fix it, or remove it and "
                               f"{db.name} to start a new wallet") from None
         return cls(str(data["currency"]), int(data.get("minor_per_unit", 100)),
-                   {**SETTINGS, **(data.get("settings") or {})}, Ledger(f"sqlite:///{db}"))
+                   {**SETTINGS, **(data.get("settings") or {})}, Ledger(f"sqlite:///{db}"),
+                   status_of)
 
     @classmethod
     def create(cls, amount: float, currency: str = "CNY", **settings: Any) -> Wallet:
@@ -145,7 +151,7 @@ class Wallet:
             hold_id = self.ledger.hold(OWNER, amount, actor=_actor(), note=what)
         except InsufficientCreditError as exc:
             raise CreditError(f"{what} needs a hold of {self.money(amount)} but the wallet has "
-                              f"{self.money(exc.balance)} left: nothing was started. "
+                              f"{self.money(exc.balance)} left, so nothing was started; "
                               "`workbench credit` shows what is held and by what") from None
         _taker_file(hold_id).write_text(json.dumps(ProcessIdentity.me("wallet").to_dict()))
         return hold_id
@@ -167,16 +173,27 @@ class Wallet:
         return done
 
     def hold_run(self, spec: Any, planned_cost: float | None, what: str, spent: float = 0.0,
-                 limit: float | None = None) -> tuple[Any, int | None]:
-        """Hold a launch's or resume's cost: ``limit`` (the user's own, less ``spent``) when
-        given, else the plan's cost with a margin. The spec limited to ``spent`` + its hold, and
-        the hold (None for a run with no price: it draws nothing). Refused when the wallet
-        cannot cover the plan, saying how many steps would fit."""
+                 limit: float | None = None, fixed_cost: float = 0.0) -> tuple[Any, int | None]:
+        """Hold a launch's or resume's cost (:meth:`run_amount`): the spec limited to ``spent``
+        + its hold, and the hold (None for a run with no price: it draws nothing)."""
+        self.settle_ended()
+        amount = self.run_amount(spec, planned_cost, what, spent, limit, fixed_cost)
+        if amount is None:
+            return spec, None
+        hold_id = self.hold(amount, what)
+        return spec.updated(**{"budget.limit": spent + amount / self.minor_per_unit}), hold_id
+
+    def run_amount(self, spec: Any, planned_cost: float | None, what: str, spent: float = 0.0,
+                   limit: float | None = None, fixed_cost: float = 0.0) -> int | None:
+        """What a launch or resume of ``spec`` would hold (minor units): ``limit`` (the user's
+        own, less ``spent``) when given, else the plan's cost with a margin; None for a run with
+        no price. Refused when the wallet cannot cover the plan, saying how many steps would fit
+        (``fixed_cost``: the part of the plan's cost that fewer steps do not lower)."""
         from workbench.runs.budget import KILL_GRACE_S, RELEASE_S, STOP_S, hourly_price
 
         price, currency = hourly_price(spec)
         if price <= 0:
-            return spec, None
+            return None
         # What a limited run keeps free to stop in time: its graceful stop, the release, and the
         # kill that follows a stop too slow (workbench.runs.budget).
         margin = price * (STOP_S + RELEASE_S + KILL_GRACE_S) / 3600
@@ -185,40 +202,44 @@ class Wallet:
                               f"{self.currency}; set budget.currency and a price in "
                               f"{self.currency} (budget.price_per_gpu_hour, or the card's price "
                               "in WORKBENCH_HOME/gpus.yaml)")
-        self.settle_ended()
         balance = self.account().balance
         if limit is not None:  # the user's own limit is what may be spent: it is held
-            amount = self.minor(max(0.0, limit - spent))
-        elif planned_cost is None:
+            return self.minor(max(0.0, limit - spent))
+        if planned_cost is None:
             raise CreditError(f"the plan cannot price {what} (its number of steps is unknown), "
                               "so the wallet cannot hold it; set budget.limit (what it may "
                               "spend) or train.max_steps")
-        else:
-            need = self.minor(planned_cost + margin)
-            if need > balance:
-                raise CreditError(f"{what} is planned at {self.money(need)} but the wallet has "
-                                  f"{self.money(balance)} left: nothing was started. "
-                                  + _what_fits(spec, planned_cost + margin,
-                                               balance / self.minor_per_unit))
-            amount = min(balance, self.minor(planned_cost * HOLD_MARGIN + margin))
-        hold_id = self.hold(amount, what)
-        return spec.updated(**{"budget.limit": spent + amount / self.minor_per_unit}), hold_id
+        need = self.minor(planned_cost + margin)
+        if need > balance:
+            raise CreditError(f"{what} is planned at {self.money(need)} but the wallet has "
+                              f"{self.money(balance)} left, so nothing was started; "
+                              + _what_fits(spec, planned_cost + margin, fixed_cost + margin,
+                                           balance / self.minor_per_unit))
+        return min(balance, self.minor(planned_cost * HOLD_MARGIN + margin))
+
+    def quote(self, spec: Any, planned_cost: float | None, fixed_cost: float = 0.0) -> str | None:
+        """The plan's line about the wallet: what the run would hold of what is left, or why
+        the wallet could not hold it; None for a run with no price."""
+        try:
+            amount = self.run_amount(spec, planned_cost, "this run", limit=spec.budget.limit,
+                                     fixed_cost=fixed_cost)
+        except CreditError as exc:
+            return str(exc).replace(", so nothing was started", "")
+        if amount is None:
+            return None
+        return (f"this run would hold {self.money(amount)} of the wallet's "
+                f"{self.money(self.account().balance)}, and stop there")
 
     def hold_resume(self, rd: RunDir, spec: Any, spent: float, given: float | None,
-                    what: str) -> tuple[Any, int | None]:
+                    planned_cost: float | None, what: str) -> tuple[Any, int | None]:
         """:meth:`hold_run` for a resume of a run that has spent ``spent``, planned again as a
-        whole run (a resume from a snapshot adds at most that much). The user's limit is
-        ``given`` (a new one), else the run's own unless the wallet set it (:data:`IMPOSED`)."""
-        from workbench.plan import plan
-
+        whole run (``planned_cost``: a resume from a snapshot adds at most that much). The
+        user's limit is ``given`` (a new one), else the run's own unless the wallet set it
+        (:data:`IMPOSED`)."""
         limit = given
         if limit is None and not (rd.path / IMPOSED).is_file():
             limit = spec.budget.limit
-        try:
-            planned = plan(spec).cost
-        except WorkbenchError:
-            planned = None
-        return self.hold_run(spec, planned, what, spent=spent, limit=limit)
+        return self.hold_run(spec, planned_cost, what, spent=spent, limit=limit)
 
     def covers(self, amount: float, what: str) -> None:
         """Refuse ``what`` (a sweep's budget) when it is more than the wallet has left."""
@@ -254,8 +275,7 @@ class Wallet:
         """Charge and release every open hold whose work has ended: a run from its final bill
         (status.json's ``cost`` less what it had billed before this hold), at most the hold; a
         hold whose taker died before naming its work, nothing; an evaluation whose process died,
-        its whole hold. A run's status is read through its backend, which records how an
-        attempt whose processes are gone ended. The run ids settled."""
+        its whole hold (:attr:`status_of` reads a run's status). The run ids settled."""
         settled = []
         for h in self.ledger.holds(OWNER, open_only=True):
             if h.run_id is None:
@@ -280,7 +300,7 @@ class Wallet:
         if not rd.path.is_dir():  # refused and removed by a launch that then died
             return 0
         try:
-            status = _backend_status(str(h.run_id), rd)
+            status = self.status_of(str(h.run_id)) if self.status_of else rd.status()
         except WorkbenchError:
             status = rd.status()
         ended = status.get("ended") or status.get("released")
@@ -339,27 +359,6 @@ class Wallet:
         return "\n".join(rows)
 
 
-def credit(amount: float | None = None, currency: str = "CNY", **settings: Any) -> Wallet:
-    """The wallet of this WORKBENCH_HOME, set to ``amount`` first when given
-    (``workbench.credit(10, "CNY")``); its ``settings`` (endpoint_hold_minutes,
-    endpoint_idle_minutes, endpoint_warn_minutes, eval_hold_minutes, endpoint_price_per_hour)
-    may be given too. Ended work is settled before it is shown."""
-    if amount is not None:
-        wallet = Wallet.create(amount, currency, **settings)
-    else:
-        found = Wallet.open()
-        if found is None:
-            raise CreditError("no wallet is set in this WORKBENCH_HOME; set one with "
-                              "workbench.credit(AMOUNT, CURRENCY) or `workbench credit set "
-                              "AMOUNT CURRENCY`")
-        wallet = found
-        wallet.configure(**settings)
-    wallet.settle_ended()
-    if any(h.kind == "endpoint" for h in wallet.ledger.holds(OWNER, open_only=True)):
-        ensure_keeper()  # endpoints hold from it: their meter runs (again, if it was killed)
-    return wallet
-
-
 def keeper_lock() -> Path:
     return wallet_dir() / "wallet-keeper.lock"
 
@@ -393,21 +392,18 @@ def deploy_under_way(hold_id: int) -> bool:
     return _taker_alive(hold_id)
 
 
-def _what_fits(spec: Any, planned_cost: float, left: float) -> str:
+def _what_fits(spec: Any, planned_cost: float, fixed_cost: float, left: float) -> str:
+    """What would fit in ``left``: the steps whose share of the plan's cost, beside its fixed part
+    (start-up, release and the stop margin), ``left`` still pays, with 10 % to spare."""
     steps = spec.train.max_steps
-    hint = ("Fewer steps would fit: train.max_steps of about "
-            f"{max(1, int(steps * left / planned_cost * 0.9))}, " if steps else
-            "Train fewer steps (train.max_steps), ")
-    return (hint + "a cheaper card (resources.gpu_type), or more credit "
-            "(`workbench credit add AMOUNT`)")
-
-
-def _backend_status(run_id: str, rd: RunDir) -> dict[str, Any]:
-    from workbench.runs.registry import Registry
-    from workbench.targets.backends import get_backend
-
-    record = Registry().get_run(run_id)
-    return get_backend(record.target).status(rd.path, record.backend_job_id)
+    per_step = (planned_cost - fixed_cost) / steps if steps else 0.0
+    fit = int((left - fixed_cost) / per_step * 0.9) if per_step > 0 else 0
+    if fit < 1:
+        return (f"even its start-up and release ({fixed_cost:.2f}) cost more than that: a "
+                "cheaper card (resources.gpu_type), or more credit (`workbench credit add "
+                "AMOUNT`)")
+    return (f"fewer steps would fit (train.max_steps of about {fit}), a cheaper card "
+            "(resources.gpu_type), or more credit (`workbench credit add AMOUNT`)")
 
 
 def _check_settings(settings: dict[str, Any]) -> dict[str, Any]:

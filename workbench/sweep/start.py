@@ -58,9 +58,10 @@ def _budget(base: RunSpec, budget: float | None) -> float | None:
         check_enforceable(base.updated(**{"budget.limit": float(budget)}))
     except BudgetError as exc:
         raise SweepError(f"the sweep's budget cannot be kept: {exc}") from None
+    from workbench.runs.credit import run_status
     from workbench.runs.wallet import Wallet
 
-    wallet = Wallet.open()
+    wallet = Wallet.open(status_of=run_status)
     if wallet is not None:  # its trials hold from the wallet one by one as they launch
         wallet.covers(float(budget), "the sweep's budget")
     return float(budget)
