@@ -12,8 +12,10 @@ held from). Endpoints are held block by block (:mod:`workbench.serve.metering`).
 nothing changes: per-run limits work as they do alone.
 
     >>> Wallet.create(10, "CNY")                    # doctest: +SKIP
-    >>> Wallet.open().summary()                     # doctest: +SKIP
-    'balance 10.00 CNY (nothing held)'
+    >>> Wallet.open().account().balance            # minor units  # doctest: +SKIP
+    1000
+
+``workbench.credit()`` (:mod:`.credit`) is the same wallet with its views.
 """
 
 from __future__ import annotations
@@ -24,13 +26,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from workbench.errors import CreditError, InsufficientCreditError, WorkbenchError
 from workbench.runs.home import home
 from workbench.runs.ledger import Ledger, RunHold, to_minor
 from workbench.runs.procs import ProcessIdentity
 from workbench.runs.rundir import TERMINAL, RunDir
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 OWNER = "owner"  # the wallet's one account in its ledger
 # A run without its own budget.limit holds its planned cost times this, plus what it needs to stop
@@ -75,7 +80,7 @@ class Wallet:
 
     # -- opening ---------------------------------------------------------------------------------
     @classmethod
-    def open(cls, status_of: Callable[[str], dict[str, Any]] | None = None) -> Wallet | None:
+    def open(cls, status_of: Callable[[str], dict[str, Any]] | None = None) -> Self | None:
         """The wallet of this WORKBENCH_HOME, or None when none was set."""
         conf, db = wallet_files()
         try:
@@ -311,52 +316,6 @@ class Wallet:
             return None  # the supervisor is writing its final bill
         cost = float(status.get("cost") or 0.0)
         return max(0, self.minor(max(0.0, cost - h.base_cost)))
-
-    # -- views -----------------------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        a = self.account()
-        per = self.minor_per_unit
-        return {"currency": self.currency, "balance": a.balance / per, "held": a.held / per,
-                "charged": a.charges / per, "credit": (a.credits + a.grants) / per,
-                "holds": [{"what": f"{h.kind or 'starting'} {h.run_id or ''}".strip(),
-                           "held": h.amount / per, "since": h.at}
-                          for h in self.ledger.holds(OWNER, open_only=True)],
-                "history": [{"at": e["at"], "kind": e["kind"], "amount": e["amount"] / per,
-                             "note": e["note"]} for e in self.ledger.entries(OWNER)],
-                "settings": dict(self.settings)}
-
-    def summary(self) -> str:
-        a = self.account()
-        held = self.ledger.holds(OWNER, open_only=True)
-        lines = [f"balance {self.money(a.balance)}"
-                 + (f", {self.money(a.held)} held" if a.held else " (nothing held)")
-                 + f", {self.money(a.charges)} spent of {self.money(a.credits + a.grants)}"]
-        lines += [f"  held {self.money(h.amount)} by {h.kind or 'a starting launch'} "
-                  f"{h.run_id or ''}".rstrip() for h in held]
-        return "\n".join(lines)
-
-    def __repr__(self) -> str:
-        return self.summary()
-
-    def _repr_html_(self) -> str:
-        import html
-
-        rows = "".join(f"<tr><td>{html.escape(line.strip())}</td></tr>"
-                       for line in self.summary().splitlines()[1:])
-        return (f"<b>Wallet</b>: {html.escape(self.summary().splitlines()[0])}"
-                + (f"<table>{rows}</table>" if rows else "")
-                + "<details><summary>history</summary><pre>"
-                + html.escape(self.history_text()) + "</pre></details>")
-
-    def history_text(self) -> str:
-        rows = []
-        for e in self.ledger.entries(OWNER):
-            if e["kind"] == "release":
-                continue  # the charge row beside it says what the hold cost
-            sign = "+" if e["kind"] in ("credit", "grant") else "-" if e["kind"] == "charge" else " "
-            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(e["at"]))
-            rows.append(f"{when}  {e['kind']:<7}{sign}{self.money(e['amount']):>14}  {e['note']}")
-        return "\n".join(rows)
 
 
 def keeper_lock() -> Path:

@@ -317,11 +317,10 @@ def wallet() -> dict[str, Any] | None:
     """The wallet of this WORKBENCH_HOME for the panel's header (ended work settled first):
     balance, held and by what, spent; None without a wallet (or a workbench without wallets)."""
     try:
-        from workbench.runs.credit import run_status
-        from workbench.runs.wallet import Wallet
+        from workbench.runs.credit import Credit, run_status
     except ImportError:
         return None
-    found = Wallet.open(status_of=run_status)
+    found = Credit.open(status_of=run_status)
     if found is None:
         return None
     found.settle_ended()
