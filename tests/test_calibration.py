@@ -37,8 +37,23 @@ def _step_s(spec: dict = SPEC) -> float:
     return plan(spec).clock["step_s"]
 
 
+def test_the_first_plan_on_a_fresh_home_measures_this_machine(home):
+    assert not calibration_file("local").exists()
+    first = plan(SPEC)
+    assert first.clock["calibration"]["source"] == "local measured"
+    assert first.clock["basis"].startswith("calibrated on this machine")
+    stored = json.loads(calibration_file("local").read_text())
+    assert stored["device"]["cores"] >= 1 and stored["matmul_gflops"] > 0
+    # Measured once: the next plan reads what was stored.
+    before = calibration_file("local").stat().st_mtime_ns
+    plan(SPEC)
+    assert calibration_file("local").stat().st_mtime_ns == before
+
+
 def test_calibration_is_written_with_device_and_date_and_drives_the_plan(home):
-    table = plan(SPEC)
+    calibration_file("local").write_text("{not json")  # the table, as a fresh home had
+    with pytest.warns(CalibrationWarning):
+        table = plan(SPEC)
     assert "not calibrated" in table.clock["basis"]
     assert table.clock["calibration"] == {"source": "default", "date": None, "where": None}
     from workbench.targets.check import check_target
@@ -68,7 +83,9 @@ def test_calibration_is_written_with_device_and_date_and_drives_the_plan(home):
 def test_a_calibration_from_another_device_is_not_used(home):
     from workbench.plan.calibrate import device_identity
 
-    table = _step_s()
+    calibration_file("local").write_text("{not json")  # the table, as a fresh home had
+    with pytest.warns(CalibrationWarning):
+        table = _step_s()
     # As `targets check local` stores one, but of another CPU (and 100x this one's speed).
     other = {**device_identity(False), "name": "Some Other CPU 9000"}
     calibration_file("local").write_text(json.dumps({
@@ -91,7 +108,15 @@ def test_a_calibration_from_another_device_is_not_used(home):
                                               "device": {}, "dtype": "float32",
                                               "matmul_gflops": -1, "layers": {"64": 1}})])
 def test_a_corrupt_calibration_warns_and_falls_back_to_the_table(home, text):
-    table = _step_s()
+    from workbench.plan.calibrate import device_identity
+
+    # The table's clock, as a calibration of another device leaves it.
+    other = {**device_identity(False), "name": "Some Other CPU 9000"}
+    calibration_file("local").write_text(json.dumps({
+        "target": "local", "date": "2026-12-01", "device": other, "dtype": "float32",
+        "matmul_gflops": 500.0, "layers": {"64": 300.0}}))
+    with pytest.warns(CalibrationWarning):
+        table = _step_s()
     calibration_file("local").write_text(text)
     with pytest.warns(CalibrationWarning, match="targets check local"):
         p = plan(SPEC)

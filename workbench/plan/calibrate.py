@@ -307,6 +307,17 @@ def measure_here(target: str, on_gpu: bool, dtype: str, hiddens: tuple[int, ...]
                        save_bytes_per_s=save)
 
 
+def first_plan_here(target: str, on_gpu: bool, dtype: str, hidden: int) -> bool:
+    """Measure this machine when a CPU run on it is planned and it was never measured (no
+    calibration file at all: a stored one of another device or a corrupt one is left as it is):
+    the first plan of a fresh home is then a calibrated one, not a table guess. A few seconds,
+    once; True when it measured."""
+    if target != "local" or on_gpu or calibration_file(target).exists():
+        return False
+    store(measure_here(target, False, dtype, (*_CPU_HIDDENS, hidden)))
+    return True
+
+
 def store(cal: Calibration) -> Path:
     """Write ``cal`` as its target's calibration (atomically: a reader never sees half)."""
     path = calibration_file(cal.target)

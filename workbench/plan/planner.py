@@ -143,10 +143,12 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
     else:
         steps = None
     # The clock: the target's calibration (else the table), then what earlier runs measured.
-    from workbench.plan.calibrate import time_basis
+    # A CPU run on a machine never measured measures it first (workbench.plan.calibrate).
+    from workbench.plan.calibrate import first_plan_here, time_basis
     from workbench.plan.history import correction
     from workbench.plan.stepclock import planned as measured_step
 
+    first_plan_here(spec.target, on_gpu, precision.compute_dtype, shape.hidden)
     tb = time_basis(spec.target, gpu, on_gpu, precision.compute_dtype, shape.hidden,
                     cores=os.cpu_count() or 1)
     time_gpu, device_key = tb.gpu, tb.device_key
