@@ -145,3 +145,14 @@ def test_an_adapter_folder_with_its_config_but_no_weights_is_refused_up_front(wb
             entry(str(folder))
     assert sorted(p.name for p in folder.iterdir()) == [  # nothing written, nothing removed
         "adapter_config.json", "chat_template.jinja", "workbench.json"]
+
+
+def test_the_deploy_progress_line_has_no_colour_codes_or_log_prefix(tmp_path) -> None:
+    from workbench.serve.server import _last_log_line
+
+    log = tmp_path / "server.log"
+    log.write_text("(APIServer pid=7) \x1b[32mINFO\x1b[0m 12-04 16:38:48 [api_server.py:1] "
+                   "Starting vLLM API server 0 on http://127.0.0.1:8000\n"
+                   "(APIServer pid=7) \x1b[1;36mINFO\x1b[0m 12-04 16:38:49 [loader.py:2] "
+                   "\x1b[1mLoading weights took 0.12 seconds\x1b[0m\n\n")
+    assert _last_log_line(log) == "Loading weights took 0.12 seconds"

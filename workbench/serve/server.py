@@ -108,12 +108,17 @@ def vllm_env(plan: ServePlan, server_dir: str | Path, on_cpu: bool) -> dict[str,
     return env
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # colours and cursor moves of a log written to a tty
+
+
 def _last_log_line(path: Path) -> str:
-    """The log's latest line without vLLM's level/time/source prefix, for a progress line."""
+    """The log's latest line without colour codes and vLLM's level/time/source prefix, for a
+    progress line."""
     try:
         with path.open("rb") as fh:
             fh.seek(max(0, path.stat().st_size - 4096))
-            lines = [ln for ln in fh.read().decode("utf-8", "replace").splitlines() if ln.strip()]
+            text = _ANSI.sub("", fh.read().decode("utf-8", "replace"))
+            lines = [ln for ln in text.splitlines() if ln.strip()]
     except OSError:
         return ""
     text = re.sub(r"^(\(\w+ pid=\d+\) )?(INFO|WARNING|DEBUG) [\d-]+ [\d:.]+ \[[^]]+\] ", "",
