@@ -86,7 +86,9 @@ KNOBS: dict[str, str] = {
     "budget.price_per_cpu_core_hour": "price of a CPU core-hour (CPU runs)",
     "budget.limit": "stop cleanly before the bill passes this",
     "tracking.tensorboard": "write TensorBoard event files in the run directory",
-    "tracking.wandb": "disabled, offline (sync later with `wandb sync`) or online",
+    "tracking.wandb": "disabled, offline (writes RUN_DIR/wandb/; upload later with `wandb sync "
+                      "RUN_DIR/wandb/offline-run-*`) or online (WANDB_API_KEY or `wandb login`); "
+                      "pip install 'workbench[wandb]'",
     "serve.merge": "serve merged weights instead of the base plus the LoRA adapter",
     "serve.max_model_len": "longest prompt + answer the endpoint accepts, in tokens",
     "serve.python": "interpreter with vLLM; null: WORKBENCH_SERVE_PYTHON, .venv-serve, this one",
