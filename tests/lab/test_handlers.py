@@ -342,3 +342,21 @@ def test_a_sweeps_trials_are_grouped_under_it(lab_server: LabServer, tmp_path, m
         for run_id in ended:
             registry.delete_run(run_id)
         shutil.rmtree(sweep.record.path, ignore_errors=True)
+
+
+def test_cards_of_runs_of_one_name_say_what_differs_and_their_score(lab_server: LabServer) -> None:
+    """Two runs called the same differ only in their learning rate: each card says its own, and
+    its evaluation score once it has one."""
+    jobs = [workbench.launch({"name": "twin-card", "train": {"max_steps": 4, "lr": lr},
+                              "data": {"eval_samples": 4}})
+            for lr in (1e-3, 3e-3)]
+    for job in jobs:
+        assert job.wait(timeout=600, progress=False) == "succeeded", job.logs(tail=20)
+    rows = {r["id"]: r for r in requests.get(f"{lab_server.url}/workbench/api/runs",
+                                             headers=lab_server.auth, timeout=60).json()["runs"]}
+    assert rows[jobs[0].id]["differs"] == "lr 0.001"
+    assert rows[jobs[1].id]["differs"] == "lr 0.003"
+    for job in jobs:
+        lines = [ln for ln in (job.run_dir.path / "eval.jsonl").read_text().splitlines() if ln]
+        assert lines, "the default schedule scores the run at its end"
+        assert rows[job.id]["score"].startswith("heldout ")

@@ -47,6 +47,7 @@ class RunCard {
   private readonly nameNode = document.createElement('span');
   private readonly stateNode = document.createElement('span');
   private readonly metaNode = document.createElement('div');
+  private readonly distinctNode = document.createElement('div');
   private readonly errorNode = document.createElement('div');
   private readonly spark = document.createElementNS('http://www.w3.org/2000/svg', 'svg');
   private readonly actions = document.createElement('div');
@@ -73,11 +74,12 @@ class RunCard {
     this.pick.addEventListener('change', () => panel.select(this.run.id, this.pick.checked));
     head.append(this.pick, this.nameNode, this.stateNode);
     this.metaNode.className = 'jp-WorkbenchRuns-meta';
+    this.distinctNode.className = 'jp-WorkbenchRuns-meta jp-WorkbenchRuns-distinct';
     this.errorNode.className = 'jp-WorkbenchRuns-error';
     this.spark.classList.add('jp-WorkbenchSpark');
     this.spark.setAttribute('role', 'img');
     this.actions.className = 'jp-WorkbenchRuns-actions';
-    this.node.append(head, this.metaNode, this.spark, this.errorNode, this.actions);
+    this.node.append(head, this.distinctNode, this.metaNode, this.spark, this.errorNode, this.actions);
     this.update(run, panel.capabilities);
   }
 
@@ -104,6 +106,11 @@ class RunCard {
       parts.push(`took ${duration(run.elapsed_s)}`);
     }
     this.metaNode.textContent = parts.join(' · ');
+    // What tells this run from others of its name, and its score; the full id on hover.
+    const distinct = [run.differs, run.score].filter(Boolean).join(' · ');
+    this.distinctNode.textContent = distinct;
+    this.distinctNode.title = run.id;
+    this.distinctNode.hidden = !distinct;
     const problem = run.error || run.note;
     this.errorNode.textContent = problem ? String(problem).split('\n')[0] : '';
     this.errorNode.classList.toggle('jp-mod-note', !run.error && !!run.note);

@@ -52,6 +52,10 @@ export interface IRun {
   has_tensorboard: boolean;
   /** The sweep this run is a trial of (absent from older servers, null for a plain run). */
   sweep?: { sweep: string; trial: number | null } | null;
+  /** The settings that tell it from runs of the same name ("lr 0.003 · epochs 20"). */
+  differs?: string | null;
+  /** Its newest evaluation score ("heldout exact_match 0.633"). */
+  score?: string | null;
 }
 
 /** A sweep (workbench.sweep): its trials are grouped under one row. */
