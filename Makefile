@@ -139,3 +139,11 @@ course-sudo:
 	mkdir -p .course
 	cd .course && npm install --no-audit --no-fund --prefix . configurable-http-proxy@$(CHP_VERSION)
 test: course-deps
+
+# GGUF export (docs/export.md): llama-cpp-python 0.3.36 (the `export` extra) is built from source
+# once (cmake + g++, 2 jobs) into pip's wheel cache, and its vendored convert_hf_to_gguf.py is
+# unpacked into ~/.cache/workbench; both are reused on the next run.
+.PHONY: export-deps
+export-deps: setup
+	CMAKE_BUILD_PARALLEL_LEVEL=2 $(BIN)/python -m workbench.serve.gguf setup
+test: export-deps

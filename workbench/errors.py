@@ -122,6 +122,11 @@ class BudgetError(WorkbenchError, ValueError):
     """A budget limit that could not be kept: no price, another currency, or already spent."""
 
 
+class ExportError(WorkbenchError):
+    """An export (workbench.serve.export_run) that cannot be done, or whose result did not load
+    or answer as the model does: nothing half-written is left presented as done."""
+
+
 class CreditError(BudgetError):
     """The wallet (workbench.runs.wallet) cannot cover what was asked, or was asked wrongly:
     nothing was started."""

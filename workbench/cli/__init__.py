@@ -197,6 +197,14 @@ def _deploy(args: argparse.Namespace) -> Any:
     return f"{ep.name} healthy at {ep.api_base} serving {', '.join(ep.models)}{key}"
 
 
+def _export(args: argparse.Namespace) -> Any:
+    from workbench.serve.export_run import export
+
+    report = export(args.run, [f for part in args.format for f in part.split(",")],
+                    quant=args.quant.split(","), out=args.out, dtype=args.dtype)
+    return repr(report)
+
+
 def _endpoints(args: argparse.Namespace) -> Any:
     from workbench.serve import endpoints, endpoints_table
 
@@ -310,6 +318,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--port", type=int, help="port (default: a free one)")
     c.add_argument("--python", help="the Python that has vLLM (default: WORKBENCH_SERVE_PYTHON)")
     c.set_defaults(func=_deploy)
+
+    c = sub.add_parser("export", help="merged weights, GGUF or an Ollama Modelfile, each with a "
+                       "model card and checked by running it (docs/export.md)")
+    c.add_argument("run", help="run id or name")
+    c.add_argument("--format", action="append", default=None, required=True,
+                   help="merged, gguf or ollama (repeat or comma-separate)")
+    c.add_argument("--quant", default="f16", help="GGUF types, e.g. f16,q8_0,q4_k_m")
+    c.add_argument("--out", help="folder (default: RUN_DIR/export)")
+    c.add_argument("--dtype", default="float32", help="merged weights: float32, bfloat16, float16")
+    c.set_defaults(func=_export)
 
     c = sub.add_parser("endpoints", help="list the endpoints")
     c.add_argument("--all", action="store_true", help="include stopped ones")

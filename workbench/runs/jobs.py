@@ -368,6 +368,13 @@ class Job:
 
         return evaluate_job(self, tasks, endpoint=endpoint, **knobs)
 
+    def export(self, formats: Any = ("merged",), **kwargs: Any) -> Any:
+        """Merged weights, GGUF and an Ollama Modelfile, each with a model card and checked by
+        running it (see :func:`workbench.serve.export_run.export`); an ExportReport."""
+        from workbench.serve.export_run import export
+
+        return export(self, formats, **kwargs)
+
     # -- views -----------------------------------------------------------------------------------
     def show(self) -> Any:
         """A live widget: loss curve, throughput, progress, ETA, state and a cancel button."""

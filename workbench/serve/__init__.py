@@ -27,7 +27,10 @@ The modules follow the data, and this one re-exports their public names:
   (``python -m workbench.serve --guard ...``; so no module here imports anything heavy at the top);
 - :mod:`~workbench.serve.endpoint`: the endpoint handle, which acts only on its own deployment
   (:mod:`~workbench.serve.identity`); :mod:`~workbench.serve.deployment`: :func:`deploy`, which
-  takes the data through all of them.
+  takes the data through all of them;
+- :mod:`~workbench.serve.export_run` (:func:`export`), :mod:`~workbench.serve.gguf`,
+  :mod:`~workbench.serve.export_ollama`, :mod:`~workbench.serve.modelcard`: taking the model home
+  (merged weights, GGUF, an Ollama Modelfile, a model card), each checked by running it.
 """
 
 from workbench.errors import (
@@ -36,6 +39,7 @@ from workbench.errors import (
     EndpointNotFoundError,
     EndpointReplacedError,
     EndpointStartError,
+    ExportError,
     LoraRankError,
     PortInUseError,
     ServingEnvironmentError,
@@ -60,6 +64,7 @@ from workbench.serve.endpoint import (
     refresh_state,
     undeploy,
 )
+from workbench.serve.export_run import ExportReport, export
 from workbench.serve.guard import _guard_main as _guard_main
 from workbench.serve.server import (
     PORT_FROM_GUARD,
@@ -89,6 +94,8 @@ __all__ = [
     "EndpointNotFoundError",
     "EndpointReplacedError",
     "EndpointStartError",
+    "ExportError",
+    "ExportReport",
     "LoraRankError",
     "PortInUseError",
     "ServePlan",
@@ -102,6 +109,7 @@ __all__ = [
     "endpoints",
     "endpoints_dir",
     "endpoints_table",
+    "export",
     "free_port",
     "get_endpoint",
     "get_serve_target",
