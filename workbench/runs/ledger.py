@@ -89,7 +89,7 @@ trial_charges = sa.Table(
     sa.Column("run_id", sa.String(200), nullable=False),
     sa.UniqueConstraint("hold_id", "run_id", name="trial_charged_once"),
 )
-HOLD_FOR = ("launch", "resume", "evaluate", "endpoint", "sweep")
+HOLD_FOR = ("launch", "resume", "evaluate", "export", "endpoint", "sweep")
 
 
 def to_minor(amount: float | Decimal | str, minor_per_unit: int = 100) -> int:

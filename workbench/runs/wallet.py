@@ -288,9 +288,9 @@ class Wallet:
                         h.hold_id, 0, "its launch ended before it started anything"):
                     settled.append(f"hold {h.hold_id}")
                 continue
-            if h.kind == "evaluate":  # settled by the process evaluating, unless it died:
+            if h.kind in ("evaluate", "export"):  # settled by the process doing it, unless it died:
                 if not _taker_alive(h.hold_id) and self.release(  # then all it could have used
-                        h.hold_id, h.amount, f"evaluate {h.run_id} (its process ended unseen)"):
+                        h.hold_id, h.amount, f"{h.kind} {h.run_id} (its process ended unseen)"):
                     settled.append(str(h.run_id))
                 continue
             if h.kind not in ("launch", "resume"):

@@ -205,7 +205,7 @@ def export(run: Any, formats: Sequence[str] | str = ("merged",), *,
     held = None
     if wallet is not None:
         held = wallet.hold_time(spec, float(wallet.settings["eval_hold_minutes"]),
-                                f"export of {run_id}", "evaluate", run_id, str(run_dir))
+                                f"export of {run_id}", "export", run_id, str(run_dir))
     started = time.time()
     tmp = root / f".tmp-{os.getpid()}-{int(started)}"
     try:
