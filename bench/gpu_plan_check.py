@@ -58,7 +58,10 @@ def measure(model_id: str, batch: int, seq: int, gc: bool, steps: int, rank: int
     spec = RunSpec.parse({
         "model": {"id": model_id},
         "method": {"kind": "lora", "lora_r": rank, "target_modules": "all-linear"},
-        "train": {"batch_size": batch, "gradient_checkpointing": gc, "max_steps": steps},
+        # The loop below runs transformers' own loss and kernels, so the plan models those (the
+        # trainer's Liger fast paths are measured by `make gpu-check`).
+        "train": {"batch_size": batch, "gradient_checkpointing": gc, "max_steps": steps,
+                  "fast": {"liger": "off"}},
         "data": {"max_length": seq, "packing": True},
         "resources": {"gpus_per_node": 1, "gpu_type": gpu_type},
         "parallel": {"strategy": "ddp"},

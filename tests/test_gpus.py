@@ -36,9 +36,11 @@ def _home(tmp_path, monkeypatch):
 #   V100 SXM2 32 GB: the V100 datasheet (125 TFLOP/s fp16 tensor)
 #   T4: the T4 datasheet (65 TFLOP/s fp16 tensor)
 #   RTX 4090: the Ada Lovelace architecture whitepaper, appendix (165.2 bf16, fp32 accumulate)
+#   RTX A6000: the RTX A6000 datasheet (309.7 TFLOP/s tensor "with sparsity", half dense)
 PUBLISHED = {  # name: (memory GB, dense TFLOP/s)
     "A100-80G": (80, 312), "A100-40G": (40, 312), "H100": (80, 989.5), "H200": (141, 989.5),
     "L40S": (48, 362.05), "V100": (32, 125), "T4": (16, 65), "RTX 4090": (24, 165.2),
+    "RTX A6000": (48, 154.8),
 }
 
 
@@ -50,7 +52,9 @@ def test_defaults_agree_with_published_card_specs(name):
     # 80 GiB, a "141 GB" H200 shows 139.8 GiB): within 8% of the datasheet figure either way.
     assert 0.92 * memory_gb * 1e9 <= card.memory_gib * 2**30 <= memory_gb * 1e9 * 1.08
     assert card.bf16_tflops == pytest.approx(tflops, rel=0.02)
-    assert 0 < card.utilisation < 0.6  # an MFU, never the datasheet peak
+    # An MFU below the datasheet peak: the published runs that set some of them imply up to
+    # 0.95 (docs/planning.md), and the table stays below what they imply.
+    assert 0 < card.utilisation < 0.9
 
 
 def test_defaults_are_consistent_across_cards():

@@ -8,6 +8,7 @@ the combinations the planner compares. Sources and measured tolerances: ``docs/p
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -109,6 +110,30 @@ class _Setup:
     on_gpu: bool
     # What from_pretrained loads (workbench.spec.precision): fp32 master weights for full fine-tuning.
     load_bytes: int = 4
+    # The fast paths the trainer turns on for this strategy (workbench.train.fastpath): Liger's
+    # fused linear cross-entropy (no logits materialised), its RMSNorm/SwiGLU kernels, and eager
+    # attention (which keeps the attention scores; flash and SDPA do not).
+    fused_loss: bool = False
+    liger: bool = False
+    flash_attention: bool = False
+    eager_attention: bool = False
+
+
+def _loss_bytes(s: _Setup, logit_bytes: float) -> float:
+    """What the loss holds at the start of backward, for one micro-batch.
+
+    Liger's fused linear cross-entropy (``LigerFusedLinearCrossEntropyFunction``) computes the
+    logits a chunk of tokens at a time, chunk = the power of two at or above
+    tokens / ceil(vocab / hidden), and keeps only the input's gradient (tokens x h, compute
+    dtype) plus one chunk's logits and their fp32 working copy. Otherwise ``logit_bytes`` per
+    token x vocab entry (12 for transformers' fp32 cross-entropy)."""
+    tokens = s.micro_batch * s.seq_len
+    vocab = s.shape.vocab
+    if not s.fused_loss:
+        return tokens * vocab * logit_bytes
+    per_chunk = max(1, math.ceil(tokens / math.ceil(vocab / s.shape.hidden)))
+    chunk = 2 ** math.ceil(math.log2(per_chunk))
+    return tokens * s.shape.hidden * s.compute_bytes + chunk * vocab * (s.compute_bytes + 4)
 
 
 def _activation_bytes(s: _Setup, checkpointing: bool, logit_bytes: float = 0.0) -> float:
@@ -122,7 +147,7 @@ def _activation_bytes(s: _Setup, checkpointing: bool, logit_bytes: float = 0.0) 
     layer for GPT) to Llama's SwiGLU MLP and fp32 norms, without the attention-score term that
     flash attention removes.
 
-    The loss holds _LOGIT_BYTES per token x vocab entry at the start of backward, when (without
+    The loss holds what :func:`_loss_bytes` says at the start of backward, when (without
     checkpointing) every layer's activations are still alive. With gradient checkpointing only
     each layer's input (b·h) is kept; the loss buffers are freed before the first layer is
     recomputed, so the peak is the larger of the two moments, not their sum. Backward through a
@@ -131,12 +156,24 @@ def _activation_bytes(s: _Setup, checkpointing: bool, logit_bytes: float = 0.0) 
     tokens = s.micro_batch * s.seq_len
     b = s.compute_bytes
     h, f = s.shape.hidden, s.shape.intermediate
-    per_layer = tokens * (b * (7 * h + 4 * f) + 2 * 4 * h)
+    per_layer: float
+    if s.liger:
+        # Liger's RMSNorm saves its input in the compute dtype (and a per-row rstd), its SwiGLU
+        # saves gate and up and recomputes SiLU in backward: per layer two norm inputs and
+        # outputs, q, k, v, the attention output (= o_proj's input), gate, up and their product.
+        # flash-attention 2 takes k/v at their GQA width; SDPA gets them repeated to full width.
+        kv = s.shape.kv_heads / s.shape.heads if s.flash_attention else 1.0
+        per_layer = tokens * b * ((6 + 2 * kv) * h + 3 * f)
+    else:
+        per_layer = tokens * (b * (7 * h + 4 * f) + 2 * 4 * h)
+    if s.eager_attention:
+        # Eager attention keeps the softmax probabilities (and their input) per head: seq^2 each.
+        per_layer += s.micro_batch * s.shape.heads * s.seq_len**2 * 2 * b
     backward_transient = tokens * b * (3 * f + 2 * h)
-    logits = tokens * s.shape.vocab * logit_bytes
+    logits = _loss_bytes(s, logit_bytes)
     embeddings_and_final_norm = tokens * h * (b + 4)
     if checkpointing:
-        kept = s.shape.layers * tokens * h * b
+        kept: float = s.shape.layers * tokens * h * b
         return kept + embeddings_and_final_norm + max(logits, per_layer + backward_transient)
     kept = s.shape.layers * per_layer
     return kept + embeddings_and_final_norm + max(logits, backward_transient)
@@ -150,7 +187,7 @@ def estimate_memory(s: _Setup, st: Strategy, logit_bytes: float = _LOGIT_BYTES) 
     ZeRO-3 also the weights (Rajbhandari et al. 2020, "ZeRO", sec. 5).
 
     ``logit_bytes`` is what the loss holds per token x vocab entry: 12 for transformers' fp32
-    cross-entropy; a chunked loss (torchtune's CEWithChunkedOutputLoss) holds far less."""
+    cross-entropy; with ``s.fused_loss`` (Liger's fused linear cross-entropy) it is not used."""
     sh = s.shape
     n = s.world
     b = s.compute_bytes
@@ -173,7 +210,8 @@ def estimate_memory(s: _Setup, st: Strategy, logit_bytes: float = _LOGIT_BYTES) 
         # autocast keeps a 16-bit copy of each weight until backward has used it.
         weights = p * s.load_bytes + (p * b if b < s.load_bytes else 0)
     elif z3:
-        gathered = 2 * b * sh.largest_layer_params  # one layer's weights + their gradients
+        # One layer's weights + their gradients (a frozen layer, LoRA's base, has none).
+        gathered = (2 if full else 1) * b * sh.largest_layer_params
         weights = (0 if st.offload_params else frozen_bytes / n) + gathered
     else:
         weights = frozen_bytes

@@ -25,6 +25,9 @@ from workbench.plan.memory import (
     safety_margin_gib,
     unsupported,
 )
+from workbench.plan.paths import fast_paths as _fast_paths
+from workbench.plan.paths import ladder as _ladder
+from workbench.plan.paths import with_fast_paths as _with_fast_paths
 from workbench.plan.result import Candidate, Plan, Suggestion
 from workbench.plan.scoring_time import scoring_seconds, validation_of
 from workbench.plan.shape import ModelShape, model_shape
@@ -66,19 +69,6 @@ def _precision(spec: RunSpec, on_gpu: bool, gpu: GpuType | None = None) -> Preci
     device: DeviceKind = "cpu" if not on_gpu else (
         "cuda-bf16" if gpu is None or gpu.bf16 else "cuda-fp16")
     return resolve_precision(spec.model.dtype, spec.method.kind, device)
-
-
-def _fast_paths_line(spec: RunSpec, on_gpu: bool, gpu: GpuType, precision: Precision) -> str:
-    """What the trainer will turn on (workbench.train.fastpath, the same resolver), and why."""
-    from workbench.train.fastpath import planned_device, resolve_fast_paths
-
-    p = spec.parallel
-    fast = resolve_fast_paths(
-        spec.train.fast, planned_device(on_gpu, gpu.bf16, spec.target == "local"), None,
-        precision.load_dtype, stage=spec.method.stage,
-        zero_stage=int(p.strategy[-1]) if p.strategy.startswith("zero") else 0,
-        offload_optimizer=p.offload_optimizer)
-    return f"{fast.line()} ({'; '.join(fast.notes)})"
 
 
 def _setup(spec: RunSpec, shape: ModelShape, on_gpu: bool, seq_len: int,
@@ -128,7 +118,7 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
     margin = safety_margin_gib(capacity)
     precision = _precision(spec, on_gpu, gpu)  # the same resolution _setup made
     assumptions.append("precision: " + precision.reason)
-    assumptions.append(_fast_paths_line(spec, on_gpu, gpu, precision))
+    fast_at = len(assumptions)  # the chosen strategy's fast paths go here, once it is chosen
     global_batch = spec.train.batch_size * spec.train.grad_accum * res.world_size
     # What a step really carries: fewer rows than the batch when the split is short of it on one
     # process, its rows repeated to fill every rank's batch on several (timing.step_rows).
@@ -201,7 +191,8 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
                if measured and measured.peak_gib and not on_gpu else None)
 
     def memory_of(st: Strategy) -> MemoryBreakdown:
-        mem = estimate_memory(s, st)
+        mem = estimate_memory(_with_fast_paths(s, _fast_paths(spec, on_gpu, gpu, precision, st)),
+                              st)
         if mem_fix is not None and st == ddp:
             mem = replace(mem, overhead=max(0.0, mem.overhead + mem_fix))
         return stage_memory(mem, stage, shape, s.compute_bytes,
@@ -240,8 +231,11 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
     mine = [c for c in candidates if c.strategy.method == spec.method.kind]
     if wanted.strategy == "auto":
         fitting = [c for c in mine if c.fits]
-        # Cheapest = fastest (cost is time x cards); among equals the simpler one (list order).
-        chosen = min(fitting, key=lambda c: c.hours or 0.0) if fitting else min(
+        # Parameter offload only when nothing else fits (it moves every weight over PCIe each
+        # step); otherwise cheapest = fastest (cost is time x cards), among equals the simpler
+        # one (list order).
+        pool = [c for c in fitting if not c.strategy.offload_params] or fitting
+        chosen = min(pool, key=lambda c: c.hours or 0.0) if pool else min(
             [c for c in mine if unsupported(c.strategy) is None], key=lambda c: c.memory.total)
         reasons.append("parallel: auto -> " + (
             f"{chosen.strategy.label} is the fastest strategy that fits"
@@ -267,6 +261,9 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
             reasons.append(str(unsupported(target)))
         reasons.append(f"parallel.strategy: {wanted.strategy} as the spec says")
 
+    fast = _fast_paths(spec, on_gpu, gpu, precision, chosen.strategy)
+    assumptions.insert(fast_at, f"{fast.line()} ({'; '.join(fast.notes)})")
+    reasons.extend(_ladder(mine, chosen, on_gpu))
     mem = chosen.memory
     unit = "GPU" if on_gpu else "process"
     if chosen.fits:

@@ -139,6 +139,9 @@ class Plan:
         lines += [f"  {line}" for line in token_lines(self.data_tokens)]
         if self.hours is not None:
             lines.append(f"Time: {_fmt_hours(self.hours)} training ({self.flops:.3g} FLOPs)")
+        fast = next((a for a in self.assumptions if a.startswith("fast paths:")), None)
+        if fast and self.device == "gpu":
+            lines.append(f"Fast paths: {fast.removeprefix('fast paths: ')}")
         if self.clock and self.clock.get("basis"):
             lines.append(f"Clock: {self.clock['basis']}")
         if self.clock and self.clock.get("scoring_s"):  # part of Time above

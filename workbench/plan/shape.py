@@ -35,6 +35,11 @@ OFFLINE_CONFIGS: dict[str, dict[str, Any]] = {
         model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
         max_position_embeddings=131072, tie_word_embeddings=False),
+    # https://huggingface.co/meta-llama/Llama-3.1-70B/blob/main/config.json
+    "meta-llama/Llama-3.1-70B": dict(
+        model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+        max_position_embeddings=131072, tie_word_embeddings=False),
     # https://huggingface.co/Qwen/Qwen2.5-0.5B/blob/main/config.json
     "Qwen/Qwen2.5-0.5B": dict(
         model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
@@ -61,6 +66,9 @@ _OFFLINE_ALIASES = {
     "meta-llama/Meta-Llama-3.1-8B": "meta-llama/Llama-3.1-8B",
     "meta-llama/Llama-3.1-8B-Instruct": "meta-llama/Llama-3.1-8B",
     "meta-llama/Meta-Llama-3.1-8B-Instruct": "meta-llama/Llama-3.1-8B",
+    "meta-llama/Meta-Llama-3.1-70B": "meta-llama/Llama-3.1-70B",
+    "meta-llama/Llama-3.1-70B-Instruct": "meta-llama/Llama-3.1-70B",
+    "meta-llama/Meta-Llama-3.1-70B-Instruct": "meta-llama/Llama-3.1-70B",
     "meta-llama/Llama-2-7b-chat-hf": "meta-llama/Llama-2-7b-hf",
     "Qwen/Qwen2.5-0.5B-Instruct": "Qwen/Qwen2.5-0.5B",
     "Qwen/Qwen2.5-1.5B-Instruct": "Qwen/Qwen2.5-1.5B",

@@ -278,9 +278,13 @@ def _forward_flops_per_token(sh: ModelShape, seq_len: int) -> float:
     return 2 * (sh.linear_weights + sh.lm_head_weights) + 2 * sh.layers * seq_len * sh.hidden
 
 
-# QLoRA trains ~1.66x slower than LoRA (dequantising every weight in forward and backward):
-# Google Cloud's Vertex AI tuning recommendations ("LoRA is about 66% faster than QLoRA").
-_QLORA_SLOWDOWN = 1.66
+# QLoRA dequantises every 4-bit weight to the compute dtype before each matmul that uses it
+# (bitsandbytes' MatMul4Bit: forward, backward, and the recomputed forward under checkpointing):
+# per weight and pass it reads 0.5 B, writes 2 B and the matmul reads those 2 B again, at the
+# card's memory bandwidth. Memory-bound, so it weighs most on small micro-batches (Google
+# Cloud's Vertex AI guidance, "LoRA is about 66% faster than QLoRA", is of such runs) and little
+# at 4,096 tokens (torchtune measured QLoRA at 0.78x LoRA's tokens/s there: docs/planning.md).
+_DEQUANT_BYTES_PER_WEIGHT = 4.5
 _INTER_NODE_GBPS = 12.5  # 100 Gb/s InfiniBand/RoCE, the common cluster fabric
 _PCIE_GBPS = 16.0  # effective host<->device copy bandwidth (PCIe 4.0 x16 pinned)
 _CPU_ADAM_PARAMS_PER_S = 1e9  # DeepSpeed CPUAdam on a many-core host (ZeRO-Offload paper)
@@ -318,15 +322,23 @@ def step_seconds(s: _Setup, st: Strategy, r: _Run) -> tuple[float, float]:
     flops = per_token * r.tokens_per_step
     peak = r.gpu.bf16_tflops * 1e12 * r.n_devices * r.gpu.utilisation
     seconds = flops / peak
-    if st.method == "qlora":
-        seconds *= _QLORA_SLOWDOWN
+    passes = 3 if s.checkpointing else 2  # forward, backward (+ the recomputed forward)
+    micro_batches = max(1, r.tokens_per_step / max(1, s.micro_batch * s.seq_len * s.world))
+    if st.method == "qlora" and r.on_gpu:
+        seconds += (micro_batches * passes * sh.linear_weights * _DEQUANT_BYTES_PER_WEIGHT
+                    / (r.gpu.memory_gbps * 1e9))
     # Gradient all-reduce (ring: 2(n-1)/n of the gradient bytes), half hidden behind backward.
+    # ZeRO-3 reduce-scatters the gradients (half of that) and all-gathers every 16-bit weight for
+    # each pass ((n-1)/n of them): 1.5x the all-reduce for full fine-tuning without
+    # checkpointing (ZeRO paper, sec. 7); the frozen base of LoRA is gathered too.
     t = sh.params if st.method == "full" else lora
     if s.world > 1:
         bw = (_INTER_NODE_GBPS if s.nodes > 1 else r.gpu.interconnect_gbps) * 1e9
-        comm = 2 * (s.world - 1) / s.world * t * s.compute_bytes / bw
+        share = (s.world - 1) / s.world
         if st.parallel == "zero3":
-            comm *= 1.5  # + parameter all-gathers in forward and backward (ZeRO paper, sec. 7)
+            comm = share * (t + passes * sh.params * micro_batches) * s.compute_bytes / bw
+        else:
+            comm = 2 * share * t * s.compute_bytes / bw
         seconds += 0.5 * comm
     if st.offload_optimizer and r.on_gpu:
         seconds += t / s.world / _CPU_ADAM_PARAMS_PER_S + 2 * 4 * t / s.world / (_PCIE_GBPS * 1e9)
