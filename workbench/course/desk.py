@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import threading
 import time
 from typing import Any
@@ -162,7 +163,7 @@ class CourseDesk:
             self._check_concurrent(student)
             # The run's spec as the student's worker reads it, admitted again like a launch's.
             known = Worker(self.course, student, {"verb": "spec", "run": run_id}).answer()
-            spec = known["spec"]
+            spec = json.loads(json.dumps(known["spec"]))  # a copy: known's is checked at resume
             for key, value in changes.items():
                 section, name = key.split(".", 1)
                 spec.setdefault(section, {})[name] = value
@@ -173,7 +174,7 @@ class CourseDesk:
             limit = float(known.get("spent") or 0.0) + q["hold"] / self.course.minor_per_unit
             try:
                 answer = Worker(self.course, student, {
-                    "verb": "resume", "run": run_id,
+                    "verb": "resume", "run": run_id, "spec": known["spec"],
                     "changes": {**changes, "budget.limit": limit}},
                     gpus=cards(q["spec"]) > 0).answer()
             except BaseException:

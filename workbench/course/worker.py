@@ -64,6 +64,12 @@ def handle(request: dict[str, Any]) -> dict[str, Any]:
         return {"spec": job.spec.model_dump(mode="json"),
                 "spent": float(job.status().get("cost") or 0.0)}
     if verb == "resume":
+        admitted = request.get("spec")
+        if admitted is not None and job.spec.model_dump(mode="json") != admitted:
+            # spec.yaml is the student's file: what resumes is what the service admitted.
+            return {"error": "CourseError",
+                    "message": f"run {job.id}'s spec.yaml changed after the course admitted it; "
+                               "resume again (the course checks the spec as it is then)"}
         return _job_answer(job.resume(**request.get("changes", {})))
     if verb == "cancel":
         return {"state": job.cancel()}
