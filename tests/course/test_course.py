@@ -73,26 +73,34 @@ def _settled(client: CourseClient, run_id: str) -> dict[str, Any] | None:
     return view if view.get("charge") is not None else None
 
 
-def test_a_student_launches_through_workbench_launch_within_credit(
-        hub: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    """Student A's kernel environment (only A's hub token and the course URL, as the hub config
-    gives a course's servers): workbench.launch() goes to the service, which holds, runs and
-    charges it. (The kernel runs in this process: here the venv's interpreter lives under /root,
-    which A's Unix user cannot execute; the on-disk isolation is checked as B's user below.)"""
+@pytest.fixture(scope="module")
+def a_launched(hub: dict[str, Any]) -> dict[str, Any]:
+    """Student A's first run, launched from A's kernel environment (only A's hub token and the
+    course URL, as the hub config gives a course's servers) and settled; what A's account said
+    before it and once it settled. Shared by the tests that read it, whatever their order."""
     import workbench
 
     a = hub["client"]["a"]
-    assert a.me()["balance"] == 2000  # 20 CNY starting credit, in fen
-    monkeypatch.setenv("WORKBENCH_COURSE_URL", hub["service"])
-    monkeypatch.setenv("JUPYTERHUB_API_TOKEN", hub["tokens"]["a"])
-    job = workbench.launch(SMALL_RUN)
+    before = a.me()["balance"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("WORKBENCH_COURSE_URL", hub["service"])
+        mp.setenv("JUPYTERHUB_API_TOKEN", hub["tokens"]["a"])
+        job = workbench.launch(SMALL_RUN)
+    view = wait_until("A's run to end and settle", lambda: _settled(a, job.id), 300, hub["log"])
+    return {"job": job, "run": job.id, "view": view, "before": before, "after": a.me()}
+
+
+def test_a_student_launches_through_workbench_launch_within_credit(
+        hub: dict[str, Any], a_launched: dict[str, Any]) -> None:
+    """workbench.launch() in A's kernel goes to the service, which holds, runs and charges it.
+    (The kernel runs in this process: here the venv's interpreter lives under /root, which A's
+    Unix user cannot execute; the on-disk isolation is checked as B's user below.)"""
+    assert a_launched["before"] == 2000  # 20 CNY starting credit, in fen: A's first spending
+    job, run_id, view = a_launched["job"], a_launched["run"], a_launched["view"]
     assert type(job).__name__ == "CourseJob"
-    run_id = job.id
-    hub["a_run"], hub["a_job"] = run_id, job
     # The run is A's: in A's space, written by A's Unix user, not by the service.
     run_dir = _run_dir(hub, "a", run_id)
     assert (run_dir / "spec.yaml").stat().st_uid == pwd.getpwnam(hub["users"]["a"]).pw_uid
-    view = wait_until("A's run to end and settle", lambda: _settled(a, run_id), 300, hub["log"])
     # Under heavy load a run may still outlast its hold: its budget stop then ends it, and the
     # charge stays within the hold either way.
     assert view["state"] in ("succeeded", "budget_stopped"), view
@@ -103,18 +111,18 @@ def test_a_student_launches_through_workbench_launch_within_credit(
     # the run's own bill, which starts before the data step.
     assert view["charge"] == _metered(hub, run_id)
     assert view["charge"] <= status["cost"] * 100 + 1
-    me = a.me()
+    me = a_launched["after"]
     assert me["held"] == 0 and me["balance"] == 2000 - view["charge"]
 
 
 def test_a_students_evaluate_resume_and_deploy_go_through_the_service(
-        hub: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+        hub: dict[str, Any], a_launched: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """In A's kernel environment: job.evaluate() is held and charged by the second it ran,
     job.resume() is held and charged only what it added, workbench.deploy() is refused before
     anything starts (an endpoint's first hour costs more than any credit)."""
     import workbench
 
-    a, job, run_id = hub["client"]["a"], hub["a_job"], hub["a_run"]
+    a, job, run_id = hub["client"]["a"], a_launched["job"], a_launched["run"]
     monkeypatch.setenv("WORKBENCH_COURSE_URL", hub["service"])
     monkeypatch.setenv("JUPYTERHUB_API_TOKEN", hub["tokens"]["a"])
     run_dir = _run_dir(hub, "a", run_id)
@@ -261,8 +269,10 @@ def test_a_students_sweep_is_held_whole_and_charged_per_trial(
     assert me["held"] == 0 and me["balance"] == balance - charged
 
 
-def test_a_student_cannot_see_others_runs_or_raise_their_credit(hub: dict[str, Any]) -> None:
+def test_a_student_cannot_see_others_runs_or_raise_their_credit(
+        hub: dict[str, Any], a_launched: dict[str, Any]) -> None:
     b, token_b, service = hub["client"]["b"], hub["tokens"]["b"], hub["service"]
+    hub = {**hub, "a_run": a_launched["run"]}
     assert hub["a_run"] not in [r["run"] for r in b.runs()]
     assert http("GET", f"{service}runs/{hub['a_run']}", token_b)[0] == 403
     assert http("POST", f"{service}stop/{hub['a_run']}", token_b)[0] == 403
@@ -472,8 +482,10 @@ def test_the_idle_culler_stopped_the_servers_left_idle(hub: dict[str, Any]) -> N
     ("quote", {"train": {"learning_rate": 1}}, "learning_rate"),
 ])
 def test_bad_input_to_the_service_is_a_400_that_says_what_to_send(
-        hub: dict[str, Any], route: str, body: Any, words: str) -> None:
+        hub: dict[str, Any], a_launched: dict[str, Any], route: str, body: Any,
+        words: str) -> None:
     """Nothing a student sends ends in a 500 or a traceback, and none of it moves money."""
+    hub = {**hub, "a_run": a_launched["run"]}
     key = "teacher" if route == "grant" else "a"
     body = {**body, "student": hub["users"]["b"]} if route == "grant" else body
     before = hub["client"]["b"].me()["balance"], hub["client"]["a"].me()["balance"]
