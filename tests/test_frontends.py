@@ -18,7 +18,7 @@ def test_public_api_is_exactly_the_intended_names():
     assert sorted(workbench.__all__) == sorted([
         "DatasetError", "DatasetFormatError", "EmptyDatasetError", "Job", "JobFailedError",
         "LaunchError", "ModelNotFoundError", "ResourceError", "RunNotFoundError", "RunSpec",
-        "SpecError", "WorkbenchError", "__version__", "compare", "deploy", "evaluate", "get_job",
+        "SpecError", "WorkbenchError", "__version__", "compare", "credit", "deploy", "evaluate", "get_job",
         "jobs", "launch", "load_ipython_extension", "plan", "sweep", "get_sweep",
     ])
     for name in workbench.__all__:
