@@ -175,6 +175,13 @@ def _targets_check(args: argparse.Namespace) -> Any:
     return 0 if report.ok else 1  # scripts (and CI) can gate on a target being ready
 
 
+def _targets_setup(args: argparse.Namespace) -> Any:
+    from workbench.targets.setup import setup_target
+
+    setup_target(args.name, source=args.source, progress=lambda line: print(line, flush=True))
+    return 0  # setup_target printed the outcome as its last progress line
+
+
 def _kernels(args: argparse.Namespace) -> Any:
     from workbench.kernels.specs import install_kernel, kernels_table, remove_kernel
 
@@ -355,6 +362,13 @@ def build_parser() -> argparse.ArgumentParser:
     t = tsub.add_parser("check", help="reachability, Python env, torch, GPUs, disk (and Slurm)")
     t.add_argument("name", help="local, ssh:NAME or slurm:NAME")
     t.set_defaults(func=_targets_check)
+    t = tsub.add_parser("setup", help="make the target's Python environment: this Workbench, a "
+                                      "torch for its node (targets.yaml install:)")
+    t.add_argument("name", help="ssh:NAME or slurm:NAME")
+    t.add_argument("--source", choices=["auto", "registry", "wheels"],
+                   help="where packages come from (default: install.source, else auto: the "
+                        "target's registry if it reaches one, else wheels carried from here)")
+    t.set_defaults(func=_targets_setup)
 
     c = sub.add_parser("kernels", help="remote kernels: a notebook's cells on an SSH host or Slurm")
     ksub = c.add_subparsers(dest="kernels_command", required=True, metavar="ACTION")

@@ -100,6 +100,11 @@ try:
                          "cores": out["cuda_devices"]}
 except Exception as exc:
     out["torch"], out["torch_error"] = None, f"{type(exc).__name__}: {exc}"
+try:  # what `workbench targets setup` recorded when it made this environment
+    with open(os.path.join(sys.prefix, ".workbench-setup.json")) as fh:
+        out["setup"] = json.load(fh)
+except (OSError, ValueError):
+    pass
 if "device" not in out:
     cpu = ""
     try:
@@ -171,6 +176,8 @@ def probe_environment(transport: Any, target: Target, workdir: str, report: Targ
                    info.get(mod) or info.get(mod + "_error", "not importable"),
                    f"install it into {target.python}: {target.python} -m pip install "
                    f"{'-e /path/to/workbench' if mod == 'workbench' else mod}")
+    if info.get("workbench") and info.get("torch"):
+        check_versions(info, target, report, where)
     if info.get("torch"):
         gpus = info.get("cuda_devices", 0)
         smi = info.get("nvidia_smi")
@@ -189,6 +196,41 @@ def probe_environment(transport: Any, target: Target, workdir: str, report: Targ
                f"free space or move 'workdir:' (runs need at least {MIN_FREE_DISK_GB:g} GiB for "
                "data and checkpoints)")
     return info
+
+
+def notebook_versions() -> dict[str, str]:
+    """The Workbench and torch versions of this (the notebook's) environment, read from the
+    installed distributions (torch is not imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for dist in ("workbench", "torch"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            out[dist] = ""
+    return out
+
+
+def release(version: str) -> str:
+    """``2.13.0+cu126`` -> ``2.13.0``: the node's build of a torch release is its own."""
+    return version.split("+", 1)[0]
+
+
+def check_versions(info: dict[str, Any], target: Target, report: TargetReport, where: str) -> bool:
+    """Report whether the target's Workbench and torch (release) are the notebook's."""
+    here = notebook_versions()
+    there = {"workbench": str(info.get("workbench")), "torch": str(info.get("torch"))}
+    drift = [f"{d} {there[d]} there, {here[d]} here" for d in ("workbench", "torch")
+             if here[d] and release(there[d]) != release(here[d])]
+    made = info.get("setup") or {}
+    by = f"; set up by `workbench targets setup` {made['date']}" if made.get("date") else ""
+    return report.add(
+        f"versions ({where})", not drift,
+        ("drift: " + ", ".join(drift)) if drift else
+        f"workbench {there['workbench']}, torch {there['torch']} as in the notebook{by}",
+        f"run `workbench targets setup {target.ref}` to bring the target's environment to the "
+        "notebook's versions")
 
 
 # How to check each kind of target ("local", "ssh", "slurm"): the backend that runs a kind

@@ -77,6 +77,23 @@ class SSHOptions(_Model):
     ssh_options: dict[str, str | bool | int | float] = Field(default_factory=dict)
 
 
+class InstallSpec(_Model):
+    """What ``workbench targets setup`` makes on the target (workbench.targets.setup): a venv
+    with this notebook's Workbench and a torch of its release built for the node (CUDA or CPU)."""
+
+    venv: str | None = None  # default: ~/.workbench/envs/NAME (a Slurm target without login:
+    #                          WORKBENCH_HOME/envs/NAME); on Slurm, a folder the compute nodes see
+    python: str = "python3"  # the interpreter on the target that makes the venv (python3 -m venv)
+    source: Literal["auto", "registry", "wheels"] = "auto"  # auto: the registry if the target
+    #                          reaches one, else wheels downloaded here and carried over SSH
+    torch: str = "auto"  # auto (CUDA build for the node's driver, else CPU), cpu, cu126, ...
+    #                      or a whole requirement such as "torch==2.5.1+cu121"
+    torch_index: str = "auto"  # auto: download.pytorch.org/whl/VARIANT; none; or an index URL
+    extras: list[str] = Field(default_factory=list)  # Workbench extras; "gpu" is added on CUDA
+    wheels: str | None = None  # a folder here of wheels to carry and prefer (make gpu-wheels)
+    time: str = "00:30:00"  # the Slurm set-up job's time limit
+
+
 class _TargetBase(SSHOptions):
     python: str = "python3"  # interpreter that has workbench, torch and friends installed
     serve_python: str | None = None  # the one with vLLM, when it is another environment
@@ -84,6 +101,7 @@ class _TargetBase(SSHOptions):
     env: dict[str, str] = Field(default_factory=dict)
     setup: list[str] = Field(default_factory=list)  # shell lines run first, e.g. module load
     defaults: dict[str, Any] = Field(default_factory=dict)  # dotted RunSpec fields -> values
+    install: InstallSpec | None = None  # how `workbench targets setup` makes `python`
 
     @field_validator("setup", mode="before")
     @classmethod

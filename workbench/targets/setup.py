@@ -1,0 +1,415 @@
+"""Setting a target up: ``workbench targets setup NAME`` (:func:`setup_target`).
+
+This module owns making the Python environment a target runs in: a venv at ``install.venv``
+(targets.yaml, :class:`workbench.targets.named.InstallSpec`) with this notebook's Workbench (a
+wheel built from this checkout), the notebook's other package versions as constraints, and a
+torch of the notebook's release built for the node (CUDA for its driver, else CPU). Packages come
+from the registry where the target reaches one, else as wheels downloaded here, carried over the
+target's SSH (or this machine's shell) and installed with ``pip --no-index``. On Slurm the
+install runs as a short ``srun`` job on a compute node; the venv then lives on the shared
+filesystem. Once it imports, the environment is marked done (``VENV/.workbench-setup.json``) and
+its python recorded as the target's ``python:``; a set-up that fails removes the venv it made,
+records nothing, and raises a :class:`SetupError` that says what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib.metadata import distribution, distributions
+from pathlib import Path
+from typing import Any
+
+from workbench.runs.home import home
+from workbench.targets.backends.transport import LocalTransport, SSHTransport, Transport
+from workbench.targets.check import notebook_versions, release
+from workbench.targets.named import (
+    InstallSpec,
+    SlurmTarget,
+    SSHTarget,
+    Target,
+    TargetError,
+    get_target,
+    save_target,
+)
+
+MARKER = ".workbench-setup.json"
+CUDA_BUILDS = (118, 121, 124, 126, 128, 129, 130)  # torch wheel variants cuXYZ on PyTorch's index
+NOT_PINNED = {"workbench", "workbench-lab", "torch", "triton", "pip", "setuptools", "wheel"}
+
+
+class SetupError(TargetError):
+    """A set-up that could not be done; one line that says what to do. Nothing was recorded."""
+
+
+@dataclass
+class SetupResult:
+    target: str
+    python: str
+    workbench: str
+    torch: str
+    source: str  # "registry" or "wheels"
+    seconds: float
+
+    def __repr__(self) -> str:
+        return (f"{self.target} is set up: {self.python} (workbench {self.workbench}, torch "
+                f"{self.torch}, from {self.source}) in {self.seconds:.0f} s; `workbench targets "
+                f"check {self.target}` tests it")
+
+
+# Runs with the target's base python (stdlib only): what the set-up needs to know of the node.
+PREFLIGHT = r"""
+import json, os, platform, re, shutil, subprocess, sys, sysconfig, urllib.request
+venv = os.path.abspath(os.path.expanduser(sys.argv[1]))
+out = {"venv": venv, "python": "%d.%d" % sys.version_info[:2], "platform": sysconfig.get_platform(),
+       "glibc": platform.libc_ver()[1], "cuda": None}
+try:
+    import ensurepip, venv as _v
+    out["venv_ok"] = True
+except ImportError as exc:
+    out["venv_ok"], out["venv_error"] = False, str(exc)
+parent = os.path.dirname(venv)
+try:
+    os.makedirs(parent, exist_ok=True)
+    t = os.path.join(parent, ".workbench-write-test"); open(t, "w").close(); os.remove(t)
+    out["writable"] = True
+except OSError as exc:
+    out["writable"], out["write_error"] = False, str(exc)
+out["exists"] = os.path.exists(venv) and bool(os.listdir(venv) if os.path.isdir(venv) else 1)
+out["ours"] = any(os.path.exists(os.path.join(venv, f)) for f in (%(marker)r, ".workbench-partial"))
+if shutil.which("nvidia-smi"):
+    r = subprocess.run(["nvidia-smi"], capture_output=True, text=True)
+    m = re.search(r"CUDA Version:\s*(\d+)\.(\d+)", r.stdout)
+    out["cuda"] = int(m.group(1)) * 10 + int(m.group(2)) if m else None
+index = os.environ.get("PIP_INDEX_URL")
+if not index:
+    r = subprocess.run([sys.executable, "-m", "pip", "config", "get", "global.index-url"],
+                       capture_output=True, text=True)
+    index = r.stdout.strip() if r.returncode == 0 and r.stdout.strip() else "https://pypi.org/simple"
+out["index"] = index
+try:
+    urllib.request.urlopen(index.rstrip("/") + "/pip/", timeout=10).read(1)
+    out["registry"] = True
+except Exception as exc:
+    out["registry"], out["registry_error"] = False, str(exc)[:200]
+print("WB-PREFLIGHT " + json.dumps(out))
+""".replace("%(marker)r", repr(MARKER))
+
+# Runs with the target's base python: makes (or updates) the venv, installs, verifies, marks it.
+INSTALL = r"""
+import json, os, shutil, subprocess, sys, time
+venv, staged, source, pip_args = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+partial, marker = os.path.join(venv, ".workbench-partial"), os.path.join(venv, %(marker)r)
+made = not os.path.exists(os.path.join(venv, "pyvenv.cfg"))
+def fail(msg):
+    if made or os.path.exists(partial):
+        shutil.rmtree(venv, ignore_errors=True)
+    shutil.rmtree(staged, ignore_errors=True)
+    print("WB-FAIL " + msg, flush=True); sys.exit(3)
+if os.path.exists(partial):  # what a failed set-up left: start again
+    shutil.rmtree(venv); made = True
+if made:
+    print("WB: creating the venv " + venv, flush=True)
+    r = subprocess.run([sys.executable, "-m", "venv", venv], capture_output=True, text=True)
+    if r.returncode:
+        fail("python3 -m venv failed: " + (r.stderr or r.stdout).strip().splitlines()[-1])
+open(partial, "w").close()
+if os.path.exists(marker):
+    os.remove(marker)
+py = os.path.join(venv, "bin", "python")
+env = dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1")
+if source == "wheels":
+    env["PIP_CONFIG_FILE"] = os.devnull
+print("WB: pip install (" + source + ")", flush=True)
+r = subprocess.run([py, "-m", "pip", "install", "--progress-bar", "off", "--find-links", staged,
+                    "-c", os.path.join(staged, "constraints.txt")] + pip_args, env=env)
+if r.returncode:
+    fail("pip install failed (its output is above)")
+r = subprocess.run([py, "-c", "import json, workbench.runs.supervise, torch, transformers, peft; "
+                    "from importlib.metadata import version; print(json.dumps({'workbench': "
+                    "version('workbench'), 'torch': torch.__version__, 'cuda': "
+                    "torch.cuda.is_available()}))"], capture_output=True, text=True)
+if r.returncode:
+    fail("the new environment does not import: " + r.stderr.strip().splitlines()[-1])
+got = json.loads(r.stdout.strip().splitlines()[-1])
+got.update(source=source, date=time.strftime("%%Y-%%m-%%d %%H:%%M"))
+with open(marker, "w") as fh:
+    json.dump(got, fh)
+os.remove(partial)
+shutil.rmtree(staged, ignore_errors=True)
+print("WB-RESULT " + json.dumps(dict(got, python=py)), flush=True)
+""".replace("%(marker)r", repr(MARKER)).replace("%%", "%")
+
+
+class _Place:
+    """Where the set-up runs: one SSH host, or (Slurm) a job started from the login shell."""
+
+    def __init__(self, target: Target, transport: Transport, label: str) -> None:
+        self.target, self.transport, self.label = target, transport, label
+
+    def wrap(self, command: str, cfg: InstallSpec) -> str:
+        t = self.target
+        if not isinstance(t, SlurmTarget):
+            return t.shell_prefix() + command
+        opts = [f"--job-name=wb-setup-{t.name}", "--nodes=1", "--ntasks=1", "--cpus-per-task=2",
+                f"--time={cfg.time}"] + [f"--{k}={v}" for k, v in (
+                    ("partition", t.partition), ("account", t.account), ("qos", t.qos)) if v]
+        inner = t.shell_prefix() + command
+        return f"{t.shell_prefix()}srun {' '.join(map(shlex.quote, opts))} bash -c {shlex.quote(inner)}"
+
+    def stream(self, command: str, progress: Callable[[str], None], timeout: float,
+               stdin: Any = None) -> tuple[int, list[str]]:
+        """Run ``command`` there; lines starting ``WB`` and pip's headline lines go to
+        ``progress`` as they come. (exit status, every line)."""
+        tr = self.transport
+        argv = (tr.ssh_argv() + ["--", "bash -c " + shlex.quote(command)]
+                if isinstance(tr, SSHTransport) else ["bash", "-c", command])
+        lines: list[str] = []
+        proc = subprocess.Popen(argv, stdin=stdin if stdin is not None else subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline, collected = time.monotonic() + timeout, 0
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            line = line.rstrip()
+            lines.append(line)
+            if line.startswith(("Collecting", "Processing")):
+                collected += 1
+                if collected % 25 == 0:
+                    progress(f"{self.label}: pip has {collected} packages so far")
+            elif line.startswith(("WB:", "Installing collected", "ERROR")):
+                progress(f"{self.label}: {line.removeprefix('WB: ')[:200]}")
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise SetupError(f"{self.label}: the set-up took longer than {timeout:.0f} s; "
+                                 "see the output above, then run it again")
+        proc.wait()
+        if proc.returncode == 255 and isinstance(tr, SSHTransport):
+            raise SetupError(tr.explain("\n".join(lines[-5:])).replace("\n-> ", "; "))
+        return proc.returncode, lines
+
+
+def setup_target(ref: str, *, source: str | None = None,
+                 progress: Callable[[str], None] = print) -> SetupResult:
+    """Make ``ref``'s environment (see the module docstring) and record its python there."""
+    started = time.monotonic()
+    if ref == "local":
+        raise SetupError("local runs in this environment; `workbench targets setup` is for "
+                         "ssh:NAME and slurm:NAME targets")
+    try:
+        target = get_target(ref)
+    except TargetError as exc:
+        raise SetupError(str(exc).splitlines()[0]) from None
+    cfg = target.install or InstallSpec()
+    src = source or cfg.source
+    venv = cfg.venv or (str(home() / "envs" / target.name) if isinstance(target, SlurmTarget)
+                        and not target.login else f"~/.workbench/envs/{target.name}")
+    here = notebook_versions()
+    places = ([_Place(target, SSHTransport(h, target), f"{ref} {h.host}") for h in target.hosts]
+              if isinstance(target, SSHTarget) else
+              [_Place(target, SSHTransport(target.login, target) if target.login
+                      else LocalTransport(), f"{ref} (a job)")])
+    result: dict[str, Any] = {}
+    for place in places:
+        result = _setup_place(place, cfg, venv, src, here, progress)
+    python = result["python"]
+    if target.python != python:
+        save_target(target.model_copy(update={"python": python}))
+    done = SetupResult(ref, python, result["workbench"], result["torch"], result["source"],
+                       time.monotonic() - started)
+    progress(repr(done))
+    return done
+
+
+def _setup_place(place: _Place, cfg: InstallSpec, venv: str, src: str, here: dict[str, str],
+                 progress: Callable[[str], None]) -> dict[str, Any]:
+    ref = place.target.ref
+    progress(f"{place.label}: looking at the node (python, venv, GPUs, registry)")
+    cmd = f"{shlex.quote(cfg.python)} -c {shlex.quote(PREFLIGHT)} {shlex.quote(venv)}"
+    rc, lines = place.stream(place.wrap(cmd, cfg), progress, 600)
+    line = next((ln for ln in lines if ln.startswith("WB-PREFLIGHT ")), None)
+    if line is None:
+        raise SetupError(f"{place.label}: {cfg.python} did not run: {_tail(lines)}; set "
+                         f"install.python of {ref} to a Python 3 that exists there")
+    node = json.loads(line.split(" ", 1)[1])
+    if not node["venv_ok"]:
+        raise SetupError(f"{place.label}: {cfg.python} has no venv module ({node['venv_error']}); "
+                         "install it (Debian/Ubuntu: apt install python3-venv) or set "
+                         f"install.python of {ref} to a Python that has it")
+    if not node["writable"]:
+        raise SetupError(f"{place.label}: cannot write {node['venv']}: {node['write_error']}; set "
+                         f"install.venv of {ref} to a folder you can write")
+    if node["exists"] and not node["ours"]:
+        raise SetupError(f"{place.label}: {node['venv']} exists and was not made by `workbench "
+                         f"targets setup`; set install.venv of {ref} to a new folder")
+    cuda = _cuda_build(cfg, node["cuda"])
+    if src == "auto":
+        src = "registry" if node["registry"] else "wheels"
+    elif src == "registry" and not node["registry"]:
+        raise SetupError(f"{place.label}: reaches no registry ({node['index']}: "
+                         f"{node['registry_error']}); set install.source of {ref} to wheels "
+                         "(or auto) to carry wheels from here")
+    progress(f"{place.label}: Python {node['python']} on {node['platform']}, "
+             f"{'CUDA driver ' + str(node['cuda'] / 10) if node['cuda'] else 'no GPU driver'}; "
+             f"packages from {'its registry' if src == 'registry' else 'wheels carried from here'}")
+    reqs, index = _requirements(cfg, here, cuda)
+    with tempfile.TemporaryDirectory(prefix="wb-setup-") as tmp:
+        stage = Path(tmp) / "stage"
+        stage.mkdir()
+        _workbench_wheel(stage, progress)
+        (stage / "constraints.txt").write_text(_constraints())
+        reqs[0] = str(next(stage.glob("workbench-*.whl")).name) + reqs[0]
+        if src == "wheels":
+            _wheelhouse(stage, reqs, index, node, cfg, progress)
+        staged = node["venv"].rstrip("/") + ".setup"
+        size = sum(p.stat().st_size for p in stage.iterdir()) / 2**20
+        progress(f"{place.label}: copying {len(list(stage.iterdir()))} files ({size:,.0f} MB) "
+                 f"to {staged}")
+        _copy(place, stage, staged)
+    pip_args = ([f"{staged}/{reqs[0]}", *reqs[1:]]
+                + (["--no-index"] if src == "wheels" else
+                   ["--extra-index-url", index] if index else []))
+    cmd = (f"{shlex.quote(cfg.python)} -c {shlex.quote(INSTALL)} {shlex.quote(node['venv'])} "
+           f"{shlex.quote(staged)} {src} {shlex.quote(json.dumps(pip_args))}")
+    rc, lines = place.stream(place.wrap(cmd, cfg), progress, 3600)
+    line = next((ln for ln in lines if ln.startswith("WB-RESULT ")), None)
+    if rc != 0 or line is None:
+        why = next((ln[8:] for ln in lines if ln.startswith("WB-FAIL ")), _tail(lines))
+        raise SetupError(f"{place.label}: set-up failed, nothing recorded: {why}")
+    got: dict[str, Any] = json.loads(line.split(" ", 1)[1])
+    if cuda and not got["cuda"]:
+        raise SetupError(f"{place.label}: torch {got['torch']} sees no GPU (driver CUDA "
+                         f"{node['cuda'] / 10}); set install.torch of {ref} to a cuXYZ the driver "
+                         "supports")
+    if got["workbench"] != here["workbench"] or release(got["torch"]) != release(here["torch"]):
+        raise SetupError(f"{place.label}: got workbench {got['workbench']}, torch {got['torch']} "
+                         f"instead of {here['workbench']}, {here['torch']}; set install.torch of "
+                         f"{ref} to a build of {release(here['torch'])}")
+    return got
+
+
+def _cuda_build(cfg: InstallSpec, driver: int | None) -> str:
+    """The torch variant: ``cuXYZ`` for the node's driver (or as asked), ``""`` for CPU."""
+    if cfg.torch.startswith("cu"):
+        return cfg.torch
+    if cfg.torch == "cpu" or not driver or cfg.torch.startswith("torch"):
+        return ""
+    fits = [b for b in CUDA_BUILDS if b <= driver]
+    return f"cu{fits[-1]}" if fits else ""
+
+
+def _requirements(cfg: InstallSpec, here: dict[str, str], cuda: str) -> tuple[list[str], str]:
+    """(["[extras]", torch requirement], the extra index for torch or "")."""
+    extras = sorted(set(cfg.extras) | ({"gpu"} if cuda else set()))
+    torch = cfg.torch if cfg.torch.startswith("torch") else f"torch=={release(here['torch'])}"
+    index = ("" if cfg.torch_index == "none" else cfg.torch_index if cfg.torch_index != "auto"
+             else f"https://download.pytorch.org/whl/{cuda or 'cpu'}")
+    return [f"[{','.join(extras)}]" if extras else "", torch], index
+
+
+def _constraints() -> str:
+    """The notebook's versions of every package the target's environment may need."""
+    pins: dict[str, str] = {}
+    for d in distributions():
+        name = (d.metadata["Name"] or "").lower().replace("_", "-")
+        if (name and name not in NOT_PINNED and not name.startswith("nvidia-")
+                and d.read_text("direct_url.json") is None):
+            pins.setdefault(name, f"{name}=={d.version}")
+    return "\n".join(sorted(pins.values())) + "\n"
+
+
+def _workbench_wheel(out: Path, progress: Callable[[str], None]) -> None:
+    """A wheel of the Workbench this notebook imports: built from its checkout, or repacked from
+    the installed files when it is not one."""
+    root = Path(__file__).resolve().parents[2]  # above the workbench package
+    if (root / "pyproject.toml").is_file():
+        progress(f"building the Workbench wheel from {root}")
+        with tempfile.TemporaryDirectory(prefix="wb-src-") as src:
+            for name in ("pyproject.toml", "README.md"):
+                shutil.copy(root / name, src)
+            shutil.copytree(root / "workbench", Path(src) / "workbench",
+                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+            r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                                "--no-build-isolation", "-w", str(out), src],
+                               capture_output=True, text=True)
+            if r.returncode:
+                raise SetupError(f"building the Workbench wheel failed: {_tail(r.stderr.split())}")
+        return
+    _repack(out)
+
+
+def _repack(out: Path) -> None:
+    """The installed workbench distribution as a wheel (its RECORD lists its files)."""
+    import zipfile
+
+    dist = distribution("workbench")
+    files = [f for f in dist.files or [] if "__pycache__" not in f.parts]
+    whl = out / f"workbench-{dist.version}-py3-none-any.whl"
+    with zipfile.ZipFile(whl, "w", zipfile.ZIP_DEFLATED) as z:
+        for f in files:
+            p = Path(str(f.locate()))
+            if p.is_file() and f.name != "RECORD":
+                z.write(p, str(f))
+        info = next(str(f.parent) for f in files if f.name == "METADATA")
+        z.writestr(f"{info}/RECORD", "")
+
+
+def _wheelhouse(stage: Path, reqs: list[str], index: str, node: dict[str, Any],
+                cfg: InstallSpec, progress: Callable[[str], None]) -> None:
+    """Every wheel the target needs, into ``stage``, from a cache here (WORKBENCH_HOME/wheelhouse,
+    one folder per Python, platform and torch build) filled from this machine's registry."""
+    import sysconfig
+
+    tag = f"cp{node['python'].replace('.', '')}-{node['platform']}-{index.rsplit('/', 1)[-1] or 'any'}"
+    cache = home() / "wheelhouse" / tag
+    cache.mkdir(parents=True, exist_ok=True)
+    links = ["--find-links", str(cache), "--find-links", str(stage)]
+    if cfg.wheels:
+        links += ["--find-links", str(Path(cfg.wheels).expanduser())]
+    same = (node["platform"] == sysconfig.get_platform()
+            and node["python"] == "{}.{}".format(*sys.version_info[:2]))
+    if same:  # pip wheel also builds the packages PyPI has only as sources
+        cmd = [sys.executable, "-m", "pip", "wheel", "--progress-bar", "off", "-w", str(cache)]
+    else:
+        arch = node["platform"].split("-", 1)[-1]
+        minor = int((node["glibc"] or "2.17").split(".")[1])
+        plats = [f"manylinux_2_{m}_{arch}" for m in range(17, minor + 1)] + [f"linux_{arch}"]
+        cmd = [sys.executable, "-m", "pip", "download", "--progress-bar", "off", "-d", str(cache),
+               "--only-binary=:all:", "--python-version", node["python"], "--implementation", "cp"]
+        cmd += [a for p in plats for a in ("--platform", p)]
+    cmd += links + ["-c", str(stage / "constraints.txt"), str(stage / reqs[0]), *reqs[1:]]
+    cmd += ["--extra-index-url", index] if index else []
+    progress(f"downloading the wheels here into {cache} (kept for the next set-up)")
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode:
+        raise SetupError(f"no registry there and no wheels here: this machine could not get "
+                         f"them ({_tail(r.stderr.splitlines())}); put the wheels in a folder and "
+                         "set install.wheels to it")
+    for p in cache.glob("*.whl"):
+        if not p.name.startswith("workbench-"):
+            try:  # the install needs them beside the Workbench wheel
+                (stage / p.name).hardlink_to(p)
+            except OSError:
+                shutil.copy(p, stage / p.name)
+
+
+def _copy(place: _Place, local: Path, remote: str) -> None:
+    """``local``'s files into the folder ``remote`` there (tar over the transport, streamed)."""
+    tar = subprocess.Popen(["tar", "-C", str(local), "-cf", "-", "."], stdout=subprocess.PIPE)
+    q = shlex.quote(remote)
+    rc, lines = place.stream(f"rm -rf {q} && mkdir -p {q} && tar -C {q} -xf -", lambda _: None,
+                             1800, stdin=tar.stdout)
+    tar.wait()
+    if rc != 0 or tar.returncode != 0:
+        raise SetupError(f"{place.label}: copying the wheels to {remote} failed: {_tail(lines)}")
+
+
+def _tail(lines: list[str]) -> str:
+    text = " ".join(ln.strip() for ln in lines[-3:] if ln.strip())
+    return text[-400:] or "no output"
