@@ -65,7 +65,7 @@ def _recomputed_cents(status: dict) -> int:
     return math.ceil(round(seconds * 2 * PRICE / 3600 * 100, 6))
 
 
-@pytest.mark.parametrize("amount", ["nan", "inf", "-1", "0", "ten"])
+@pytest.mark.parametrize("amount", ["nan", "inf", "-1", "0", "ten", "1e300"])
 def test_a_bad_amount_is_refused_and_nothing_is_written(wallet_dir: Path, amount: str) -> None:
     with pytest.raises(CreditError, match="number"):
         workbench.credit(amount)  # type: ignore[arg-type]

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 OWNER = "owner"  # the wallet's one account in its ledger
+MAX_AMOUNT = 1e9  # currency units: far above any credit, far below what the ledger can keep
 # A run without its own budget.limit holds its planned cost times this, plus what it needs to stop
 # in time (plans can be short; the run stops at its hold and a resume holds again).
 HOLD_MARGIN = 1.5
@@ -117,8 +118,10 @@ class Wallet:
             return existing
         conf, db = wallet_files()
         wallet = cls(currency.upper(), 100, {**SETTINGS, **settings}, Ledger(f"sqlite:///{db}"))
-        wallet._save(wallet.settings)
+        # The account first: wallet.json is what makes the wallet exist, so it is never there
+        # without its account.
         wallet.ledger.open_account(OWNER, wallet.minor(amount), actor=_actor())
+        wallet._save(wallet.settings)
         return wallet
 
     def _save(self, settings: dict[str, Any]) -> None:
@@ -381,8 +384,9 @@ def _positive(amount: Any, what: str) -> float:
         value = float(amount)
     except (TypeError, ValueError):
         raise CreditError(f"{what} must be a number, got {amount!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise CreditError(f"{what} must be a finite number above zero, got {amount!r}")
+    if not 0 < value <= MAX_AMOUNT:
+        raise CreditError(f"{what} must be a number above zero and at most {MAX_AMOUNT:.0f}, "
+                          f"got {amount!r}")
     return value
 
 
