@@ -74,7 +74,7 @@ class RunCard {
     this.pick.addEventListener('change', () => panel.select(this.run.id, this.pick.checked));
     head.append(this.pick, this.nameNode, this.stateNode);
     this.metaNode.className = 'jp-WorkbenchRuns-meta';
-    this.distinctNode.className = 'jp-WorkbenchRuns-meta jp-WorkbenchRuns-distinct';
+    this.distinctNode.className = 'jp-WorkbenchRuns-distinct';
     this.errorNode.className = 'jp-WorkbenchRuns-error';
     this.spark.classList.add('jp-WorkbenchSpark');
     this.spark.setAttribute('role', 'img');
@@ -613,7 +613,7 @@ export class RunsPanel extends Widget {
         li.append(head, meta);
         if (e.money) {
           const money = document.createElement('div');
-          money.className = 'jp-WorkbenchRuns-meta jp-WorkbenchRuns-money';
+          money.className = 'jp-WorkbenchRuns-money';
           money.textContent = e.money;
           li.append(money);
         }
