@@ -120,7 +120,11 @@ def _reconciled(rt: dict[str, Any]) -> None:
     equal to credit + grants - the bills recomputed from the meter's times, never negative."""
     ledger = _ledger(rt)
     wait_until("every hold to settle", lambda: not ledger.holds(open_only=True), 600, rt["log"])
-    code, table = http("GET", rt["service"] + "students", rt["tokens"]["teacher"])
+    # A service the hub has just restarted answers through the proxy once it listens (503 before).
+    code, table = wait_until(
+        "the service to answer the instructor",
+        lambda: (lambda r: r if r[0] != 503 else None)(
+            http("GET", rt["service"] + "students", rt["tokens"]["teacher"])), 120, rt["log"])
     assert code == 200, table
     balances = {row["student"]: row["balance"] for row in table["students"]}
     kinds = {h.hold_id: h.kind for h in ledger.holds()}
