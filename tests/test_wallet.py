@@ -271,7 +271,7 @@ def test_a_keeper_killed_mid_way_is_started_again_and_the_endpoint_is_paid_to_it
         workbench.credit(0.25, "CNY", endpoint_price_per_hour=rate, endpoint_hold_minutes=0.1)
         paid = hold_first_block(None, "stand-in", folder)
         assert paid is not None
-        settle_start(paid, now, ok=True)  # up: the keeper's from here on
+        settle_start(paid, ok=True)  # up: the keeper's from here on
 
         def keeper() -> psutil.Process | None:
             for p in psutil.process_iter(["cmdline"]):

@@ -104,7 +104,7 @@ def deploy(source: Any, *more: Any, name: str | None = None, target: str = "loca
     from workbench.serve.metering import hold_first_block, settle_start
 
     paid = hold_first_block(_run_spec(sources[0], plan.run_ids), name, workdir)
-    started, ok = time.time(), False
+    ok = False
     try:
         endpoint = _start(serve_target, plan, registry, name, target, py, host, port, api_key,
                           max_model_len, lora_rank, on_cpu, extra_args, keep, gpus, workdir)
@@ -117,7 +117,7 @@ def deploy(source: Any, *more: Any, name: str | None = None, target: str = "loca
         ok = True
     finally:
         if paid is not None:  # the wallet's first block: charged if it failed, else metered
-            settle_start(paid, started, ok)
+            settle_start(paid, ok)
     return endpoint
 
 

@@ -35,7 +35,13 @@ from workbench.runs.wallet import (
     keeper_lock,
     release_taker,
 )
-from workbench.serve.endpoint import CREDIT_FILE, STOP_FILE
+from workbench.serve.endpoint import (
+    CREDIT_FILE,
+    LIVE_STATES,
+    STOP_FILE,
+    get_endpoint,
+    refresh_state,
+)
 
 RENEW_AHEAD_S = 30.0  # the next block is held this long (at most half a block) before one ends
 TICK_S = 2.0  # how often the wallet's keeper ticks
@@ -119,8 +125,6 @@ class BlockMeter:
 
     def stop(self, name: str, why: str, at: float | None = None) -> None:
         """Stop the endpoint and settle every open block of it for the time it was up."""
-        from workbench.serve.endpoint import get_endpoint
-
         try:
             ep = get_endpoint(name)
             # The reason first: whoever sees it stopped reads why.
@@ -158,7 +162,6 @@ def ended_at(name: str) -> float | None:
     """When the endpoint stopped, if it has; None while it is up. The time is the one in its
     guard's exit.json, read where the server ran; now (when the meter saw it gone) if that
     cannot be read."""
-    from workbench.serve.endpoint import LIVE_STATES, refresh_state
     from workbench.serve.remote import close_tunnel
     from workbench.serve.targets import get_serve_target
 
@@ -180,8 +183,6 @@ def requests_seen(name: str) -> tuple[float, float] | None:
     """(requests finished, requests running) from vLLM's Prometheus /metrics, reached through
     the endpoint's serve target (an SSH tunnel, a Slurm node's address); None: no reading
     (starting, stopped or not answering)."""
-    from workbench.serve.endpoint import get_endpoint
-
     try:
         ep = get_endpoint(name)
         req = urllib.request.Request(f"{ep.url}/metrics", headers=ep._headers())
@@ -228,15 +229,13 @@ def hold_first_block(spec: Any, name: str, endpoint_dir: Path) -> tuple[Wallet, 
     return wallet, hold_id
 
 
-def settle_start(paid: tuple[Wallet, int], started: float, ok: bool) -> None:
+def settle_start(paid: tuple[Wallet, int], ok: bool) -> None:
     """After a deploy's start: a failed one is charged the seconds it held the block; an
     endpoint that is up is the keeper's from now on (started here unless one runs)."""
     wallet, hold_id = paid
     if not ok:
-        block_s = float(wallet.settings["endpoint_hold_minutes"]) * 60
-        amount = next(h.amount for h in wallet.ledger.holds(OWNER) if h.hold_id == hold_id)
-        seconds = max(0.0, time.time() - started)
-        wallet.release(hold_id, min(amount, to_minor(amount * seconds / block_s, 1)),
+        hold = next(h for h in wallet.ledger.holds(OWNER) if h.hold_id == hold_id)
+        wallet.release(hold_id, wallet_meter(wallet).used(hold, time.time()),
                        "the endpoint did not start")
         return
     release_taker(hold_id)
