@@ -94,3 +94,17 @@ def test_the_checkouts_root_is_on_no_sys_path_so_kernels_is_not_importable():
                           "find_spec('kernels'); print(s and list(s.submodule_search_locations))"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and ours not in out.stdout, out.stdout + out.stderr
+
+
+def test_the_top_of_the_package_reads_as_the_architecture():
+    # Issue 36's target: at most about twelve top-level modules and packages (the version file
+    # and the asset folder are not rooms), each package saying in its docstring what it owns.
+    pkg = ROOT / "workbench"
+    rooms = sorted(p.name for p in pkg.iterdir()
+                   if p.name not in {"__init__.py", "_version.py", "assets"} and (p.suffix == ".py"
+                   or (p.is_dir() and (p / "__init__.py").exists())))
+    assert len(rooms) <= 13, rooms
+    for name in rooms:
+        init = pkg / name / "__init__.py"
+        if init.exists():
+            assert init.read_text().lstrip().startswith('"""'), f"{name} says nothing of itself"

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from workbench.runs.rundir import FAILED, RunDir
-from workbench.secrets import scrub, split_env, write_secret_env
 from workbench.spec import RunSpec
 from workbench.targets.backends.slurm import SlurmBackend
 from workbench.targets.named import SlurmTarget, TargetError
+from workbench.targets.secrets import scrub, split_env, write_secret_env
 
 SECRETS = {"HF_TOKEN": "hf_Zq8RkX3vLm2Tn9Wc4Yp7Hd1F",
            "WANDB_API_KEY": "0f1e2d3c4b5a69788796a5b4c3d2e1f0aa55",

@@ -9,7 +9,7 @@ from jupyter_client.manager import start_new_kernel
 def test_kernelspec_is_installed_with_its_display_name() -> None:
     spec = KernelSpecManager().get_kernel_spec("workbench")
     assert spec.display_name == "Python (Workbench)"
-    assert spec.argv[1:3] == ["-m", "workbench.kernels.kernel"]
+    assert spec.argv[1:3] == ["-m", "workbench.targets.kernels.kernel"]
 
 
 def test_kernel_starts_with_workbench_magics_loaded(wb_home) -> None:

@@ -104,7 +104,7 @@ class Watch:
 
 
 def _bill(kernel_id: str) -> dict:
-    from workbench.kernels.ledger import sessions
+    from workbench.targets.kernels.ledger import sessions
 
     (bill,) = [s for s in sessions() if s["kernel_id"] == kernel_id]
     return bill
@@ -120,7 +120,7 @@ def _runs(proc: psutil.Process) -> bool:
 
 def _kernel_process(kernel_id: str) -> psutil.Process:
     (proc,) = [p for p in processes_with(kernel_id)
-               if "workbench.kernels.remote_kernel" in " ".join(p.cmdline())]
+               if "workbench.targets.kernels.remote_kernel" in " ".join(p.cmdline())]
     return proc
 
 

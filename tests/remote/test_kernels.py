@@ -172,7 +172,7 @@ def test_slurm_kernel_runs_in_its_allocation_and_ends_with_it(kernels, cluster):
     _gone(_kernel_jobs, "a kernel allocation is left in squeue")
     _gone(lambda: processes_with(km.kernel_id), "a kernel process or tunnel is left")
 
-    from workbench.kernels.ledger import sessions
+    from workbench.targets.kernels.ledger import sessions
 
     bills = [s for s in sessions() if s["kernel_id"] == km.kernel_id]
     assert [b["job"] for b in bills] == [job, job2] and all(b["ended"] for b in bills)
@@ -256,7 +256,7 @@ def test_idle_kernel_is_culled_and_its_bill_closed(kernels):
         _gone(lambda: processes_with(km.kernel_id), "the culled kernel still runs")
     finally:
         km.shutdown_kernel(now=True)
-    from workbench.kernels.ledger import sessions
+    from workbench.targets.kernels.ledger import sessions
 
     (bill,) = [s for s in sessions() if s["kernel_id"] == km.kernel_id]
     assert bill["ended"] and bill["reason"].startswith("culled")
@@ -277,7 +277,7 @@ def test_a_kernel_stops_within_its_budget_and_cannot_start_past_it(kernels, clus
         _gone(lambda: _squeue_of(job), f"job {job} still holds its GPU after the budget stop")
     finally:
         km.shutdown_kernel(now=True)
-    from workbench.kernels.ledger import sessions
+    from workbench.targets.kernels.ledger import sessions
 
     (bill,) = [s for s in sessions() if s["kernel_id"] == km.kernel_id]
     info = subprocess.run(["scontrol", "show", "job", "-o", bill["job"]], capture_output=True,

@@ -183,7 +183,7 @@ def _targets_setup(args: argparse.Namespace) -> Any:
 
 
 def _kernels(args: argparse.Namespace) -> Any:
-    from workbench.kernels.specs import install_kernel, kernels_table, remove_kernel
+    from workbench.targets.kernels.specs import install_kernel, kernels_table, remove_kernel
 
     if args.kernels_command == "install":
         name = install_kernel(args.target, gpus=args.gpus, time=args.time,

@@ -111,9 +111,9 @@ def evaluate_on_slurm(job: Any, tasks: list[Any], endpoint: str | None) -> EvalR
     """A Slurm run: ``srun`` from the login node, one task in a job of its own on the run's
     partition; the lines go to the run directory of record (the cluster's workdir copy, then
     fetched into the mirror, or this one used in place)."""
-    from workbench.secrets import env_file_path, remote_quote, split_env
     from workbench.targets.backends.remote import load_placement
     from workbench.targets.backends.slurm_script import eval_srun_command
+    from workbench.targets.secrets import env_file_path, remote_quote, split_env
 
     backend = job.backend
     target, transport = backend.target, backend.transport

@@ -163,7 +163,7 @@ def _launch(spec: RunSpec | dict | str | Path | None, force: bool,
             registry: Registry | None) -> Job:
     spec = RunSpec.coerce(spec)
     if "target" not in spec.model_fields_set and os.environ.get(KERNEL_TARGET_ENV):
-        # In a remote kernel (workbench.kernels) a spec that names no target runs where it is.
+        # In a remote kernel (workbench.targets.kernels) a spec that names no target runs where it is.
         spec = spec.updated(target=os.environ[KERNEL_TARGET_ENV])
     registry = registry or Registry()
     backend = get_backend(spec.target)

@@ -5,7 +5,7 @@ The supervisor writes RUN_DIR/reproduce.zip when a run ends: spec, plan, status,
 checksums of every snapshot and final artefact. :func:`compare_bundle` (``workbench reproduce
 BUNDLE``) re-creates the RunSpec and reports how the current environment differs.
 
-Secrets never enter a bundle: what :mod:`workbench.secrets` finds secret (values of environment
+Secrets never enter a bundle: what :mod:`workbench.targets.secrets` finds secret (values of environment
 variables whose names look secret, token-shaped strings) is replaced by ``***`` in every text file
 before it is written.
 """
@@ -26,8 +26,8 @@ from typing import Any
 from workbench.errors import WorkbenchError
 from workbench.runs.rundir import RunDir
 from workbench.runs.snapshots import sha256_file as _sha256
-from workbench.secrets import scrub, secret_values
 from workbench.spec import RunSpec
+from workbench.targets.secrets import scrub, secret_values
 
 BUNDLE = "reproduce.zip"
 _TEXT_SUFFIXES = {".log", ".json", ".jsonl", ".yaml", ".yml", ".txt", ".out", ".md", ".sbatch",

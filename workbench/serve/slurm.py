@@ -27,8 +27,8 @@ if TYPE_CHECKING:
 def serve_sbatch_script(target: SlurmTarget, server_dir: str, job_name: str, env: dict[str, str],
                         command: list[str], gpus: int) -> str:
     """The batch script that runs one endpoint's guard (and vLLM) in a one-node job."""
-    from workbench.secrets import MASK, env_file_path, remote_quote, split_env
     from workbench.targets.backends.slurm import allocation_lines
+    from workbench.targets.secrets import MASK, env_file_path, remote_quote, split_env
 
     # Secret values (the target's tokens, the endpoint's API key) stay in a 0600 file beside the
     # endpoint folder (write_secret_env in start): never in serve.sbatch, which is shown and kept.
@@ -92,7 +92,7 @@ class SlurmServeTarget(_Remote):
                                      gpus)
         (workdir / "serve.sbatch").write_text(script, encoding="utf-8")
         self._upload_folder_files(workdir, sdir)
-        from workbench.secrets import write_secret_env
+        from workbench.targets.secrets import write_secret_env
 
         write_secret_env(self.transport(), {**self.target.env, **env}, sdir)
         (workdir / "cache").mkdir(exist_ok=True)

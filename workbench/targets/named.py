@@ -40,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from workbench.errors import TargetError
 from workbench.runs.home import home
-from workbench.secrets import remote_quote, split_env
+from workbench.targets.secrets import remote_quote, split_env
 
 if TYPE_CHECKING:
     from workbench.spec import RunSpec
@@ -128,9 +128,9 @@ class _TargetBase(SSHOptions):
                             extra: dict[str, str] | None = None) -> str:
         """:meth:`shell_prefix` for commands run through ``transport``, secrets included: the
         secret entries of ``env`` (and of ``extra``) go through stdin into an owner-only file
-        beside ``place`` (workbench.secrets.env_file_path), which the command sources. The plain
+        beside ``place`` (workbench.targets.secrets.env_file_path), which the command sources. The plain
         entries of ``extra`` are exported inline after it."""
-        from workbench.secrets import write_secret_env
+        from workbench.targets.secrets import write_secret_env
 
         extra = extra or {}
         env_file = write_secret_env(transport, {**self.env, **extra}, place)

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from workbench.runs.rundir import CANCEL_REQUESTED, RunDir, write_json_atomic
-from workbench.secrets import remote_quote
 from workbench.targets.backends.transport import (  # noqa: F401  (re-exported)
     LocalTransport,
     Result,
@@ -28,6 +27,7 @@ from workbench.targets.backends.transport import (  # noqa: F401  (re-exported)
     ssh_option_value,
 )
 from workbench.targets.named import TargetError
+from workbench.targets.secrets import remote_quote
 
 # The remote run directory is authoritative for these; the local copy is a mirror.
 MIRRORED = ("status.json", "metrics.jsonl", "eval.jsonl")

@@ -36,7 +36,6 @@ from workbench.runs.rundir import (
     RunDir,
     cancelled_state,
 )
-from workbench.secrets import env_file_path, remote_quote, scrub, secret_values, write_secret_env
 from workbench.spec import RunSpec
 from workbench.targets.backends.remote import (
     MAX_CHUNK,
@@ -66,6 +65,7 @@ from workbench.targets.backends.slurm_script import (  # noqa: F401  (re-exporte
 )
 from workbench.targets.check import TargetReport, register_check
 from workbench.targets.named import SlurmTarget, TargetError, get_target
+from workbench.targets.secrets import env_file_path, remote_quote, scrub, secret_values, write_secret_env
 
 
 class SlurmBackend:

@@ -2,7 +2,7 @@
 
 :func:`sbatch_script` writes the batch script (one supervisor per node through ``srun``, the
 rendezvous on the first node, ``--requeue``, and no secret: the target's secret ``env`` is sourced
-from a 0600 file, :mod:`workbench.secrets`); :func:`allocation_lines` are the #SBATCH lines a run,
+from a 0600 file, :mod:`workbench.targets.secrets`); :func:`allocation_lines` are the #SBATCH lines a run,
 an endpoint and an evaluation share (:func:`eval_srun_command`: ``job.evaluate`` in an allocation
 of its own); :func:`parse_scontrol` reads ``scontrol show job -o``. The backend that
 submits and watches the job is :mod:`workbench.targets.backends.slurm`.
@@ -14,7 +14,7 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from workbench.secrets import MASK, env_file_path, remote_quote, split_env
+from workbench.targets.secrets import MASK, env_file_path, remote_quote, split_env
 
 if TYPE_CHECKING:
     from workbench.spec import RunSpec

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from workbench.secrets import remote_quote
 from workbench.targets.named import HostSpec, SSHOptions, TargetError
+from workbench.targets.secrets import remote_quote
 
 
 @dataclass

@@ -1,14 +1,14 @@
 """The kernel process on the target: "Python (Workbench)" plus what its provisioner reads back.
 
-``python -m workbench.kernels.remote_kernel -f CONNECTION_FILE`` runs on the SSH host (or as the
-Slurm step) that :mod:`workbench.kernels.placement` chose. Beside the connection file it writes
+``python -m workbench.targets.kernels.remote_kernel -f CONNECTION_FILE`` runs on the SSH host (or as the
+Slurm step) that :mod:`workbench.targets.kernels.placement` chose. Beside the connection file it writes
 ``identity.json`` (this process's :class:`~workbench.runs.procs.ProcessIdentity`, so the provisioner
 signals this very process and never a reused PID) and keeps ``activity.json`` current
 (``{"busy": bool, "since": time}``, rewritten before and after every cell) for the idle cull.
 With ``WORKBENCH_KERNEL_ORPHAN_S`` set (the provisioner sets it) it watches its client's heartbeat
-and ends itself once the client is gone (:mod:`workbench.kernels.heartbeat`); any exit it makes
+and ends itself once the client is gone (:mod:`workbench.targets.kernels.heartbeat`); any exit it makes
 itself is recorded in ``ended.json``, which the bill of a client that died is settled from.
-Everything else is :mod:`workbench.kernels.kernel`: the magics, widgets and startup imports.
+Everything else is :mod:`workbench.targets.kernels.kernel`: the magics, widgets and startup imports.
 """
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ import sys
 import time
 from pathlib import Path
 
-from workbench.kernels.heartbeat import ENDED_FILE, ORPHAN_ENV, watch
-from workbench.kernels.heartbeat import write_json as _write
+from workbench.targets.kernels.heartbeat import ENDED_FILE, ORPHAN_ENV, watch
+from workbench.targets.kernels.heartbeat import write_json as _write
 
 
 def main(argv: list[str] | None = None) -> None:
     from ipykernel.kernelapp import IPKernelApp
 
-    from workbench.kernels.kernel import STARTUP_LINES
     from workbench.runs.procs import ProcessIdentity
+    from workbench.targets.kernels.kernel import STARTUP_LINES
 
     argv = sys.argv[1:] if argv is None else argv
     conn = Path(argv[argv.index("-f") + 1]).expanduser()

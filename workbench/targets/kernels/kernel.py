@@ -1,6 +1,6 @@
 """The "Python (Workbench)" kernel: ipykernel with the workbench magics loaded and widgets imported.
 
-``kernels/workbench/kernel.json`` starts ``python -m workbench.kernels.kernel -f CONNECTION_FILE``;
+``kernels/workbench/kernel.json`` starts ``python -m workbench.targets.kernels.kernel -f CONNECTION_FILE``;
 every ipykernel option still works on that command line. In the kernel, ``%workbench status``,
 ``%%runspec`` and ``%workbench_form`` work at once, and ``workbench``, ``RunSpec`` and ``RunForm``
 are already imported.

@@ -6,12 +6,12 @@ wait_s), and the entry point ``jupyter_client.kernel_provisioners`` in pyproject
 Jupyter find it. For each start it:
 
 1. checks the target (an unreachable host or a Python without ipykernel is refused with what to do);
-2. starts the kernel there (:mod:`workbench.kernels.placement`) with the KernelManager's key and
+2. starts the kernel there (:mod:`workbench.targets.kernels.placement`) with the KernelManager's key and
    ``WORKBENCH_TARGET`` set (``workbench.launch`` in the kernel then defaults to that target);
-3. forwards its five ports to this machine's loopback (:mod:`workbench.kernels.tunnel`); a Slurm
+3. forwards its five ports to this machine's loopback (:mod:`workbench.targets.kernels.tunnel`); a Slurm
    target whose notebook runs on the login node connects to the node directly;
-4. opens the session's bill (:mod:`workbench.kernels.ledger`), rewritten at every poll;
-5. beats the kernel's heartbeat (:mod:`workbench.kernels.heartbeat`) until the kernel is released:
+4. opens the session's bill (:mod:`workbench.targets.kernels.ledger`), rewritten at every poll;
+5. beats the kernel's heartbeat (:mod:`workbench.targets.kernels.heartbeat`) until the kernel is released:
    a client that dies or exits without shutting the kernel down stops beating, and the kernel ends
    itself (on Slurm with its allocation); the bill is then settled from what the target saw.
 
@@ -39,10 +39,10 @@ from jupyter_client.provisioning.provisioner_base import KernelProvisionerBase
 from traitlets import Float, Integer, Unicode
 
 from workbench.errors import RemoteKernelError, TargetError
-from workbench.kernels.heartbeat import ORPHAN_AFTER_S, ORPHAN_ENV, Beater, beat_command
-from workbench.kernels.ledger import Session, settle
-from workbench.kernels.placement import SlurmPlacement, SSHPlacement
-from workbench.kernels.tunnel import Tunnel
+from workbench.targets.kernels.heartbeat import ORPHAN_AFTER_S, ORPHAN_ENV, Beater, beat_command
+from workbench.targets.kernels.ledger import Session, settle
+from workbench.targets.kernels.placement import SlurmPlacement, SSHPlacement
+from workbench.targets.kernels.tunnel import Tunnel
 
 NAME = "workbench-remote"
 POLL_EVERY_S = 1.0  # jupyter_client polls every 0.1 s while it waits: one remote look per second
@@ -215,7 +215,7 @@ class WorkbenchProvisioner(KernelProvisionerBase):  # type: ignore[misc]
         settle(self.kernel_id)  # a past session whose client died is billed as the target saw it
         if self.budget_limit <= 0:
             return
-        from workbench.kernels.ledger import hourly_price, spent
+        from workbench.targets.kernels.ledger import hourly_price, spent
 
         price, currency = hourly_price(self.target, self.gpus)
         if price <= 0:
@@ -234,7 +234,7 @@ class WorkbenchProvisioner(KernelProvisionerBase):  # type: ignore[misc]
         while what it has cost plus a poll and its release still fit under the limit."""
         if self.budget_limit <= 0 or self.session is None:
             return None
-        from workbench.kernels.ledger import spent
+        from workbench.targets.kernels.ledger import spent
 
         d = self.session.data
         used = spent(self.kernel_id) + float(d["cost"])

@@ -72,7 +72,7 @@ class Beater:
 
 def beat_command(folder: str, n: int) -> str:
     """The shell command that writes beat ``n`` into the kernel's ``folder`` on the target."""
-    from workbench.secrets import remote_quote
+    from workbench.targets.secrets import remote_quote
 
     path = remote_quote(f"{folder.rstrip('/')}/{HEARTBEAT_FILE}")
     return f"umask 077; printf '%s %s' {n} {time.time():.3f} > {path}"

@@ -105,14 +105,14 @@ class Session:
 
 def settle(kernel_id: str | None = None) -> None:
     """Close the open sessions (of ``kernel_id``, or all) whose client is gone, with the kernel's
-    life as its target saw it (:func:`workbench.kernels.observe.observe`). A kernel that still
+    life as its target saw it (:func:`workbench.targets.kernels.observe.observe`). A kernel that still
     runs is billed up to now and stays open; one whose end the target did not record is billed
     up to its last bill plus heartbeat.BOUND_S, the longest it can have outlived its client; a
     target that cannot be reached is asked again at the next settle."""
     from workbench.errors import RemoteKernelError, TargetError
-    from workbench.kernels.heartbeat import BOUND_S
-    from workbench.kernels.observe import observe
     from workbench.runs.procs import ProcessIdentity
+    from workbench.targets.kernels.heartbeat import BOUND_S
+    from workbench.targets.kernels.observe import observe
 
     for path in sorted(sessions_dir().glob("*.json")) if sessions_dir().is_dir() else []:
         try:

@@ -1,6 +1,6 @@
 """What a target saw of one kernel session: whether the kernel still runs, when it started and ended.
 
-:func:`observe` takes a session's record (:mod:`workbench.kernels.ledger`) and asks the target
+:func:`observe` takes a session's record (:mod:`workbench.targets.kernels.ledger`) and asks the target
 itself, with no provisioner, tunnel or client involved, so a bill can be settled after the client
 that kept it is gone:
 
@@ -8,7 +8,7 @@ that kept it is gone:
   ``scontrol show job`` where accounting is off (slurmctld keeps an ended job for ``MinJobAge``);
   a job neither knows any more leaves the kernel's own ``ended.json`` (on the shared filesystem);
 - SSH: the kernel process's start as the host recorded it (its identity) and, once it no longer
-  runs, the end it wrote in ``ended.json`` when it exited (see :mod:`workbench.kernels.heartbeat`).
+  runs, the end it wrote in ``ended.json`` when it exited (see :mod:`workbench.targets.kernels.heartbeat`).
 
 The answer is ``{"alive": bool, "started": epoch|None, "ended": epoch|None, "how": str}``;
 ``ended`` is None where the target kept no record of the end. A target that cannot be reached
@@ -22,9 +22,9 @@ import shlex
 from typing import Any
 
 from workbench.errors import RemoteKernelError, TargetError
-from workbench.kernels.heartbeat import ENDED_FILE
-from workbench.kernels.placement import SEP, SSHPlacement, slurm_epoch
 from workbench.targets.backends.remote import LocalTransport, SSHTransport, Transport
+from workbench.targets.kernels.heartbeat import ENDED_FILE
+from workbench.targets.kernels.placement import SEP, SSHPlacement, slurm_epoch
 from workbench.targets.named import SlurmTarget, SSHTarget, get_target
 
 

@@ -2,7 +2,7 @@
 
 ``workbench kernels install slurm:gpu --gpus 1 --time 2h`` writes ``workbench-slurm-gpu`` with
 the display name "Workbench on gpu (1 GPU)" and, in ``metadata.kernel_provisioner``, the
-:mod:`workbench.kernels.provisioner` and its config; JupyterLab's launcher lists it like any
+:mod:`workbench.targets.kernels.provisioner` and its config; JupyterLab's launcher lists it like any
 kernel. The kernelspec's ``argv`` is the command the provisioner runs on the target (for people
 reading it; the provisioner builds it). ``list_kernels`` and ``remove_kernel`` see only the
 kernelspecs written here (their ``metadata.workbench`` says so).
@@ -23,8 +23,8 @@ from typing import Any
 from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 
 from workbench.errors import WorkbenchError
-from workbench.kernels.placement import MODULE
-from workbench.kernels.provisioner import NAME as PROVISIONER
+from workbench.targets.kernels.placement import MODULE
+from workbench.targets.kernels.provisioner import NAME as PROVISIONER
 from workbench.targets.named import get_target
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
@@ -122,7 +122,7 @@ def remove_kernel(name: str) -> str:
 def kernels_table() -> str:
     """The installed kernels: TIME LIMIT is the Slurm allocation's ``--time`` ("none" on SSH, where
     nothing limits it), HELD the time its target's kernel sessions held it (ledger, settled)."""
-    from workbench.kernels.ledger import sessions
+    from workbench.targets.kernels.ledger import sessions
 
     held: dict[str, float] = {}
     running: dict[str, int] = {}

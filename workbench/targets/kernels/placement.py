@@ -1,9 +1,9 @@
 """Where a remote kernel runs: start it on an SSH host or in a Slurm allocation, watch it, stop it.
 
 A placement owns the kernel process on the target and nothing on this machine (the port
-forwarding is :mod:`workbench.kernels.tunnel`). Both kinds write the connection file (key from the
+forwarding is :mod:`workbench.targets.kernels.tunnel`). Both kinds write the connection file (key from the
 KernelManager, ports 0 so ipykernel binds free ones and writes them back) into a private folder on
-the target, start ``python -m workbench.kernels.remote_kernel`` with ``WORKBENCH_TARGET`` set, and
+the target, start ``python -m workbench.targets.kernels.remote_kernel`` with ``WORKBENCH_TARGET`` set, and
 read back the ports, the kernel's :class:`~workbench.runs.procs.ProcessIdentity` and its activity.
 
 - :class:`SSHPlacement`: the first host of an ``ssh:`` target; the kernel is started detached
@@ -22,11 +22,11 @@ import time
 from typing import Any
 
 from workbench.errors import RemoteKernelError, TargetError
-from workbench.secrets import split_env, write_secret_env
 from workbench.targets.backends.remote import SSHTransport, Transport
 from workbench.targets.named import SlurmTarget, SSHTarget
+from workbench.targets.secrets import split_env, write_secret_env
 
-MODULE = "workbench.kernels.remote_kernel"
+MODULE = "workbench.targets.kernels.remote_kernel"
 PORTS = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
 TAG = "WORKBENCH-KERNEL "
 SEP = "WORKBENCH-NEXT-FILE"
@@ -35,7 +35,7 @@ SEP = "WORKBENCH-NEXT-FILE"
 CHECK = r'''
 import importlib, json
 out = {}
-for mod in ("ipykernel", "workbench.kernels.kernel"):
+for mod in ("ipykernel", "workbench.targets.kernels.kernel"):
     try:
         importlib.import_module(mod)
     except Exception as exc:
@@ -243,8 +243,8 @@ class SlurmPlacement:
         return info, found
 
     def script(self, env: dict[str, str]) -> str:
-        from workbench.secrets import MASK, env_file_path
         from workbench.targets.backends.slurm_script import allocation_lines
+        from workbench.targets.secrets import MASK, env_file_path
 
         t, d = self.target, self.dir
         plain, secret = split_env(t.env)
