@@ -18,6 +18,8 @@ import shutil
 import signal
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -158,6 +160,38 @@ def test_a_students_evaluate_resume_and_deploy_go_through_the_service(
         (hub["state"] / "home" / "endpoints").iterdir())
     assert a.endpoints() == []
     assert a.me()["balance"] == me["balance"] - view["charge"]  # neither held nor charged
+
+
+def test_a_students_endpoint_serves_the_services_copies_and_bills_the_seconds_up(
+        hub: dict[str, Any], a_launched: dict[str, Any]) -> None:
+    """Granted enough for an endpoint's first block, A deploys the run: the service serves its
+    own copies of A's adapter (vLLM names none of A's files), only A's key reaches it, and the
+    undeploy charges the seconds it was up."""
+    a, teacher, run_id = hub["client"]["a"], hub["client"]["teacher"], a_launched["run"]
+    teacher.grant(hub["users"]["a"], 1001, note="an endpoint's first hour")
+    before = a.me()
+    started = time.time()
+    ep = a.deploy([run_id], name="home")
+    assert ep.name == f"home.{hub['users']['a']}" and ep.view["state"] == "healthy"
+    assert a.me()["held"] == before["held"] + 100_000  # one block: 1000 CNY, in fen
+    servers = [p for p in psutil.process_iter(["cmdline"])
+               if "--lora-modules" in (p.info["cmdline"] or []) and ep.name in " ".join(
+                   p.info["cmdline"] or [])]
+    assert servers, "no vLLM process serves the endpoint"
+    cmdline = " ".join(servers[0].info["cmdline"])
+    assert str(hub["state"] / "serving" / ep.name) in cmdline
+    assert "/students/" not in cmdline  # nothing of A's space is opened by the server
+    assert ep.chat("Say hi", max_tokens=4)  # with A's key, from A's view
+    keyless = urllib.request.Request(f"{ep.url}/v1/models")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(keyless, timeout=30)
+    assert refused.value.code == 401
+    view = a.undeploy(ep.name)
+    up = time.time() - started
+    assert view["held"] == 0
+    # 1000 CNY an hour is 100000 fen in 3600 s: about 27.8 fen a second it was up.
+    assert 0 < view["charged"] <= math.ceil(up * 100_000 / 3600) + 1, (view, up)
+    assert a.me()["balance"] == before["balance"] - view["charged"]
 
 
 def _sweeps_on_disk(hub: dict[str, Any]) -> list[str]:

@@ -202,8 +202,10 @@ def test_every_course_endpoint_gets_a_key_of_its_own(course_home: dict,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A course deploy always asks workbench.serve.deploy for a key, a new one each time, so a
     classmate on the same hub machine cannot use (or bill, or keep alive) someone's endpoint.
-    The real vLLM behind the key is tested in tests/serve; here deploy is replaced by a recorder
-    (vLLM takes 50-100 s to start here) and what is under test is what the meter asks for."""
+    The real path (the plan made as a real student, vLLM behind the key) is tested on the hub
+    (test_course.py); here deploy, and the plan the worker would make as the student, are
+    replaced by recorders, and what is under test is what the meter asks for."""
+    import workbench.course.endpoints as endpoints
     import workbench.serve as serve
 
     meter = _meter(course_home["root"], credit=5)
@@ -219,6 +221,8 @@ def test_every_course_endpoint_gets_a_key_of_its_own(course_home: dict,
         return _Up()
 
     monkeypatch.setattr(serve, "deploy", recorder)
+    monkeypatch.setattr(endpoints, "student_plan", lambda course, student, runs: None)
+    monkeypatch.setattr(endpoints, "copies", lambda course, student, plan, dest: None)
     meter.deploy("ana", ["r1"], name="one")
     meter.undeploy("ana", "one.ana")
     meter.deploy("ana", ["r1"], name="two")

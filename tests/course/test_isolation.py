@@ -324,3 +324,72 @@ def test_a_link_to_another_students_file_reads_as_nothing(classroom: dict) -> No
     os.chown(own, pwd.getpwnam(ana).pw_uid, -1)
     assert read_json(str(own), ana) == {"state": "succeeded"}
     assert read_json(str(bens), ana) == {}  # ben's own file, asked for as ana's
+
+
+def _adapter(course: Course, student: str, base: str = "builtin:tiny-llama") -> Path:
+    """A run folder of the student's with a peft adapter in it (the files save_pretrained
+    writes; vLLM is not started, so the weights' bytes are not read as a model)."""
+    run = ensure_space(course, student) / "runs" / f"r-{secrets.token_hex(3)}"
+    adapter = run / "adapter"
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_config.json").write_text(json.dumps(
+        {"base_model_name_or_path": base, "r": 4, "peft_type": "LORA"}))
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights of " + student.encode())
+    uid = pwd.getpwnam(student).pw_uid
+    for p in [run.parent, run, adapter, *adapter.iterdir()]:
+        os.chown(p, uid, -1, follow_symlinks=False)
+    return run
+
+
+def test_an_endpoint_serves_copies_of_the_students_own_files_and_nothing_through_a_link(
+        classroom: dict, tmp_path: Path) -> None:
+    """The serving plan is made as the student; the service serves its own copies of the
+    student's files, refusing a link, another's file or a base that is not the course's."""
+    from workbench.course.serving import copies, student_plan
+    from workbench.spec.models import resolve_model
+
+    course = classroom["course"]()
+    ana, ben = classroom["users"]["ana"], classroom["users"]["ben"]
+    run = _adapter(course, ana)
+    plan = copies(course, ana, student_plan(course, ana, [str(run / "adapter")]), tmp_path / "ok")
+    assert plan.model == resolve_model("builtin:tiny-llama")
+    served = plan.adapters[0].path
+    assert served.parent == tmp_path / "ok"
+    assert (served / "adapter_model.safetensors").read_bytes() == b"weights of " + ana.encode()
+    assert served.stat().st_uid == os.geteuid()  # the service's copy, not the student's file
+
+    # Ben's secret, which ana's links point at.
+    secret = ensure_space(course, ben) / "secret.jinja"
+    secret.write_text("ben's private data")
+    os.chown(secret, pwd.getpwnam(ben).pw_uid, -1)
+    linked = _adapter(course, ana)
+    (linked / "adapter" / "chat_template.jinja").symlink_to(secret)
+    with pytest.raises(CourseError, match="chat_template.jinja cannot be read by you"):
+        copies(course, ana, student_plan(course, ana, [str(linked / "adapter")]), tmp_path / "link")
+    assert not any("ben's" in p.read_text(errors="replace")
+                   for p in (tmp_path / "link").rglob("*") if p.is_file())
+    # A link ana may follow herself (to her own file) is still not copied through.
+    own = _adapter(course, ana)
+    (own / "adapter" / "chat_template.jinja").symlink_to(own / "adapter" / "adapter_config.json")
+    with pytest.raises(CourseError, match="chat_template.jinja is a link"):
+        copies(course, ana, student_plan(course, ana, [str(own / "adapter")]), tmp_path / "own")
+
+    # A base that is ben's model folder (or any folder outside ana's space) is not served.
+    bens_model = ensure_space(course, ben) / "model"
+    bens_model.mkdir()
+    (bens_model / "config.json").write_text("{}")
+    foreign = _adapter(course, ana, base=str(bens_model))
+    with pytest.raises(CourseError, match="model cannot be read by you"):
+        copies(course, ana, student_plan(course, ana, [str(foreign / "adapter")]), tmp_path / "foreign")
+    elsewhere = classroom["root"] / f"model-{secrets.token_hex(3)}"  # ana may read it
+    elsewhere.mkdir()
+    (elsewhere / "config.json").write_text("{}")
+    outside = _adapter(course, ana, base=str(elsewhere))
+    with pytest.raises(CourseError, match="neither one of the course's models .* nor a folder"):
+        copies(course, ana, student_plan(course, ana, [str(outside / "adapter")]), tmp_path / "out")
+
+    # A file in ana's adapter that is not hers (put there by someone else) is not copied.
+    planted = _adapter(course, ana)
+    (planted / "adapter" / "extra.bin").write_bytes(b"root's")  # owned by the test's root
+    with pytest.raises(CourseError, match="extra.bin is not the student's own file"):
+        copies(course, ana, student_plan(course, ana, [str(planted / "adapter")]), tmp_path / "planted")

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.course.desk import SERVICE_ACTOR, CourseDesk, Forbidden
+from workbench.course.serving import copies, student_plan
 from workbench.errors import (
     CourseError,
     EndpointNotFoundError,
@@ -68,6 +69,9 @@ class EndpointMeter:
             raise CourseError("name the run(s) to deploy: workbench.deploy(job)")
         dirs = [Path(self.desk._visible(student, run_id).run_dir or "") for run_id in runs]
         options = {k: v for k, v in (options or {}).items() if k in ("merge", "max_model_len")}
+        if options.get("merge"):
+            raise CourseError("a course endpoint serves the adapter on its base; merge is not "
+                              "offered (deploy without merge)")
         with self.desk._lock(student):
             live = self._live_names(student)
             if len(live) >= self.course.caps.endpoints:
@@ -77,6 +81,11 @@ class EndpointMeter:
             # Endpoint names are one namespace in the service: the name (no dot in it) then the
             # student, so two students' names can never meet.
             name = f"{_endpoint_name(name or runs[-1])}.{student}"
+            if name in live:
+                raise CourseError(f"endpoint {name} is up; undeploy it first or pick another name")
+            # Planned as the student, served from the service's copies (workbench.course.serving).
+            plan = copies(self.course, student, student_plan(self.course, student, runs),
+                          self.course.state / "serving" / name)
             amount = self.course.minor(price * self.block_s / 3600)
             hold_id = self.desk._hold(student, amount, f"deploy {name}")
             started = time.time()
@@ -90,7 +99,7 @@ class EndpointMeter:
             # Every course endpoint wants its own key, even on loopback: the hub machine is
             # shared, and only the owner's view (and instructors') carries it.
             ep = deploy(*dirs, name=name, keep=True, progress=False, api_key=secrets.token_urlsafe(24),
-                        target=self.course.serve_target, **options)
+                        target=self.course.serve_target, plan=plan, **options)
         except BaseException:
             self.ledger.settle(hold_id, min(amount, self.course.minor(
                 price * (time.time() - started) / 3600)), actor=SERVICE_ACTOR,

@@ -13,7 +13,8 @@ model folder and reward code are read and run with the student's rights only.
 Requests: ``quote`` (plan a spec: cost, hours), ``launch`` (a priced spec), ``spec`` (a run's
 spec and what it billed itself), ``resume`` (a run, changes), ``cancel`` (a run), ``evaluate``
 (a run, tasks, max_samples, max_new_tokens, limit_s: the ``workbench eval`` table on stdout
-before the answer), ``whoami``.
+before the answer), ``serve_plan`` (runs, or adapter folders: what an endpoint of them would
+serve, read with the student's rights), ``whoami``.
 """
 
 from __future__ import annotations
@@ -57,6 +58,13 @@ def handle(request: dict[str, Any]) -> dict[str, Any]:
         from workbench.spec import RunSpec
 
         return _job_answer(launch(RunSpec.parse(request["spec"]), registry=Registry()))
+    if verb == "serve_plan":
+        from workbench.course.serving import plan_to_data
+        from workbench.runs.jobs import get_job
+        from workbench.serve.sources import plan_serving
+
+        sources = [Path(s) if s.startswith("/") else get_job(s) for s in map(str, request["runs"])]
+        return {"plan": plan_to_data(plan_serving(sources))}
     from workbench.runs.jobs import get_job
 
     job = get_job(str(request["run"]))
@@ -113,6 +121,9 @@ def main() -> int:
         answer = handle(request)
     except WorkbenchError as exc:
         answer = {"error": getattr(exc, "kind", type(exc).__name__), "message": str(exc)}
+    except PermissionError as exc:  # a link to what the student may not read, followed as them
+        answer = {"error": "CourseError",
+                  "message": f"{exc.filename} cannot be read by you ({exc.strerror})"}
     print(json.dumps(answer), flush=True)
     return 3 if "error" in answer else 0
 

@@ -29,7 +29,7 @@ from workbench.serve.server import (
     vllm_command,
     vllm_env,
 )
-from workbench.serve.sources import plan_serving
+from workbench.serve.sources import ServePlan, plan_serving
 from workbench.serve.targets import _on_cpu, get_serve_target, probe_serving_python
 
 LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
@@ -40,7 +40,8 @@ def deploy(source: Any, *more: Any, name: str | None = None, target: str = "loca
            port: int | None = None, api_key: str | None = None,
            max_lora_rank: int | None = None, max_model_len: int | None = None,
            keep: bool = False, wait: bool = True, timeout: float = 600.0, progress: bool = True,
-           extra_args: Sequence[str] = (), registry: Any = None) -> Endpoint:
+           extra_args: Sequence[str] = (), registry: Any = None,
+           plan: ServePlan | None = None) -> Endpoint:
     """Serve runs (Jobs, run ids/names, adapter or model folders, base ids) on one vLLM server.
 
         >>> ep = deploy(job)                          # base + the run's LoRA adapter  # doctest: +SKIP
@@ -55,7 +56,8 @@ def deploy(source: Any, *more: Any, name: str | None = None, target: str = "loca
     ``undeploy``; a Slurm endpoint always ends with its job. ``host`` defaults to loopback (on
     Slurm: every interface of the compute node); any other address generates an API key
     (``ep.api_key``) the server then requires. ``merge`` and ``max_model_len`` default to the
-    run's ``serve`` section; ``extra_args`` go to vLLM as they are.
+    run's ``serve`` section; ``extra_args`` go to vLLM as they are. ``plan`` serves a plan made
+    elsewhere instead of planning ``source`` here (a course's, whose files the service copied).
     """
     if registry is None and os.environ.get("WORKBENCH_COURSE_URL"):  # a course hub's kernel:
         from workbench.course.client import deploy_via_course  # its service serves and bills
@@ -76,7 +78,8 @@ def deploy(source: Any, *more: Any, name: str | None = None, target: str = "loca
     py = serve_target.python(python, getattr(spec_serve, "python", None))
     host = host or serve_target.default_host
 
-    plan = plan_serving(sources, merge=merge)
+    if plan is None:
+        plan = plan_serving(sources, merge=merge)
     for note in plan.notes:
         warnings.warn(note, stacklevel=2)
     info = probe_serving_python(py, target)
