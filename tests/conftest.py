@@ -17,6 +17,9 @@ import pytest
 
 _HOME = Path(tempfile.mkdtemp(prefix="workbench-test-home-"))
 os.environ["WORKBENCH_HOME"] = str(_HOME)
+# The machine's GPU leases (shared by every home) for this session only: nothing of the real
+# machine's leases is read or left behind.
+os.environ["WORKBENCH_LEASES"] = str(_HOME / "machine-gpu-leases")
 
 # Children that import test helpers by name (multiprocessing's spawn) find the tests package
 # through a folder holding only a link to it: the checkout's root stays off every sys.path, so

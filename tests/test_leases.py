@@ -130,3 +130,31 @@ def test_the_supervisor_leases_records_and_releases_its_cards(tmp_path, wb_home,
     assert status["state"] == "failed" and "gpus" not in status
     assert "someone-else holds GPU 0" in status["error"] and "third holds GPU 1" in status["error"]
     assert not (rd2.logs_dir / "launcher.log").exists()  # torchrun never started
+
+
+def test_two_homes_on_one_machine_lease_from_the_same_cards(tmp_path, sleeper, monkeypatch):
+    """The leases are the machine's: a run of another WORKBENCH_HOME (another user, a course's
+    student) holds its card against this home's runs, and a run of the same name in each home
+    holds apart."""
+    start, _ = sleeper
+    monkeypatch.setenv("WORKBENCH_LEASES", str(tmp_path / "machine"))
+    monkeypatch.setenv("WORKBENCH_HOME", str(tmp_path / "ana"))
+    assert leases.acquire("quickstart", 1, start(), devices=["0", "1"]) == ["0"]
+    monkeypatch.setenv("WORKBENCH_HOME", str(tmp_path / "ben"))
+    assert leases.acquire("quickstart", 1, start(), devices=["0", "1"]) == ["1"]
+    with pytest.raises(ResourceError, match=f"quickstart holds GPU 0 .*of {tmp_path / 'ana'}"):
+        leases.acquire("other", 1, start(), devices=["0", "1"])
+    folder = tmp_path / "machine" / leases.hostname()
+    assert oct(folder.stat().st_mode & 0o7777) == "0o1777"  # every user may lease, sticky
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs a file of another user (root chowns it)")
+def test_a_lease_written_in_another_users_name_holds_nothing(tmp_path, sleeper, monkeypatch):
+    start, _ = sleeper
+    monkeypatch.setenv("WORKBENCH_LEASES", str(tmp_path / "machine"))
+    monkeypatch.setenv("WORKBENCH_HOME", str(tmp_path / "home"))
+    leases.acquire("hog", 2, start(), devices=["0", "1"])  # held by this (root's) sleep
+    folder = tmp_path / "machine" / leases.hostname()
+    for f in folder.glob("hog.*.json"):
+        os.chown(f, 65534, -1)  # as if nobody had written it, naming root's process
+    assert leases.acquire("mine", 2, start(), devices=["0", "1"]) == ["0", "1"]

@@ -2,11 +2,15 @@
 
 Two local runs that each want one GPU must not both land on ``cuda:0``. A run's supervisor
 leases devices before it starts the ranks, sets ``CUDA_VISIBLE_DEVICES`` to them, and releases
-them when its ranks are gone. A lease is one JSON file under
-``$WORKBENCH_HOME/gpu-leases/<host>/`` naming the holder by its full process identity
-(:mod:`workbench.runs.procs`: PID *and* start time), so a holder that died, even by ``kill -9``, frees
-its devices for the next taker, and a reused PID cannot keep them. Allocation reads every lease
-and writes the new one under one file lock.
+them when its ranks are gone. The leases are the machine's, not one WORKBENCH_HOME's: every
+home and every user on the machine (a course's students) leases from one folder,
+``$WORKBENCH_LEASES`` or ``/var/tmp/workbench-gpu-leases``, then ``<host>/`` (sticky and
+world-writable, as /tmp is). A lease is one JSON file there naming its owner (a run or endpoint,
+and the home it belongs to) and its holder by full process identity
+(:mod:`workbench.runs.procs`: PID *and* start time), so a holder that died, even by ``kill -9``,
+frees its devices for the next taker, and a reused PID cannot keep them. A lease counts only when
+its holder is a process of the user who wrote the file, so nobody holds cards in another user's
+name. Allocation reads every lease and writes the new one under one file lock.
 
 Device ids are what ``CUDA_VISIBLE_DEVICES`` takes: the ids this process may see (its own
 ``CUDA_VISIBLE_DEVICES``, or ``0..count-1``), so a notebook already restricted to some cards
@@ -27,18 +31,44 @@ from workbench.errors import ResourceError
 from workbench.runs.home import home
 from workbench.runs.procs import ProcessIdentity, hostname
 
+SHARED = Path("/var/tmp/workbench-gpu-leases")
+
 
 @dataclass(frozen=True)
 class Lease:
-    """Devices held by one live process for one owner (a run or endpoint name)."""
+    """Devices held by one live process for one owner (a run or endpoint name) of one home."""
 
     owner: str
     devices: tuple[str, ...]
     holder: ProcessIdentity
+    home: str = ""
 
 
 def lease_dir(root: Path | None = None) -> Path:
-    return (root or home()) / "gpu-leases" / hostname()
+    """The machine's lease folder (``root``: a folder of one's own instead, as tests use)."""
+    if root is not None:
+        return root / "gpu-leases" / hostname()
+    return Path(os.environ.get("WORKBENCH_LEASES") or SHARED) / hostname()
+
+
+def _ensure(directory: Path) -> None:
+    """Make the folder, writable by every user of the machine and sticky (each removes only
+    their own files), as far as this user may set it."""
+    for folder in (directory.parent, directory):
+        if not folder.is_dir():
+            folder.mkdir(parents=True, exist_ok=True)
+            try:
+                folder.chmod(0o1777)
+            except PermissionError:
+                pass
+
+
+def _lock(directory: Path) -> FileLock:
+    return FileLock(str(directory / ".lock"), mode=0o666)
+
+
+def _home() -> str:
+    return str(home())
 
 
 def visible_devices() -> list[str]:
@@ -53,7 +83,18 @@ def visible_devices() -> list[str]:
 
 
 def _file(directory: Path, owner: str) -> Path:
-    return directory / f"{owner}.json"
+    """One file per owner and home: two homes' runs of the same name hold apart."""
+    import hashlib
+
+    digest = hashlib.sha256(_home().encode()).hexdigest()[:10]
+    return directory / f"{owner}.{digest}.json"
+
+
+def _drop(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except PermissionError:  # another user's file in the sticky folder: it holds nothing
+        pass
 
 
 def held(root: Path | None = None) -> list[Lease]:
@@ -64,13 +105,20 @@ def held(root: Path | None = None) -> list[Lease]:
         try:
             data = json.loads(path.read_text())
             lease = Lease(str(data["owner"]), tuple(data["devices"]),
-                          ProcessIdentity.from_dict(data["holder"]))
+                          ProcessIdentity.from_dict(data["holder"]), str(data.get("home", "")))
+            writer = path.stat().st_uid
         except (OSError, ValueError, KeyError, TypeError):
             # Unreadable: written by nothing we know (we write atomically); it holds nothing.
-            path.unlink(missing_ok=True)
+            _drop(path)
             continue
-        if lease.holder.process() is None:
-            path.unlink(missing_ok=True)
+        proc = lease.holder.process()
+        if proc is None:
+            _drop(path)
+            continue
+        try:
+            if proc.uids().real != writer:  # a lease in someone else's name holds nothing
+                continue
+        except Exception:  # gone between the two looks
             continue
         out.append(lease)
     return out
@@ -86,15 +134,16 @@ def acquire(owner: str, count: int, holder: ProcessIdentity, *,
     """
     pool = list(devices) if devices is not None else visible_devices()
     directory = lease_dir(root)
-    directory.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(directory / ".lock")):
-        others = [le for le in held(root) if le.owner != owner]
+    _ensure(directory)
+    with _lock(directory):
+        others = [le for le in held(root) if (le.owner, le.home) != (owner, _home())]
         free = _free_or_raise(owner, count, pool, others)
         chosen = free[:count]
         path = _file(directory, owner)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"owner": owner, "devices": chosen,
+        tmp.write_text(json.dumps({"owner": owner, "home": _home(), "devices": chosen,
                                    "holder": holder.to_dict()}))
+        tmp.chmod(0o644)  # every user's allocation reads it
         tmp.replace(path)
     return chosen
 
@@ -110,7 +159,7 @@ def _free_or_raise(owner: str, count: int, pool: list[str], others: list[Lease])
     free = [d for d in pool if d not in taken]
     if len(free) < count:
         holders = "; ".join(f"{le.owner} holds GPU {','.join(le.devices)} "
-                            f"({le.holder.describe()})" for le in others) or "nobody"
+                            f"({le.holder.describe()}{_elsewhere(le)})" for le in others) or "nobody"
         raise ResourceError(
             f"{owner} needs {count} GPU(s) but only {len(free)} of {len(pool)} on "
             f"{hostname()} are free ({holders}); wait for those runs to end, cancel one, or set "
@@ -124,14 +173,14 @@ def release(owner: str, holder: ProcessIdentity, root: Path | None = None) -> bo
     path = _file(directory, owner)
     if not directory.is_dir():
         return False
-    with FileLock(str(directory / ".lock")):
+    with _lock(directory):
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             return False
         if not ProcessIdentity.from_dict(data["holder"]).same(holder):
             return False
-        path.unlink(missing_ok=True)
+        _drop(path)
     return True
 
 
@@ -143,6 +192,10 @@ def check_free(owner: str, count: int, devices: Sequence[str] | None = None,
     directory = lease_dir(root)
     others: list[Lease] = []
     if directory.is_dir():
-        with FileLock(str(directory / ".lock")):  # held() removes dead holders' files
+        with _lock(directory):  # held() removes dead holders' files
             others = held(root)
     _free_or_raise(owner, count, pool, others)
+
+
+def _elsewhere(lease: Lease) -> str:
+    return f", of {lease.home}" if lease.home and lease.home != _home() else ""
