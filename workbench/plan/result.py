@@ -203,11 +203,9 @@ class Plan:
         return fig
 
     def _repr_html_(self) -> str:
-        import html
+        from workbench.plan.view import plan_html
 
-        color = "green" if self.fits else "crimson"
-        return (f"<div><b style='color:{color}'>{'fits' if self.fits else 'does not fit'}</b>"
-                f"<pre>{html.escape(self.summary())}</pre></div>")
+        return plan_html(self)
 
 
 def token_lines(tokens: dict[str, Any] | None) -> list[str]:
