@@ -95,6 +95,10 @@ def test_minor_units_round_up_and_are_exact() -> None:
     assert to_minor(0.43) == 43
     assert to_minor("0.1") * 3 == to_minor("0.3")
     assert to_minor(2, minor_per_unit=1000) == 2000
+    # A quarter of a minute at 14.4 an hour is 0.06 exactly; float arithmetic makes it
+    # 0.060000000000000005, which must not cost a seventh cent.
+    assert to_minor(14.4 * 0.25 / 60) == 6
+    assert to_minor(0.0600001) == 7  # a real excess still rounds up
 
 
 # One process holding 6 units once the parent says go (a file): several of them race for the

@@ -94,7 +94,11 @@ HOLD_FOR = ("launch", "resume", "evaluate", "export", "endpoint", "sweep")
 
 def to_minor(amount: float | Decimal | str, minor_per_unit: int = 100) -> int:
     """A price in currency units as whole minor units, rounded up (a hold or charge never
-    undercounts): ``to_minor(0.4301) == 44``."""
+    undercounts): ``to_minor(0.4301) == 44``. A float is first rounded to 9 decimals, so the
+    noise of float arithmetic (``14.4 * 0.25 / 60 == 0.060000000000000005``) costs no one a
+    minor unit: ``to_minor(14.4 * 0.25 / 60) == 6``."""
+    if isinstance(amount, float):
+        amount = round(amount, 9)
     exact = Decimal(str(amount)) * minor_per_unit
     return int(exact.to_integral_value(rounding=ROUND_CEILING))
 
