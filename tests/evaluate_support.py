@@ -4,8 +4,9 @@ The judge is a real HTTP server (http.server) that speaks the chat-completions A
 independently of workbench: it reads the two answers out of the prompt and prefers the one that
 says "good" (asked anything else, it answers "moo" about cows). Its ``mode`` makes it
 position-biased (always the first answer), talk nonsense, answer with an HTML page instead of a
-chat completion (``html``), or refuse the first request it gets with HTTP 400 and hold every
-other one until ``release`` is set (``refuse_first``). Like vLLM before 0.32, it says its models are
+chat completion (``html``), refuse the first request it gets with HTTP 400 and hold every
+other one until ``release`` is set (``refuse_first``), or hold every chat request until then
+(``hold``). Like vLLM before 0.32, it says its models are
 ``owned_by`` whatever ``owned_by`` holds and has no other POST route than chat completions (404);
 ``paths`` lists the POSTs it got.
 """
@@ -27,7 +28,7 @@ SOUNDS = [("What sound does a cow make?", ["moo", "meow", "croak", "howl"], 0),
 
 class JudgeServer:
     def __init__(self) -> None:
-        self.mode = "fair"  # fair | first | nonsense | html | refuse_first
+        self.mode = "fair"  # fair | first | nonsense | html | refuse_first | hold
         self.requests: list[str] = []
         self.paths: list[str] = []
         self.owned_by = "test"
@@ -69,6 +70,8 @@ class JudgeServer:
                 if outer.mode == "html":
                     self._send("<html><body>Welcome to nginx!</body></html>")
                     return
+                if outer.mode == "hold":
+                    outer.release.wait(60)
                 if outer.mode == "refuse_first":
                     if first:
                         self._send({"error": {"message": "bad request"}}, code=400)

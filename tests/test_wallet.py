@@ -228,6 +228,40 @@ def test_one_credit_pays_a_launch_an_evaluation_an_endpoint_and_a_sweep_and_neve
     assert _balance(wallet_dir) == left
 
 
+def test_an_evaluation_past_its_hold_is_stopped_and_charged_no_more(wallet_dir: Path) -> None:
+    """An evaluation on this machine holds eval_hold_minutes; one that would run longer (its
+    judge holds every answer) is stopped there with a one-line error and charged at most its
+    hold, and the judge is asked nothing more."""
+    from tests.evaluate_support import JudgeServer
+    from workbench.errors import EvalError
+
+    workbench.credit(1.0, "CNY", eval_hold_minutes=0.1)  # 6 s at 0.02 a second: 12 cents
+    job = workbench.launch({**SPEC, "name": "wallet-eval-stop"})
+    assert job.wait(timeout=600, progress=False) == "succeeded"
+    workbench.credit()  # settles the run
+    charged_before = _sums(wallet_dir)["charge"]
+    judge = JudgeServer()
+    judge.mode = "hold"
+    try:
+        started = time.time()
+        with pytest.raises(EvalError, match="stopped at its wallet hold") as stopped:
+            job.evaluate([{"kind": "judge", "judge": judge.url}])
+        took = time.time() - started
+    finally:
+        judge.release.set()
+        judge.close()
+    assert "\n" not in str(stopped.value) and "eval_hold_minutes" in str(stopped.value)
+    # At its hold: not when the judge lets its held answers go (60 s), nor after the answers
+    # still queued at the stop (16 for the 8 validation questions) had each been held too.
+    assert 6 - 1.5 <= took < 6 + 15, took
+    hold = next(r for r in _rows(wallet_dir) if r["kind"] == "hold"
+                and r["note"] == f"evaluation of {job.id}")
+    assert hold["amount"] == 12
+    charge = _sums(wallet_dir)["charge"] - charged_before
+    assert 0 < charge <= hold["amount"]
+    assert _sums(wallet_dir)["hold"] == _sums(wallet_dir)["release"]
+
+
 def test_a_keeper_killed_mid_way_is_started_again_and_the_endpoint_is_paid_to_its_end(
         wallet_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """kill -9 of the wallet's keeper while an endpoint holds: `workbench credit` starts it

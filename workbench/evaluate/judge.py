@@ -77,8 +77,11 @@ def run(judge: Any, questions: list[str], evaluated: list[str], baseline: list[s
     for q, ev, base, ref in zip(questions, evaluated, baseline, refs):
         jobs += [(q, ev, base, ref), (q, base, ev, ref)]  # evaluated first, then second
     _ = judge.model  # resolve the judge's model (and reachability) once, before the threads
-    with ThreadPoolExecutor(judge.concurrency) as pool:
+    pool = ThreadPoolExecutor(judge.concurrency)
+    try:
         raw = list(pool.map(lambda j: ask(*j), jobs))
+    finally:  # an interrupted judging (Ctrl-C, a hold's end) asks nothing more and waits for none
+        pool.shutdown(wait=False, cancel_futures=True)
     counts = {"wins": 0, "losses": 0, "ties": 0, "unparseable": 0}
     rows, per_prompt, agree, both = [], [], 0, 0
     for i, q in enumerate(questions):

@@ -53,29 +53,40 @@ def evaluate_job(job: Any, tasks: Any = None, *, endpoint: str | None = None,
     from workbench.runs.wallet import Wallet
 
     wallet = Wallet.open()
-    held = None
+    held, limit = None, None
     if wallet is not None and endpoint is None:  # an endpoint's time is metered on its own
-        held = wallet.hold_time(job.spec, float(wallet.settings["eval_hold_minutes"]),
-                                f"evaluation of {job.id}", "evaluate", job.id, str(rd.path))
+        minutes = float(wallet.settings["eval_hold_minutes"])
+        held = wallet.hold_time(job.spec, minutes, f"evaluation of {job.id}", "evaluate",
+                                job.id, str(rd.path))
+        limit = minutes * 60 if held is not None else None
     started = time.time()
     try:
-        return _evaluate(job, parsed, endpoint)
+        return _evaluate(job, parsed, endpoint, limit)
     finally:
         if held is not None:  # charged by the second, at most its hold
             wallet.charge_time(*held, time.time() - started,  # type: ignore[union-attr]
                                f"evaluate {job.id}")
 
 
-def _evaluate(job: Any, parsed: list[Any], endpoint: str | None) -> EvalReport:
+def _evaluate(job: Any, parsed: list[Any], endpoint: str | None,
+              limit: float | None = None) -> EvalReport:
+    """Score where the weights are; on this machine, stopped at ``limit`` seconds (the
+    wallet's hold)."""
     from workbench.evaluate.runner import evaluate_run_dir
+    from workbench.runs.deadline import stop_at
     from workbench.targets.backends.slurm import SlurmBackend
 
     if isinstance(job.backend, SlurmBackend):  # on a compute node, in place or on the cluster
         return evaluate_on_slurm(job, parsed, endpoint)
     if placed_elsewhere(job.run_dir.path):
         return evaluate_there(job, parsed, endpoint)
-    return evaluate_run_dir(job.run_dir.path, parsed, endpoint=endpoint,
-                            step=int(job.status().get("step") or 0))
+    minutes = f"{limit / 60:g}" if limit else ""
+    with stop_at(limit, EvalError, f"the evaluation of {job.id} was stopped at its wallet hold "
+                 f"({minutes} min) and charged it; allow more with "
+                 "workbench.credit(eval_hold_minutes=...), or score fewer examples "
+                 "(max_samples=)"):
+        return evaluate_run_dir(job.run_dir.path, parsed, endpoint=endpoint,
+                                step=int(job.status().get("step") or 0))
 
 
 def placed_elsewhere(local_dir: Path) -> bool:

@@ -196,22 +196,28 @@ def export(run: Any, formats: Sequence[str] | str = ("merged",), *,
     if need > free:
         raise ExportError(f"the export needs about {need / 2**30:.2f} GiB of disk in {root} but "
                           f"{free / 2**30:.2f} GiB is free; pass out= on a larger disk")
+    from workbench.runs.deadline import stop_at
     from workbench.runs.rundir import RunDir
     from workbench.runs.wallet import Wallet
 
     rd = RunDir(run_dir)
     spec = rd.spec()
     wallet = Wallet.open()
-    held = None
+    held, limit = None, None
     if wallet is not None:
-        held = wallet.hold_time(spec, float(wallet.settings["eval_hold_minutes"]),
-                                f"export of {run_id}", "export", run_id, str(run_dir))
+        minutes = float(wallet.settings["eval_hold_minutes"])
+        held = wallet.hold_time(spec, minutes, f"export of {run_id}", "export", run_id,
+                                str(run_dir))
+        limit = minutes * 60 if held is not None else None
     started = time.time()
     tmp = root / f".tmp-{os.getpid()}-{int(started)}"
     try:
-        report = _export(art, rd, run_id, fmts, types, tmp, root, dtype, verify, max_new_tokens,
-                         list(prompts) if prompts else run_prompts(run_dir), _say(progress),
-                         started)
+        with stop_at(limit, ExportError, f"the export of {run_id} was stopped at its wallet hold "
+                     f"and charged it; nothing was written to {root}. Allow more with "
+                     "workbench.credit(eval_hold_minutes=...)"):
+            report = _export(art, rd, run_id, fmts, types, tmp, root, dtype, verify,
+                             max_new_tokens, list(prompts) if prompts else run_prompts(run_dir),
+                             _say(progress), started)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         if held is not None:
