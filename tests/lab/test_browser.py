@@ -9,6 +9,7 @@ details open, and Cancel in the panel stops it. The launcher offers the kernel a
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import nbformat
@@ -189,6 +190,28 @@ def test_tensorboard_opens_in_a_new_tab_through_jupyter(page, lab_server: LabSer
     tab.locator("card-view", has_text="train/loss").first.wait_for(timeout=90_000)
     shot(tab, "07-tensorboard")
     tab.close()
+
+
+def test_details_show_the_runs_scores_and_settings(page, lab_server: LabServer,
+                                                  finished_run) -> None:
+    """Details of a finished run: its newest scores in a table (this run beside the base model)
+    and the knobs it was run with, the whole spec a click away."""
+    card = _card(page, lab_server, finished_run)
+    card.get_by_role("button", name=f"details of {finished_run.name}").click()
+    scores = page.locator(".jp-WorkbenchDetails-scores table").first
+    scores.wait_for(timeout=60_000)
+    lines = [json.loads(x) for x in
+             (finished_run.run_dir.path / "eval.jsonl").read_text().splitlines() if x]
+    newest = [x for x in lines if x["task"] == "heldout" and x["model"] == "run"][-1]
+    row = scores.locator("tr", has_text="exact_match").first
+    assert row.locator("td").all_inner_texts()[:3] == [
+        "heldout", "exact_match", f"{newest['metrics']['exact_match']:.3f}"]
+    settings = page.locator(".jp-WorkbenchDetails-settings").first
+    assert settings.locator("dt", has_text="learning rate").count() == 1
+    assert "0.003" in settings.locator("dd").all_inner_texts()  # the run's lr: 3e-3
+    settings.locator("summary", has_text="Full spec (YAML)").click()
+    assert "lr: 0.003" in settings.locator("pre").inner_text()
+    shot(page, "04b-details-scores-settings")
 
 
 def test_deploy_asks_where_to_serve_starting_from_the_runs_target(page, lab_server: LabServer,

@@ -4,8 +4,11 @@ cancel return what the workbench library says."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import requests
+import yaml
 
 import workbench
 from workbench.targets.named import target_names
@@ -106,6 +109,15 @@ def test_list_and_details_of_a_finished_run(lab_server: LabServer, short_run) ->
     snaps = details["snapshots"]
     assert [s["name"] for s in snaps][:1] == [f"step-{last}"] and all(s["complete"] for s in snaps)
     assert snaps[0]["browse_path"] == f"runs/{short_run.id}/checkpoints/step-{last}"
+    # Its newest score of each metric (read back from eval.jsonl here), and its settings.
+    lines = [json.loads(x) for x in
+             (short_run.run_dir.path / "eval.jsonl").read_text().splitlines() if x]
+    newest = [x for x in lines if x["task"] == "heldout" and x["model"] == "run"][-1]
+    shown = {(s["task"], s["metric"]): s["value"] for s in details["scores"]}
+    assert shown == {("heldout", k): v for k, v in newest["metrics"].items()}
+    assert ["learning rate", "0.003"] in details["settings"]
+    assert ["length", f"{last} steps"] in details["settings"]
+    assert yaml.safe_load(details["spec_yaml"])["train"]["lr"] == 0.003
 
     logs = requests.get(lab_server.api(f"runs/{short_run.id}/logs") + "?name=rank-0.log&tail=5",
                         headers=lab_server.auth, timeout=30).json()
@@ -325,6 +337,8 @@ def test_a_sweeps_trials_are_grouped_under_it(lab_server: LabServer, tmp_path, m
         sweep.record.update_trial(n, params={"train.lr": [1e-3, 3e-3][n]}, run_id=run_id,
                                   state=state, cost=cost, value=value, released=True)
     sweep.record.update_trial(2, params={"train.lr": 1e-2}, state="waiting")
+    # A fourth trial under way holds its limit: held, not spent.
+    sweep.record.update_trial(3, params={"train.lr": 2e-3}, state="running", limit=7.5)
     try:
         body = requests.get(lab_server.api("runs"), headers=lab_server.auth, timeout=60).json()
         rows = {r["id"]: r for r in body["runs"]}
@@ -336,6 +350,7 @@ def test_a_sweeps_trials_are_grouped_under_it(lab_server: LabServer, tmp_path, m
         assert group["runs"] == ["lab-sw-t0", "lab-sw-t1"]
         assert (group["trials_done"], group["trials_total"]) == (2, 3)
         assert group["spent"] == pytest.approx(2.0 + 0.5) and group["budget"] == 100.0
+        assert group["held"] == pytest.approx(7.5)
         assert group["best"]["trial"] == 0 and group["best"]["value"] == 0.42
         assert group["objective"] == "eval_loss" and group["state"] == "running"
     finally:

@@ -7,7 +7,7 @@ import { Widget } from '@lumino/widgets';
 
 import { duration, money, number } from './format';
 import { drawLossPlot } from './sparkline';
-import { IRunDetails, ISnapshot, TERMINAL_STATES, WorkbenchService } from './service';
+import { IRunDetails, IScore, ISnapshot, TERMINAL_STATES, WorkbenchService } from './service';
 
 export class RunDetails extends Widget {
   private readonly summaryNode = document.createElement('dl');
@@ -15,8 +15,11 @@ export class RunDetails extends Widget {
   private readonly logSelect = document.createElement('select');
   private readonly logNode = document.createElement('pre');
   private readonly snapshotsSection = document.createElement('section');
+  private readonly scoresSection = document.createElement('section');
+  private readonly settingsSection = document.createElement('section');
   private timer: number | null = null;
   private logName: string | null = null;
+  private specOpen = false; // kept across refreshes, so the spec stays open while it is read
 
   constructor(
     private readonly service: WorkbenchService,
@@ -53,8 +56,12 @@ export class RunDetails extends Widget {
     this.logNode.tabIndex = 0;
     this.logNode.setAttribute('aria-label', 'log tail');
     this.snapshotsSection.hidden = true;
+    this.scoresSection.className = 'jp-WorkbenchDetails-scores';
+    this.settingsSection.className = 'jp-WorkbenchDetails-settings';
     this.node.append(
       this.summaryNode,
+      this.scoresSection,
+      this.settingsSection,
       plotTitle,
       this.plot,
       legend,
@@ -156,6 +163,77 @@ export class RunDetails extends Widget {
       this.logNode.textContent = d.logs || '(no log lines yet)';
     }
     this.renderSnapshots(d.snapshots);
+    this.renderScores(d.scores);
+    this.renderSettings(d.settings, d.spec_yaml);
+  }
+
+  /** A table of the run's newest scores, the base model's beside them where it was scored. */
+  private renderScores(scores?: IScore[]): void {
+    this.scoresSection.hidden = scores === undefined;
+    if (scores === undefined) {
+      return;
+    }
+    const h = document.createElement('h3');
+    h.textContent = 'Scores';
+    if (!scores.length) {
+      const p = document.createElement('p');
+      p.textContent = 'Not evaluated yet: job.evaluate() or `workbench eval` scores it.';
+      this.scoresSection.replaceChildren(h, p);
+      return;
+    }
+    const table = document.createElement('table');
+    const head = table.createTHead().insertRow();
+    for (const title of ['task', 'metric', 'this run', 'base model', 'examples']) {
+      const th = document.createElement('th');
+      th.textContent = title;
+      head.append(th);
+    }
+    const body = table.createTBody();
+    for (const s of scores) {
+      const row = body.insertRow();
+      const cells = [
+        s.task,
+        s.metric,
+        score(s.value),
+        s.base == null ? '–' : score(s.base),
+        s.n == null ? '–' : String(s.n)
+      ];
+      for (const text of cells) {
+        row.insertCell().textContent = text;
+      }
+    }
+    this.scoresSection.replaceChildren(h, table);
+  }
+
+  /** The knobs runs are compared by, and the whole spec (YAML) a click away. */
+  private renderSettings(settings?: [string, string][], yaml?: string): void {
+    this.settingsSection.hidden = settings === undefined;
+    if (settings === undefined) {
+      return;
+    }
+    const h = document.createElement('h3');
+    h.textContent = 'Settings';
+    const dl = document.createElement('dl');
+    dl.append(
+      ...settings.flatMap(([k, v]) => {
+        const dt = document.createElement('dt');
+        dt.textContent = k;
+        const dd = document.createElement('dd');
+        dd.textContent = v;
+        return [dt, dd];
+      })
+    );
+    const full = document.createElement('details');
+    const summary = document.createElement('summary');
+    summary.textContent = 'Full spec (YAML)';
+    const pre = document.createElement('pre');
+    pre.textContent = yaml || '';
+    full.append(summary, pre);
+    full.open = this.specOpen;
+    full.addEventListener('toggle', () => {
+      this.specOpen = full.open;
+    });
+    this.settingsSection.replaceChildren(h, dl, full);
   }
 
   private renderSnapshots(snapshots: ISnapshot[] | null): void {
@@ -184,6 +262,11 @@ export class RunDetails extends Widget {
     }
     this.snapshotsSection.replaceChildren(h, list);
   }
+}
+
+/** A score as people read it: a share to 3 figures, anything larger to 1 decimal. */
+function score(v: number): string {
+  return Math.abs(v) <= 1 ? v.toFixed(3) : v.toFixed(1);
 }
 
 /** The live projection (status.json, from the measured pace) beside the plan: total time held

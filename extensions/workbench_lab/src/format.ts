@@ -15,9 +15,11 @@ export function number(value: number | null | undefined, digits = 4): string {
   return value === null || value === undefined ? '–' : value.toPrecision(digits);
 }
 
+/** Money as it is billed, in cents: '' for nothing (no price set), '< 0.01 CNY' below a cent. */
 export function money(value: number | null | undefined, currency: string | null): string {
-  if (value === null || value === undefined) {
+  if (value === null || value === undefined || value === 0) {
     return '';
   }
-  return `${value.toFixed(value < 1 ? 4 : 2)} ${currency || ''}`.trim();
+  const text = value > 0 && value < 0.01 ? '< 0.01' : value.toFixed(2);
+  return `${text} ${currency || ''}`.trim();
 }

@@ -224,12 +224,12 @@ class SweepGroup {
     this.stateNode.className = `jp-WorkbenchRuns-state jp-mod-${state}`;
     this.node.dataset.state = state;
     const parts = [`trials ${sweep.trials_done} / ${sweep.trials_total ?? '?'}`];
-    const spent = money(sweep.spent, sweep.currency);
-    if (spent) {
-      parts.push(
-        sweep.budget !== null ? `spent ${spent} of ${sweep.budget}` : `spent ${spent}`
-      );
-    }
+    // Spent (ended trials' bills) and held (the limits of trials under way) apart: a sweep that
+    // has just started holds much and has spent nothing.
+    const c = sweep.currency || '';
+    const spent = `spent ${money(sweep.spent, c) || `0 ${c}`.trim()}`;
+    const held = sweep.held ? ` · held ${money(sweep.held, c)}` : '';
+    parts.push(`${spent}${held}` + (sweep.budget !== null ? ` of ${sweep.budget} ${c}`.trimEnd() : ''));
     if (sweep.best) {
       parts.push(
         `best ${sweep.objective ?? 'objective'} ${number(sweep.best.value)} (trial ${sweep.best.trial})`

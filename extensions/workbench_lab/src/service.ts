@@ -70,6 +70,8 @@ export interface ISweep {
   trials_done: number;
   /** The sweep's ledger: final bills of ended trials plus the limits of running ones. */
   spent: number;
+  /** What its trials under way hold (their limits): promised, not spent (older servers: absent). */
+  held?: number | null;
   budget: number | null;
   currency: string | null;
   best: { trial: number; value: number | null; params: Record<string, unknown> } | null;
@@ -98,6 +100,21 @@ export interface IRunDetails extends IRun {
   logs: string;
   /** Null when the library has no snapshots. */
   snapshots: ISnapshot[] | null;
+  /** The newest score of each task and metric, beside the base model's (older servers: absent). */
+  scores?: IScore[];
+  /** The knobs runs are compared by, as [label, value] rows, and the whole spec as YAML. */
+  settings?: [string, string][];
+  spec_yaml?: string;
+}
+
+/** One evaluation score of a run (eval.jsonl's newest line of its task), with the base's. */
+export interface IScore {
+  task: string;
+  metric: string;
+  value: number;
+  base: number | null;
+  n: number | null;
+  step: number | null;
 }
 
 /** A deployed endpoint (workbench.serve): name, state, target, OpenAI base URL, models. */

@@ -20,6 +20,7 @@ from typing import Any
 import workbench
 from workbench.errors import RunNotFoundError, WorkbenchError
 from workbench.runs.jobs import Job
+from workbench_lab.describe import distinguish, scores, settings
 
 RUN_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}"
 _RUN_ID = re.compile(RUN_ID_PATTERN + r"\Z")
@@ -135,7 +136,7 @@ class RunsView:
         for row in rows:
             tag = trial_of.get(row["id"]) or _sweep_tag(self._jobs[row["id"]])
             row["sweep"] = tag
-        _distinguish(rows, [self._jobs[r["id"]] for r in rows])
+        distinguish(rows, [self._jobs[r["id"]] for r in rows])
         return {"capabilities": capabilities(), "runs": rows, "endpoints": self.endpoints(),
                 "targets": self.targets(), "sweeps": groups, "wallet": wallet()}
 
@@ -167,7 +168,8 @@ class RunsView:
                 "objective": data.get("objective"), "direction": data.get("direction"),
                 "trials_total": data.get("trials_total"),
                 "trials_done": sum(1 for t in trials if t.get("released") and t.get("run_id")),
-                "spent": sweep.spent, "budget": data.get("budget"),
+                "spent": sweep.spent, "held": getattr(sweep, "held", None),
+                "budget": data.get("budget"),
                 "currency": data.get("currency"), "best": best,
                 "runs": [t["run_id"] for t in sorted(trials, key=lambda t: t["number"])
                          if t.get("run_id")],
@@ -194,6 +196,8 @@ class RunsView:
             "log_names": [p.name for p in job.run_dir.log_files()],
             "logs": job.logs(tail=tail),
             "snapshots": None,
+            "scores": scores(job),
+            **settings(job),
         }
         if capabilities()["snapshots"]:
             details["snapshots"] = self.snapshots(job)
@@ -285,43 +289,6 @@ class RunsView:
             raise UnsupportedError("this workbench version cannot stop endpoints")
         _check_run_id(name)
         return {"name": name, "state": serve.undeploy(name)}  # type: ignore[union-attr]
-
-
-def _distinguish(rows: list[dict[str, Any]], jobs: list[Job]) -> None:
-    """What tells a card from the others: ``differs``, the spec settings that differ between
-    runs of the same name (``lr 0.003``; ``id ...`` when none does), and ``score``, the run's
-    newest evaluation score (the first task's first metric, as eval.jsonl records it)."""
-    from workbench.evaluate import results
-    from workbench.widgets.compare import spec_diff
-
-    by_name: dict[str, list[int]] = {}
-    for i, row in enumerate(rows):
-        by_name.setdefault(row["name"], []).append(i)
-    for name, index in by_name.items():
-        diff: dict[str, list[Any]] = {}
-        if len(index) > 1:
-            try:
-                diff = spec_diff([jobs[i] for i in index])
-            except (OSError, ValueError, WorkbenchError):
-                diff = {}
-        for at, i in enumerate(index):
-            parts = [f"{key.rsplit('.', 1)[-1]} {_short(values[at])}"
-                     for key, values in diff.items() if key != "name"][:3]
-            if len(index) > 1 and not parts:
-                parts = [f"id {rows[i]['id'][len(name) + 1:]}"]  # the id's date and suffix
-            rows[i]["differs"] = " · ".join(parts) or None
-            try:
-                scores = results.flat([ln for ln in results.read(jobs[i].run_dir.path)
-                                       if ln.get("model") != "base"])
-            except (OSError, ValueError):
-                scores = {}
-            first = next(iter(scores.items()), None)
-            rows[i]["score"] = (f"{first[0].replace('.', ' ')} {_short(first[1])}"
-                                if first else None)
-
-
-def _short(value: Any) -> str:
-    return f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
 def _sweep_tag(job: Job) -> dict[str, Any] | None:
