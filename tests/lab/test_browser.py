@@ -214,6 +214,31 @@ def test_details_show_the_runs_scores_and_settings(page, lab_server: LabServer,
     shot(page, "04b-details-scores-settings")
 
 
+def test_compare_opens_the_runs_side_by_side_with_what_differs_first(
+        page, lab_server: LabServer) -> None:
+    jobs = [workbench.launch({"name": "lab-compare", "train": {"max_steps": 4, "lr": lr},
+                              "eval": {"tasks": []}}) for lr in (1e-3, 3e-3)]
+    for job in jobs:
+        assert job.wait(timeout=600, progress=False) == "succeeded", job.logs(tail=20)
+    open_lab(page, lab_server)
+    _run_card(page, jobs[0].id)  # opens the panel
+    for job in jobs:
+        card = page.locator(f".jp-WorkbenchRuns-run[data-run-id='{job.id}']")
+        card.wait_for(timeout=30_000)
+        card.get_by_role("checkbox", name="select lab-compare to compare").check()
+    page.locator(".jp-WorkbenchRuns-header button", has_text="Compare (2)").click()
+    view = page.locator(".jp-WorkbenchCompare").first
+    view.locator("tbody tr").nth(1).wait_for(timeout=60_000)
+    headers = view.locator("thead tr").nth(1).locator("th").all_inner_texts()
+    assert headers[:2] == ["run", "train.lr"]  # what differs, first
+    assert view.locator("thead th.jp-mod-setting").inner_text() == "differs"
+    for i, job in enumerate(jobs):
+        row = view.locator(f"tbody tr[data-run-id='{job.id}']")
+        assert row.locator("td").nth(1).inner_text() == ["0.001", "0.003"][i]
+        assert view.locator(f"polyline[data-label='{job.id}']").count() == 1
+    shot(page, "06b-compare")
+
+
 def test_deploy_asks_where_to_serve_starting_from_the_runs_target(page, lab_server: LabServer,
                                                                    finished_run) -> None:
     card = _card(page, lab_server, finished_run)

@@ -375,3 +375,27 @@ def test_cards_of_runs_of_one_name_say_what_differs_and_their_score(lab_server: 
         lines = [ln for ln in (job.run_dir.path / "eval.jsonl").read_text().splitlines() if ln]
         assert lines, "the default schedule scores the run at its end"
         assert rows[job.id]["score"].startswith("heldout ")
+
+    # Compare opens them side by side: what differs first, then results and scores, and curves.
+    ids = ",".join(j.id for j in jobs)
+    reply = requests.get(lab_server.api("compare") + f"?runs={ids}", headers=lab_server.auth,
+                         timeout=60)
+    assert reply.status_code == 200, reply.reason
+    body = reply.json()
+    kinds = [c["kind"] for c in body["columns"]]
+    assert body["columns"][0]["label"] == "train.lr" and kinds[0] == "setting"
+    assert kinds == sorted(kinds, key=["setting", "result", "score", "base"].index)
+    assert [r["id"] for r in body["rows"]] == [j.id for j in jobs]
+    assert [r["values"][0] for r in body["rows"]] == [0.001, 0.003]
+    exact = next(i for i, c in enumerate(body["columns"])
+                 if c["kind"] == "score" and c["label"] == "heldout exact_match")
+    assert body["columns"][exact]["better"] == "higher"
+    for job, row in zip(jobs, body["rows"], strict=True):
+        newest = [json.loads(x) for x in (job.run_dir.path / "eval.jsonl").read_text().splitlines()
+                  if x and json.loads(x)["model"] == "run"][-1]
+        assert row["values"][exact] == newest["metrics"]["exact_match"]
+        assert [p[0] for p in body["curves"][job.id]] == \
+            [m["step"] for m in job.metrics() if "loss" in m and "event" not in m]
+    one = requests.get(lab_server.api("compare") + f"?runs={jobs[0].id}", headers=lab_server.auth,
+                       timeout=60)
+    assert one.status_code == 400 and "two different run ids" in one.reason

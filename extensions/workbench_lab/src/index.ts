@@ -17,6 +17,7 @@ import { ILauncher } from '@jupyterlab/launcher';
 import { ISettingRegistry } from '@jupyterlab/settingregistry';
 import { LabIcon } from '@jupyterlab/ui-components';
 
+import { RunsCompare } from './compare';
 import { RunDetails } from './details';
 import { RunsPanel } from './panel';
 import { WorkbenchService } from './service';
@@ -28,6 +29,7 @@ namespace CommandIDs {
   export const openPanel = 'workbench:open-panel';
   export const newRun = 'workbench:new-run';
   export const compare = 'workbench:compare-runs';
+  export const compareNotebook = 'workbench:compare-notebook';
   export const openDetails = 'workbench:open-details';
 }
 
@@ -96,6 +98,25 @@ const plugin: JupyterFrontEndPlugin<void> = {
 
     app.commands.addCommand(CommandIDs.compare, {
       label: 'Compare runs',
+      caption: 'Open the runs selected in the Workbench panel side by side',
+      execute: async args => {
+        const runs = (args.runs as string[]) ?? [];
+        const content = new RunsCompare(service, runs, () => {
+          void app.commands.execute(CommandIDs.compareNotebook, { runs });
+        });
+        const widget = new MainAreaWidget({ content });
+        widget.id = content.id;
+        widget.title.label = content.title.label;
+        widget.title.caption = content.title.caption;
+        widget.title.closable = true;
+        app.shell.add(widget, 'main');
+        app.shell.activateById(widget.id);
+        await content.refresh();
+      }
+    });
+
+    app.commands.addCommand(CommandIDs.compareNotebook, {
+      label: 'Compare runs in a notebook',
       caption: 'Open a notebook comparing the runs selected in the Workbench panel',
       execute: async args => {
         const runs = (args.runs as string[]) ?? [];

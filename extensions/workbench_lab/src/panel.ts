@@ -321,7 +321,7 @@ export class RunsPanel extends Widget {
   private readonly selected = new Set<string>();
   private readonly compareButton = button(
     'Compare',
-    'compare the selected runs in a new notebook',
+    'open the selected runs side by side',
     () => this.host.compare([...this.selected])
   );
 

@@ -107,6 +107,21 @@ export interface IRunDetails extends IRun {
   spec_yaml?: string;
 }
 
+/** A column of the comparison: a setting that differs, a result, or a score (and which way is better). */
+export interface ICompareColumn {
+  key: string;
+  label: string;
+  kind: 'setting' | 'result' | 'score' | 'base';
+  better?: 'lower' | 'higher' | null;
+}
+
+/** Runs side by side (GET /workbench/api/compare?runs=ID,ID). */
+export interface ICompareReply {
+  columns: ICompareColumn[];
+  rows: { id: string; name: string; state: string | null; values: (number | string | boolean | null)[] }[];
+  curves: Record<string, [number, number][]>;
+}
+
 /** One evaluation score of a run (eval.jsonl's newest line of its task), with the base's. */
 export interface IScore {
   task: string;
@@ -232,6 +247,11 @@ export class WorkbenchService {
       method: 'POST',
       body: JSON.stringify({ directory, target })
     });
+  }
+
+  /** The runs side by side: differing settings first, scores, curves. */
+  compare(runs: string[]): Promise<ICompareReply> {
+    return this.request<ICompareReply>(`compare?runs=${runs.map(encodeURIComponent).join(',')}`);
   }
 
   /** A notebook whose first cell is `workbench.compare([...runs])`. */

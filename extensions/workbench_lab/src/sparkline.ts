@@ -87,22 +87,30 @@ export function drawSparkline(
   svg.appendChild(el('circle', { cx: tail[0], cy: tail[1], r: 2.5, class: 'jp-WorkbenchSpark-dot' }));
 }
 
-/** A loss plot with axes, ticks and an optional eval-loss series, for the details view. */
-export function drawLossPlot(
+/** One line of a plot: its points, and a class or a colour to draw it with. */
+export interface ISeries {
+  points: [number, number][];
+  cls?: string;
+  color?: string;
+  label?: string;
+}
+
+/** A plot with axes of any number of [step, value] series, on one scale. */
+export function drawPlot(
   svg: SVGSVGElement,
-  train: [number, number][],
-  evals: [number, number][],
+  series: ISeries[],
   width = 640,
-  height = 260
+  height = 260,
+  empty = 'No loss points yet.'
 ): void {
   svg.setAttribute('viewBox', `0 0 ${width} ${height}`);
   svg.setAttribute('width', String(width));
   svg.setAttribute('height', String(height));
   svg.replaceChildren();
-  const all = train.concat(evals);
+  const all = series.flatMap(s => s.points);
   if (all.length < 2) {
     const text = el('text', { x: 12, y: 24, class: 'jp-WorkbenchSpark-empty' });
-    text.textContent = 'No loss points yet.';
+    text.textContent = empty;
     svg.appendChild(text);
     return;
   }
@@ -125,14 +133,37 @@ export function drawLossPlot(
     xl.textContent = String(Math.round(step));
     g.appendChild(xl);
   }
-  const series: [string, [number, number][]][] = [
-    ['jp-WorkbenchPlot-train', train],
-    ['jp-WorkbenchPlot-eval', evals]
-  ];
-  for (const [cls, pts] of series) {
-    if (pts.length) {
-      g.appendChild(el('polyline', { points: pointsAttr(pts, box, w, h, 0), class: cls }));
+  for (const s of series) {
+    if (!s.points.length) {
+      continue;
     }
+    const line = el('polyline', { points: pointsAttr(s.points, box, w, h, 0), class: s.cls || '' });
+    if (s.color) {
+      line.setAttribute('style', `stroke:${s.color};fill:none;stroke-width:1.5`);
+    }
+    if (s.label) {
+      line.setAttribute('data-label', s.label);
+    }
+    g.appendChild(line);
   }
   svg.appendChild(g);
+}
+
+/** The details view's plot: train loss and eval loss of one run. */
+export function drawLossPlot(
+  svg: SVGSVGElement,
+  train: [number, number][],
+  evals: [number, number][],
+  width = 640,
+  height = 260
+): void {
+  drawPlot(
+    svg,
+    [
+      { points: train, cls: 'jp-WorkbenchPlot-train' },
+      { points: evals, cls: 'jp-WorkbenchPlot-eval' }
+    ],
+    width,
+    height
+  );
 }

@@ -92,3 +92,54 @@ def settings(job: Job) -> dict[str, Any]:
 
 def _short(value: Any) -> str:
     return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def downsample(values: list[Any], n: int) -> list[Any]:
+    """At most ``n`` evenly spaced items, always keeping the last one (the newest point)."""
+    if len(values) <= n:
+        return list(values)
+    stride = (len(values) - 1) / (n - 1)
+    return [values[round(i * stride)] for i in range(n)]
+
+
+def comparison(jobs: list[Job], points: int = 200) -> dict[str, Any]:
+    """Runs side by side, as the panel's Compare view shows them: the settings that differ
+    first, then the losses and scores (``better``: which way is better), and each run's loss
+    curve. The table is :func:`workbench.widgets.compare.compare_df`'s, reordered."""
+    from workbench.widgets.compare import BASE, EVAL, SPEC, compare_df
+
+    df = compare_df(jobs)
+    columns: list[dict[str, Any]] = []
+    for c in df.columns:
+        if c.startswith(SPEC) and c != SPEC + "name":
+            columns.append({"key": c, "label": c.removeprefix(SPEC), "kind": "setting"})
+    for c in df.columns:
+        if not c.startswith((SPEC, EVAL, BASE)) and c not in ("name", "state", "best step"):
+            columns.append({"key": c, "label": c, "kind": "result",
+                            "better": "lower" if "loss" in c else None})
+    for prefix, kind in ((EVAL, "score"), (BASE, "base")):
+        for c in df.columns:
+            if c.startswith(prefix):
+                lower = "loss" in c or "perplexity" in c
+                columns.append({"key": c, "label": c.removeprefix(prefix).replace(".", " "),
+                                "kind": kind, "better": "lower" if lower else "higher"})
+    rows = []
+    for job in jobs:
+        record = df.loc[job.id]
+        rows.append({"id": job.id, "name": job.name, "state": record.get("state"),
+                     "values": [_cell(record.get(c["key"])) for c in columns]})
+    curves = {job.id: downsample([[m["step"], m["loss"]] for m in job.metrics()
+                                  if "step" in m and "loss" in m and "event" not in m], points)
+              for job in jobs}
+    return {"columns": columns, "rows": rows, "curves": curves}
+
+
+def _cell(value: Any) -> Any:
+    """A table cell as JSON: numbers stay numbers (NaN: none), anything else reads as text."""
+    import math
+
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None
+    if isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)

@@ -8,6 +8,7 @@ to status codes with the error's message as the reason the panel shows.
     GET  /workbench/api/runs                    every run (+ endpoints) and the capabilities
     GET  /workbench/api/runs/RUN_ID             details: summary, loss points, log tail, snapshots
     GET  /workbench/api/runs/RUN_ID/logs        ?name=rank-0.log&tail=200
+    GET  /workbench/api/compare?runs=ID,ID      runs side by side: differing settings, scores, curves
     POST /workbench/api/runs/RUN_ID/cancel|resume|deploy|tensorboard
                                                 deploy: optional {"target": "local|ssh:NAME|..."}
                                                 resume: optional {"budget_limit": 100}
@@ -83,6 +84,13 @@ class RunHandler(WorkbenchHandler):
     @tornado.web.authenticated
     async def get(self, run_id: str) -> None:
         self.reply(await self.call(self.view.details, run_id, self.tail()))
+
+
+class CompareHandler(WorkbenchHandler):
+    @tornado.web.authenticated
+    async def get(self) -> None:
+        runs = [r for r in self.get_query_argument("runs", "").split(",") if r]
+        self.reply(await self.call(self.view.compare, runs))
 
 
 class LogsHandler(WorkbenchHandler):
@@ -222,6 +230,7 @@ def routes(base_url: str) -> list[tuple[str, type[JupyterHandler]]]:
         (url_path_join(api, "runs"), RunsHandler),
         (url_path_join(api, "runs", run), RunHandler),
         (url_path_join(api, "runs", run, "logs"), LogsHandler),
+        (url_path_join(api, "compare"), CompareHandler),
         (url_path_join(api, "runs", run, r"(?P<action>cancel|resume|deploy|tensorboard)"),
          ActionHandler),
         (url_path_join(api, "endpoints", rf"(?P<name>{RUN_ID_PATTERN})", "stop"), EndpointStopHandler),

@@ -20,7 +20,7 @@ from typing import Any
 import workbench
 from workbench.errors import RunNotFoundError, WorkbenchError
 from workbench.runs.jobs import Job
-from workbench_lab.describe import distinguish, scores, settings
+from workbench_lab.describe import comparison, distinguish, downsample, scores, settings
 
 RUN_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}"
 _RUN_ID = re.compile(RUN_ID_PATTERN + r"\Z")
@@ -64,14 +64,6 @@ def capabilities() -> dict[str, bool]:
         "stop_endpoint": callable(getattr(serve, "undeploy", None)),
         "tensorboard": importlib.util.find_spec("tensorboard") is not None,
     }
-
-
-def downsample(values: list[Any], n: int) -> list[Any]:
-    """At most ``n`` evenly spaced items, always keeping the last one (the newest point)."""
-    if len(values) <= n:
-        return list(values)
-    stride = (len(values) - 1) / (n - 1)
-    return [values[round(i * stride)] for i in range(n)]
 
 
 def _check_run_id(run_id: str) -> None:
@@ -216,6 +208,13 @@ class RunsView:
         return [{"name": folder.name, "complete": (folder / manifest).is_file(),
                  "latest": folder.name == latest, "browse_path": self.browse_path_of(folder)}
                 for folder in module.snapshots(job.run_dir)]  # type: ignore[union-attr]
+
+    def compare(self, run_ids: list[str]) -> dict[str, Any]:
+        """Two or more runs side by side (:func:`workbench_lab.describe.comparison`)."""
+        if len(set(run_ids)) < 2:
+            raise InvalidRequestError("compare needs two different run ids (?runs=ID,ID)")
+        jobs = [self.job(r) for r in dict.fromkeys(run_ids)]
+        return comparison(jobs)
 
     def logs(self, run_id: str, name: str | None, tail: int) -> str:
         if name is not None and not _LOG_NAME.match(name):
