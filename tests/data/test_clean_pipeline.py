@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -83,6 +84,26 @@ def test_planted_pii_is_gone_from_kept_rows(corpus, cleaned) -> None:
     for r in pii_rows:
         for value in r["pii"]:
             assert value not in r["text"]
+
+
+def test_the_report_shows_a_rewrite_before_and_after_with_the_change_marked(corpus,
+                                                                           cleaned) -> None:
+    kept, report = cleaned
+    rewrites = report.step("pii").rewrites
+    assert rewrites
+    planted = [v for r in corpus if r["pii"] for v in r["pii"]]
+    for r in rewrites:
+        # Before holds a planted value, after no longer does, and the two differ only there.
+        values = [v for v in planted if v in r["before"]]
+        assert values and not any(v in r["after"] for v in values)
+    html = report.rewrites_html()
+    first = next(v for v in planted if v in rewrites[0]["before"])
+    # The planted value is inside a <del> on the before side (word-level marking).
+    dels = re.findall(r"<del [^>]*>(.*?)</del>", html)
+    assert any(first.split()[0] in d for d in dels), (first, dels[:5])
+    assert re.findall(r"<ins [^>]*>(.*?)</ins>", html)
+    again = clean.CleanReport.from_dict(json.loads(json.dumps(report.to_dict())))
+    assert again.step("pii").rewrites == rewrites
 
 
 # PII forms are measured on hand-written text in test_clean_realworld.py, not on samples

@@ -165,6 +165,10 @@ def test_report_names_the_kept_document_and_its_similarity(corpus: list[str]) ->
     html = report.pairs_html()
     assert f"near-duplicate of row {example['kept_row']}" in html
     assert "village library" in html  # the kept side is shown, not only the removed one
+    # What differs is marked: a word only the removed document has is inside a <del>.
+    removed_words = set(example["text"].split()) - set(example["kept_text"].split())
+    marked_words = " ".join(re.findall(r"<del [^>]*>(.*?)</del>", html))
+    assert removed_words and any(w in marked_words for w in removed_words)
     assert "Jaccard with the kept document" in report.summary()
 
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from workbench.data.clean.diffview import marked, window
+
 if TYPE_CHECKING:
     from workbench.data.clean.near_index import NearMatch
 
@@ -57,11 +59,14 @@ class StepReport:
     replacements: Counter = field(default_factory=Counter)
     examples: list[dict[str, Any]] = field(default_factory=list)
     duplicates: list[tuple[int, int, float, str]] = field(default_factory=list)
+    # Example rewrites (PII, normalize): the text around the first change, before and after.
+    rewrites: list[dict[str, str]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "params": self.params, "removed": self.removed,
                 "modified": self.modified, "reasons": dict(self.reasons),
                 "replacements": dict(self.replacements), "examples": self.examples,
+                "rewrites": self.rewrites,
                 "duplicates": [{"row": r, "kept_row": k, "similarity": sim, "method": m}
                                for r, k, sim, m in self.duplicates]}
 
@@ -147,6 +152,10 @@ class CleanReport:
             self.languages_out[lang] += 1
         for m in modified:
             self.steps[m].modified += 1
+            step = self.steps[m]
+            if text_in != text_out and len(step.rewrites) < self.max_examples:
+                before, after = window(text_in, text_out)
+                step.rewrites.append({"before": before, "after": after})
         if replacements:
             for s in self.steps:
                 if s.name == "pii":
@@ -197,7 +206,8 @@ class CleanReport:
                             Counter(s["reasons"]), Counter(s.get("replacements", {})),
                             s["examples"],
                             [(x["row"], x["kept_row"], x["similarity"], x["method"])
-                             for x in s.get("duplicates", [])]) for s in d["steps"]]
+                             for x in s.get("duplicates", [])], s.get("rewrites", []))
+                 for s in d["steps"]]
         r = cls(steps, d["text_fields"], d["source"], d["workers"], 0)
         r.documents_in, r.documents_out = d["documents_in"], d["documents_out"]
         r.chars_in, r.chars_out = d["chars_in"], d["chars_out"]
@@ -309,28 +319,47 @@ class CleanReport:
             examples.set_title(i, f"{s.name}: {s.removed} removed")
         parts = [w.HTML(self._repr_html_()), plot_out,
                  w.HTML("<b>Examples of removed documents</b>"), examples]
+        rewrites = self.rewrites_html()
+        if rewrites:
+            parts += [w.HTML("<b>Rewrites: before and after</b>"), w.HTML(rewrites)]
         pairs = self.pairs_html()
         if pairs:
             parts += [w.HTML("<b>Near-duplicates next to the document they duplicate</b>"),
                       w.HTML(pairs)]
         return w.VBox(parts)
 
+    def rewrites_html(self) -> str:
+        """Example rewrites of each step that changes text (PII, normalize), before | after,
+        the words that changed marked; empty when no step rewrote anything."""
+        cell = "style='vertical-align:top;text-align:left;width:50%;color:#333'"
+        rows = []
+        for s in self.steps:
+            for r in s.rewrites:
+                before, after = marked(r["before"], r["after"])
+                rows.append(f"<tr><th colspan=2 style='text-align:left'>{html.escape(s.name)}"
+                            f"</th></tr><tr><td {cell}>{before}</td><td {cell}>{after}</td></tr>")
+        if not rows:
+            return ""
+        return "<table><tr><th>before</th><th>after</th></tr>" + "".join(rows) + "</table>"
+
+
     def pairs_html(self) -> str:
-        """Example near-duplicate pairs side by side (removed | kept) with their similarity;
-        empty when no near-duplicate was removed."""
+        """Example near-duplicate pairs side by side (removed | kept) with their similarity and
+        the words that differ marked; empty when no near-duplicate was removed."""
         cell = "style='vertical-align:top;text-align:left;width:50%;color:#333'"
         rows = []
         for s in self.steps:
             for e in s.examples:
                 if "kept_row" not in e:
                     continue
-                kept = e.get("kept_text") or "(not kept in memory: see that row of the input)"
+                kept = e.get("kept_text")
+                removed_html, kept_html = (marked(e["text"], kept) if kept else (
+                    html.escape(e["text"]), "(not kept in memory: see that row of the input)"))
                 rows.append(
                     f"<tr><th colspan=2 style='text-align:left'>row {e['row']} removed as a "
                     f"near-duplicate of row {e['kept_row']}: Jaccard {e['similarity']:.2f} "
-                    f"({html.escape(e['method'])})</th></tr>"
-                    f"<tr><td {cell}>{html.escape(e['text'])}</td>"
-                    f"<td {cell}>{html.escape(kept)}</td></tr>")
+                    f"({html.escape(e['method'])}); what differs is marked</th></tr>"
+                    f"<tr><td {cell}>{removed_html}</td><td {cell}>{kept_html}</td></tr>")
         if not rows:
             return ""
         return ("<table><tr><th>removed</th><th>kept</th></tr>" + "".join(rows) + "</table>")
