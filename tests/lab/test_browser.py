@@ -239,6 +239,24 @@ def test_compare_opens_the_runs_side_by_side_with_what_differs_first(
     shot(page, "06b-compare")
 
 
+def test_export_from_the_panel_shows_its_progress_and_result_in_details(
+        page, lab_server: LabServer) -> None:
+    job = workbench.launch({"name": "lab-export-ui", "train": {"max_steps": 4},
+                            "eval": {"tasks": []}})
+    assert job.wait(timeout=600, progress=False) == "succeeded", job.logs(tail=20)
+    card = _card(page, lab_server, job)
+    card.get_by_role("button", name="export lab-export-ui").click()
+    dialog = page.locator(".jp-Dialog")
+    assert dialog.get_by_role("checkbox", name="export Merged weights").is_checked()
+    dialog.get_by_role("button", name="Export").click()
+    section = page.locator(".jp-WorkbenchDetails-export").first
+    section.locator("dt", has_text="merged").wait_for(timeout=600_000)
+    merged = Path(section.locator("dd").first.inner_text())
+    assert (merged / "config.json").is_file()
+    assert job.status()["export"]["folders"]["merged"] == str(merged)
+    shot(page, "06c-export")
+
+
 def test_deploy_asks_where_to_serve_starting_from_the_runs_target(page, lab_server: LabServer,
                                                                    finished_run) -> None:
     card = _card(page, lab_server, finished_run)

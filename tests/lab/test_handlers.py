@@ -5,6 +5,7 @@ cancel return what the workbench library says."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import requests
@@ -399,3 +400,39 @@ def test_cards_of_runs_of_one_name_say_what_differs_and_their_score(lab_server: 
     one = requests.get(lab_server.api("compare") + f"?runs={jobs[0].id}", headers=lab_server.auth,
                        timeout=60)
     assert one.status_code == 400 and "two different run ids" in one.reason
+
+
+def test_export_from_the_api_runs_once_at_a_time_and_its_report_shows_in_details(
+        lab_server: LabServer) -> None:
+    import os
+    import signal
+
+    job = workbench.launch({"name": "lab-export", "train": {"max_steps": 4},
+                            "eval": {"tasks": []}})
+    assert job.wait(timeout=600, progress=False) == "succeeded", job.logs(tail=20)
+    url = lab_server.api(f"runs/{job.id}/export")
+    bad = requests.post(url, headers=lab_server.auth, json={"formats": ["zip"]}, timeout=30)
+    assert bad.status_code == 400 and "formats must be a list of" in bad.reason
+    reply = requests.post(url, headers=lab_server.auth, json={"formats": ["merged"]}, timeout=30)
+    assert reply.status_code == 202, reply.reason
+    record = json.loads((job.run_dir.path / "export" / "panel.json").read_text())
+    os.kill(record["pid"], signal.SIGSTOP)  # held still: the second ask meets it under way
+    try:
+        again = requests.post(url, headers=lab_server.auth, json={"formats": ["merged"]},
+                              timeout=30)
+        assert again.status_code == 409 and "under way" in again.reason
+        details = requests.get(lab_server.api(f"runs/{job.id}"), headers=lab_server.auth,
+                               timeout=30).json()
+        assert details["export"]["running"] and details["export"]["formats"] == ["merged"]
+    finally:
+        os.kill(record["pid"], signal.SIGCONT)
+
+    def ended() -> dict | None:
+        d = requests.get(lab_server.api(f"runs/{job.id}"), headers=lab_server.auth,
+                         timeout=30).json()["export"]
+        return d if not d["running"] else None
+
+    state = wait_for(ended, 600, "the panel's export to end")
+    merged = Path(state["report"]["folders"]["merged"])
+    assert (merged / "config.json").is_file() and (merged / "README.md").is_file()
+    assert state["report"] == job.status()["export"]  # the library's own report, as recorded

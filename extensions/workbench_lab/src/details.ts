@@ -5,6 +5,7 @@
  */
 import { Widget } from '@lumino/widgets';
 
+import { renderExport } from './export';
 import { duration, money, number } from './format';
 import { drawLossPlot } from './sparkline';
 import { IRunDetails, IScore, ISnapshot, TERMINAL_STATES, WorkbenchService } from './service';
@@ -17,6 +18,7 @@ export class RunDetails extends Widget {
   private readonly snapshotsSection = document.createElement('section');
   private readonly scoresSection = document.createElement('section');
   private readonly settingsSection = document.createElement('section');
+  private readonly exportSection = document.createElement('section');
   private timer: number | null = null;
   private logName: string | null = null;
   private specOpen = false; // kept across refreshes, so the spec stays open while it is read
@@ -58,8 +60,11 @@ export class RunDetails extends Widget {
     this.snapshotsSection.hidden = true;
     this.scoresSection.className = 'jp-WorkbenchDetails-scores';
     this.settingsSection.className = 'jp-WorkbenchDetails-settings';
+    this.exportSection.hidden = true;
+    this.exportSection.className = 'jp-WorkbenchDetails-export';
     this.node.append(
       this.summaryNode,
+      this.exportSection,
       this.scoresSection,
       this.settingsSection,
       plotTitle,
@@ -89,7 +94,8 @@ export class RunDetails extends Widget {
       const reply = await this.service.logs(this.runId, this.logName, 200);
       this.logNode.textContent = reply.text;
     }
-    this.schedule(TERMINAL_STATES.has(d.state || 'pending'));
+    // An ended run stops refreshing, unless an export of it is under way.
+    this.schedule(TERMINAL_STATES.has(d.state || 'pending') && !d.export?.running);
   }
 
   protected onAfterAttach(): void {
@@ -164,6 +170,7 @@ export class RunDetails extends Widget {
     }
     this.renderSnapshots(d.snapshots);
     this.renderScores(d.scores);
+    renderExport(this.exportSection, d.export);
     this.renderSettings(d.settings, d.spec_yaml);
   }
 

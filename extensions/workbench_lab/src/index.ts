@@ -150,6 +150,8 @@ const plugin: JupyterFrontEndPlugin<void> = {
         }
         if (!widget.isAttached) {
           app.shell.add(widget, 'main');
+        } else {
+          void widget.content.refresh(); // an ended run's view may have stopped refreshing
         }
         app.shell.activateById(widget.id);
       }

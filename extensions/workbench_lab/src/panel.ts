@@ -9,6 +9,7 @@ import { Dialog, showDialog, showErrorMessage } from '@jupyterlab/apputils';
 import { Widget } from '@lumino/widgets';
 
 import { CourseSection } from './course';
+import { ExportChooser } from './export';
 import { duration, money, number } from './format';
 import { drawSparkline } from './sparkline';
 import {
@@ -139,6 +140,9 @@ class RunCard {
     }
     if (caps.deploy && state === 'succeeded') {
       wanted.push(['Deploy', `deploy ${run.name}`, () => void this.panel.deploy(this.run)]);
+    }
+    if (caps.export && state === 'succeeded') {
+      wanted.push(['Export', `export ${run.name}`, () => void this.panel.exportRun(this.run)]);
     }
     if (run.browse_path !== null) {
       wanted.push(['Folder', `open the run folder of ${run.name} in the file browser`, () =>
@@ -303,7 +307,8 @@ export class RunsPanel extends Widget {
     deploy: false,
     endpoints: false,
     stop_endpoint: false,
-    tensorboard: false
+    tensorboard: false,
+    export: false
   };
   private readonly cards = new Map<string, RunCard>();
   private readonly groups = new Map<string, SweepGroup>();
@@ -413,6 +418,19 @@ export class RunsPanel extends Widget {
     });
     if (result.button.accept && result.value) {
       await this.act(run, 'deploy', { target: result.value });
+    }
+  }
+
+  /** Ask what to take home, start the export, and open Details, which shows its progress. */
+  async exportRun(run: IRun): Promise<void> {
+    const result = await showDialog({
+      title: `Export ${run.name}`,
+      body: new ExportChooser(),
+      buttons: [Dialog.cancelButton(), Dialog.okButton({ label: 'Export' })]
+    });
+    if (result.button.accept && result.value && result.value.formats.length) {
+      await this.act(run, 'export', { ...result.value });
+      this.host.openDetails(run);
     }
   }
 

@@ -15,6 +15,8 @@ export interface ICapabilities {
   endpoints: boolean;
   stop_endpoint: boolean;
   tensorboard: boolean;
+  /** Older servers: absent. */
+  export?: boolean;
 }
 
 /** One run as the panel lists it: Job.summary() plus what the panel needs to draw it. */
@@ -100,6 +102,8 @@ export interface IRunDetails extends IRun {
   logs: string;
   /** Null when the library has no snapshots. */
   snapshots: ISnapshot[] | null;
+  /** An export under way or done (null: none; older servers: absent). */
+  export?: IExportState | null;
   /** The newest score of each task and metric, beside the base model's (older servers: absent). */
   scores?: IScore[];
   /** The knobs runs are compared by, as [label, value] rows, and the whole spec as YAML. */
@@ -120,6 +124,14 @@ export interface ICompareReply {
   columns: ICompareColumn[];
   rows: { id: string; name: string; state: string | null; values: (number | string | boolean | null)[] }[];
   curves: Record<string, [number, number][]>;
+}
+
+/** What Details shows of the run's export: under way, its last log lines, the last report. */
+export interface IExportState {
+  running: boolean;
+  formats: string[] | null;
+  report: { folders: Record<string, string>; checks: Record<string, unknown> } | null;
+  log: string[];
 }
 
 /** One evaluation score of a run (eval.jsonl's newest line of its task), with the base's. */
@@ -187,7 +199,7 @@ export interface ICourseReply {
   students?: ICourseStudent[];
 }
 
-export type RunAction = 'cancel' | 'resume' | 'deploy' | 'tensorboard';
+export type RunAction = 'cancel' | 'resume' | 'deploy' | 'export' | 'tensorboard';
 
 export const TERMINAL_STATES = new Set([
   'succeeded',

@@ -9,8 +9,9 @@ to status codes with the error's message as the reason the panel shows.
     GET  /workbench/api/runs/RUN_ID             details: summary, loss points, log tail, snapshots
     GET  /workbench/api/runs/RUN_ID/logs        ?name=rank-0.log&tail=200
     GET  /workbench/api/compare?runs=ID,ID      runs side by side: differing settings, scores, curves
-    POST /workbench/api/runs/RUN_ID/cancel|resume|deploy|tensorboard
+    POST /workbench/api/runs/RUN_ID/cancel|resume|deploy|export|tensorboard
                                                 deploy: optional {"target": "local|ssh:NAME|..."}
+                                                export: {"formats": ["merged"], "quant": ["f16"]}
                                                 resume: optional {"budget_limit": 100}
     POST /workbench/api/endpoints/NAME/stop     stop a deployed endpoint
     POST /workbench/api/notebooks               {"directory": "", "target": "local"} -> {"path"}
@@ -36,12 +37,14 @@ from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 
 from workbench.errors import WorkbenchError
 from workbench_lab.course import course_grant, course_panel
+from workbench_lab.exporting import ExportRequestError
 from workbench_lab.template import compare_notebook, new_run_notebook
 from workbench_lab.tensorboard import TensorBoardError, TensorBoards
 from workbench_lab.view import RUN_ID_PATTERN, InvalidRequestError, RunsView, UnsupportedError
 
 T = TypeVar("T")
-_STATUS = ((LookupError, 404), (InvalidRequestError, 400), (UnsupportedError, 501),
+_STATUS = ((LookupError, 404), (InvalidRequestError, 400), (ExportRequestError, 400),
+           (UnsupportedError, 501),
            (TensorBoardError, 409), (WorkbenchError, 409))
 _MAX_TAIL = 5000
 
@@ -113,6 +116,13 @@ class ActionHandler(WorkbenchHandler):
             self.reply(await self.call(self.view.cancel, run_id))
             return
         body = self.get_json_body() or {}
+        if action == "export":
+            if not isinstance(body, dict) or set(body) - {"formats", "quant"}:
+                raise tornado.web.HTTPError(400, reason='the body must be {"formats": [...], '
+                                            '"quant": [...]}')
+            self.set_status(202)
+            self.reply(await self.call(self.view.export, run_id, body))
+            return
         option = {"deploy": "target", "resume": "budget_limit"}[action]
         if not isinstance(body, dict) or set(body) - {option}:
             raise tornado.web.HTTPError(400, reason=f'the body must be {{"{option}": ...}} or empty')
@@ -231,7 +241,7 @@ def routes(base_url: str) -> list[tuple[str, type[JupyterHandler]]]:
         (url_path_join(api, "runs", run), RunHandler),
         (url_path_join(api, "runs", run, "logs"), LogsHandler),
         (url_path_join(api, "compare"), CompareHandler),
-        (url_path_join(api, "runs", run, r"(?P<action>cancel|resume|deploy|tensorboard)"),
+        (url_path_join(api, "runs", run, r"(?P<action>cancel|resume|deploy|export|tensorboard)"),
          ActionHandler),
         (url_path_join(api, "endpoints", rf"(?P<name>{RUN_ID_PATTERN})", "stop"), EndpointStopHandler),
         (url_path_join(api, "notebooks"), NotebooksHandler),

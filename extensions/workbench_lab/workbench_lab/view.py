@@ -20,6 +20,7 @@ from typing import Any
 import workbench
 from workbench.errors import RunNotFoundError, WorkbenchError
 from workbench.runs.jobs import Job
+from workbench_lab import exporting
 from workbench_lab.describe import comparison, distinguish, downsample, scores, settings
 
 RUN_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}"
@@ -63,6 +64,7 @@ def capabilities() -> dict[str, bool]:
         "endpoints": callable(getattr(serve, "endpoints", None)),
         "stop_endpoint": callable(getattr(serve, "undeploy", None)),
         "tensorboard": importlib.util.find_spec("tensorboard") is not None,
+        "export": importlib.util.find_spec("workbench.serve.export_run") is not None,
     }
 
 
@@ -189,6 +191,7 @@ class RunsView:
             "logs": job.logs(tail=tail),
             "snapshots": None,
             "scores": scores(job),
+            "export": exporting.state(job),
             **settings(job),
         }
         if capabilities()["snapshots"]:
@@ -275,6 +278,12 @@ class RunsView:
             wanted = {k: v for k, v in wanted.items() if k in accepted}
         endpoint = deploy(**wanted)
         return {"endpoint": _endpoint_row(endpoint)}
+
+    def export(self, run_id: str, options: dict[str, Any]) -> dict[str, Any]:
+        """Start exporting the run (:mod:`workbench_lab.exporting`); returns at once."""
+        if not capabilities()["export"]:
+            raise UnsupportedError("this workbench version cannot export runs")
+        return exporting.start(self.job(run_id), options.get("formats"), options.get("quant"))
 
     def endpoints(self) -> list[dict[str, Any]]:
         serve = _serve_module()
