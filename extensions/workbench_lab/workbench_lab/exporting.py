@@ -11,6 +11,7 @@ the run's status.json); :func:`state` is what the Details view shows of it.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -70,8 +71,10 @@ def start(job: Job, formats: Any, quant: Any) -> dict[str, Any]:
                                  "shows its progress)")
     argv = [sys.executable, "-P", "-m", "workbench.cli", "export", job.id,
             "--format", ",".join(formats), "--quant", ",".join(quant)]
+    # The log is read by people in Details: the export's own lines, no progress bars.
+    env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
     with (folder / LOG).open("w") as log:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, env=env,
                                 stderr=subprocess.STDOUT, cwd=folder, start_new_session=True)
     record = {"pid": proc.pid, "create_time": psutil.Process(proc.pid).create_time(),
               "formats": formats, "quant": quant}
