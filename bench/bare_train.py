@@ -19,10 +19,12 @@ T_START = time.time()
 def main(run_dir: str, out: str) -> None:
     from transformers import Trainer, TrainerCallback
 
-    from workbench.data.tokenize import Collator
+    from workbench.data.tokenize import Collator, load_tokenizer
     from workbench.runs.rundir import RunDir
     from workbench.spec.models import resolve_model
-    from workbench.train.run import load_model, load_split, load_tokenizer, training_arguments
+    from workbench.train.arguments import training_arguments
+    from workbench.train.model import load_model
+    from workbench.train.run import load_split
 
     rd = RunDir(run_dir)
     spec = rd.spec()

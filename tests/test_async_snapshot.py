@@ -154,7 +154,7 @@ def test_the_trainer_snapshots_the_weights_of_each_save_step_though_the_copy_lag
     from workbench.runs.rundir import RunDir
     from workbench.runs.snapshots import snapshot_dir, verify
     from workbench.spec import RunSpec
-    from workbench.train.run import snapshotting_trainer_class
+    from workbench.train.snapshotting import snapshotting_trainer_class
 
     real_run = async_snapshot._Copies.run
 

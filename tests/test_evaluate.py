@@ -48,6 +48,16 @@ def test_heldout_metrics_match_hand_computed_english():
     assert heldout.scores(["a b c d e"], ["a b c d e"])["chrf"] == pytest.approx(100.0)
 
 
+def test_bleu_is_left_out_where_answers_are_too_short_to_have_4_grams():
+    # One-word answers: BLEU is 0 even for the right answer (no 4-gram to match), while exact
+    # match says 1/2; the two would contradict, so BLEU is not reported.
+    short = heldout.scores(["moo", "meow"], ["moo", "bark"])
+    assert short["exact_match"] == 0.5 and "bleu" not in short
+    # Sentences of 4+ words: BLEU is reported (an exact copy scores 100).
+    long = heldout.scores(["the cow says moo loudly"], ["the cow says moo loudly"])
+    assert long["bleu"] == pytest.approx(100.0)
+
+
 def test_heldout_metrics_match_hand_computed_chinese():
     # 9 characters each; the last two differ. Per character: 7/9 unigrams, 6/8 bigrams, 5/7
     # trigrams, 4/6 four-grams, equal lengths (no brevity penalty).
@@ -255,6 +265,9 @@ def test_every_steps_scores_beside_only_where_the_node_has_room(tmp_path, monkey
     from workbench.targets import leases
 
     monkeypatch.setenv("WORKBENCH_HOME", str(tmp_path))
+    # The machine's leases, for this test alone: the evaluation's lease below is held by this
+    # (pytest's) process, which outlives the test.
+    monkeypatch.setenv("WORKBENCH_LEASES", str(tmp_path / "leases"))
     cores = len(os.sched_getaffinity(0))
     assert decide("r", 0, cores).mode == "pause"  # one rank per core: no room
     if cores > 1:

@@ -249,7 +249,11 @@ def test_auto_picks_cheapest_strategy_that_fits():
     assert eight.cost == pytest.approx(min(c.cost for c in full_fits))
     assert not eight.strategy.offload_optimizer
     assert choose_strategy(gpu_spec(LLAMA2_7B, "full", gpus=8)) == eight.strategy.parallel_spec()
+    # One card: AdamW's states do not fit beside the fp32 weights; the paged 8-bit AdamW is
+    # reached for before offloading, and with train.optimizer adamw the optimizer is offloaded.
     one = plan(gpu_spec(LLAMA2_7B, "full", gpus=1, gc=True))
+    assert one.strategy.optimizer == "paged_adamw_8bit" and not one.strategy.offload_optimizer
+    one = plan(gpu_spec(LLAMA2_7B, "full", gpus=1, gc=True).updated(**{"train.optimizer": "adamw"}))
     assert one.strategy.offload_optimizer
     # Every method x strategy x offload is evaluated and reported.
     labels = {c.strategy.label for c in eight.candidates}

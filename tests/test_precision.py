@@ -95,7 +95,7 @@ def test_trainer_loads_what_the_resolver_says_for_a_bf16_gpu(kind, tiny_model):
     """The GPU is faked only by the device kind given to the resolver; the model load is real."""
     import torch
 
-    from workbench.train.run import load_model
+    from workbench.train.model import load_model
 
     spec = RunSpec.parse({"model": {"id": "builtin:tiny-llama"}, "method": {"kind": kind}})
     model = load_model(spec, str(tiny_model), resolve_precision("auto", kind, "cuda-bf16"))
@@ -220,7 +220,7 @@ def test_trainer_arguments_and_model_on_cpu_take_the_resolvers_choices(tiny_mode
     from transformers import TrainingArguments
 
     from workbench.train.fastpath import applied_line
-    from workbench.train.run import load_model
+    from workbench.train.model import load_model
 
     spec = RunSpec.parse({"model": {"id": "builtin:tiny-llama"}})
     eager = resolve_fast_paths(FastSpec(attention="eager"), CPU, "llama", "float32")

@@ -238,7 +238,7 @@ def trainer_factory(rd, tiny_model):
     import torch
     from transformers import AutoModelForCausalLM, TrainingArguments
 
-    from workbench.train.run import snapshotting_trainer_class
+    from workbench.train.snapshotting import snapshotting_trainer_class
 
     def make(max_steps: int, callbacks: list):
         torch.manual_seed(0)

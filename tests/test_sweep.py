@@ -67,7 +67,7 @@ def test_eval_loss_objective_needs_a_validation_split():
 
 
 def test_money_shows_what_was_spent_and_what_is_held_apart():
-    from workbench.sweep.runner import money
+    from workbench.sweep.budget import money
 
     # Six trials started, none ended: everything is held, nothing is spent yet.
     started = {"budget": 1500, "currency": "CNY",
@@ -290,7 +290,7 @@ def test_budget_sweep_survives_a_controller_restart_and_never_overspends(wb_home
     """4 grid trials, one at a time, a limit too small for all four; the controller is killed -9
     once a trial has ended and a new Python process resumes the sweep."""
     from workbench.spec import RunSpec
-    from workbench.sweep.runner import trial_price
+    from workbench.sweep.budget import trial_price
 
     # The limit is set from this machine's clock, not a fixed figure (a trial here takes 8-20 s
     # held, with the machine's speed): one trial's cost, measured now, and what the controller

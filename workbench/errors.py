@@ -76,6 +76,11 @@ class TargetError(LaunchError):
     """A target is unknown, misconfigured, unreachable, or refused the run (says what to do)."""
 
 
+class SetupError(TargetError):
+    """``workbench targets setup`` could not be done; one line that says what to do. Nothing was
+    recorded."""
+
+
 class PlanError(WorkbenchError, RuntimeError):
     """A run cannot fit (or cannot be planned). The message says why and what to change."""
 

@@ -29,7 +29,8 @@ from workbench.data.formats import detect_format, example_text, to_example
 from workbench.data.sources import read_rows
 from workbench.data.split import assign_split
 from workbench.errors import EmptyDatasetError
-from workbench.spec import DataSource, RunSpec
+from workbench.spec import RunSpec
+from workbench.spec.sections import DataSource
 
 
 @dataclass

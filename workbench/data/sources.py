@@ -3,7 +3,7 @@
 Rows are yielded one at a time as ``(where, row)`` where ``where`` names the file and line (or row
 number) so that a format error can say exactly which row is wrong.
 
-    >>> from workbench.spec import DataSource
+    >>> from workbench.spec.sections import DataSource
     >>> next(read_rows(DataSource(path="builtin:teaching")))[1]["output"]  # doctest: +SKIP
     'moo'
 """
@@ -21,7 +21,7 @@ from typing import Any
 
 from workbench.data.formats import map_columns
 from workbench.errors import DatasetError, DatasetFormatError
-from workbench.spec import DataSource
+from workbench.spec.sections import DataSource
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
 FILE_KINDS = {".jsonl": "jsonl", ".json": "json", ".csv": "csv", ".parquet": "parquet"}

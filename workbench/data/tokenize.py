@@ -2,7 +2,8 @@
 
 Labels are -100 everywhere except on the assistant turns (including the end-of-turn token, so the
 model learns to stop). Spans are found on the rendered text and mapped to tokens through the fast
-tokenizer's offsets, which works for any chat template without knowing its markers.
+tokenizer's offsets (:mod:`workbench.data.token_spans`), which works for any chat template without
+knowing its markers.
 
 Truncation keeps what is trained. ``keep_response`` (the default) gives the response at least half
 of ``max_length`` (all of it if it fits), and the prompt keeps its *end* (the part next to the
@@ -20,7 +21,6 @@ dropped by :mod:`workbench.data.tokenized`, never silently lost.
 from __future__ import annotations
 
 import json
-from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from workbench.data.batches import IGNORE
 from workbench.data.batches import Collator as Collator
 from workbench.data.batches import pack as pack
+from workbench.data.token_spans import Tokens, encode_texts, span_labels
 
 if TYPE_CHECKING:
     from workbench.spec import RunSpec
@@ -61,8 +62,8 @@ def _builtin_tokenizer(spec: RunSpec, source: str) -> Any:
     """A built-in model's tokenizer without AutoTokenizer, or None for any other model.
 
     The built-in models save a plain ``tokenizers`` file whose class AutoTokenizer resolves to
-    ``TokenizersBackend``; importing that class alone costs a third of importing AutoTokenizer's
-    model registry (about 2 CPU seconds of a launch that tokenises). Other models keep
+    ``TokenizersBackend``; importing that class alone spares a launch that tokenises the import
+    of AutoTokenizer's model registry (figures in docs/benchmarks-data.md). Other models keep
     AutoTokenizer, whose choice of class depends on their config.
     """
     from workbench.spec.models import is_builtin
@@ -221,15 +222,15 @@ def render_batch(examples: Sequence[dict[str, Any]], tokenizer: Any,
     return Rendered(examples, chats, texts)
 
 
-def encode_rendered(tokenizer: Any, rendered: Rendered) -> tuple[list[_Tokens], list[_Tokens]]:
+def encode_rendered(tokenizer: Any, rendered: Rendered) -> tuple[list[Tokens], list[Tokens]]:
     """The Rust tokenizer's encodings of a rendered batch: (chats, texts)."""
     # The template already carries BOS where the model wants it: no special tokens for chats.
-    chats = _encode(tokenizer, [t for _, t, _ in rendered.chats], False) if rendered.chats else []
-    texts = _encode(tokenizer, [t for _, t in rendered.texts], True) if rendered.texts else []
+    chats = encode_texts(tokenizer, [t for _, t, _ in rendered.chats], False) if rendered.chats else []
+    texts = encode_texts(tokenizer, [t for _, t in rendered.texts], True) if rendered.texts else []
     return chats, texts
 
 
-def finish_batch(rendered: Rendered, encoded: tuple[list[_Tokens], list[_Tokens]],
+def finish_batch(rendered: Rendered, encoded: tuple[list[Tokens], list[Tokens]],
                  tokenizer: Any, max_length: int, truncation: str,
                  renderer: ChatRenderer) -> list[Encoded]:
     """Labels and truncation for an encoded batch, in the batch's order."""
@@ -241,7 +242,7 @@ def finish_batch(rendered: Rendered, encoded: tuple[list[_Tokens], list[_Tokens]
     bos = tokenizer.bos_token_id
     for (i, text, spans), tokens in zip(rendered.chats, encoded[0]):
         ids = tokens.ids
-        labels, first = _labels(ids, tokens, text, spans)
+        labels, first = span_labels(ids, tokens, text, spans)
         if len(ids) > max_length and truncation == "keep_response" and len(spans) > 1:
             out[i] = _drop_old_turns(examples[i]["messages"], ids, labels, tokenizer,
                                      renderer, max_length, bos)
@@ -251,7 +252,7 @@ def finish_batch(rendered: Rendered, encoded: tuple[list[_Tokens], list[_Tokens]
 
 
 def _first_trained(labels: list[int]) -> int:
-    for k, lab in enumerate(labels):  # a plain loop: a generator costs twice as much per row
+    for k, lab in enumerate(labels):  # a plain loop: cheaper per row than a generator
         if lab != IGNORE:
             return k
     return len(labels)
@@ -277,9 +278,9 @@ def _drop_old_turns(messages: list[dict[str, str]], ids: list[int], labels: list
         oldest = next(k for k, m in enumerate(rest) if m["role"] == "assistant")
         rest = rest[oldest + 1:]
         text, spans = renderer.render(lead + rest)
-        tokens = _encode(tokenizer, [text], False)[0]
+        tokens = encode_texts(tokenizer, [text], False)[0]
         ids = tokens.ids
-        labels, _ = _labels(ids, tokens, text, spans)
+        labels, _ = span_labels(ids, tokens, text, spans)
         if len(ids) <= limit:
             break
     head = None
@@ -291,89 +292,6 @@ def _drop_old_turns(messages: list[dict[str, str]], ids: list[int], labels: list
             head = tokens.first_from(len(system))
     cut = _truncate(ids, labels, _first_trained(labels), limit, "keep_response", bos, head)
     return Encoded(cut.input_ids, cut.labels, prompt, response, True)
-
-
-class _Tokens:
-    """One encoded text: ids, and where a character lands (the Rust encoding's own lookups)."""
-
-    __slots__ = ("ids", "_enc", "_offsets", "_starts", "_ends", "_chars")
-
-    def __init__(self, ids: list[int], chars: int, enc: Any = None,
-                 offsets: Sequence[Sequence[int]] | None = None) -> None:
-        self.ids, self._chars, self._enc, self._offsets = ids, chars, enc, offsets
-        if offsets is not None:
-            self._starts = [a for a, _ in offsets]
-            self._ends = [b for _, b in offsets]
-
-    def chars(self, k: int) -> tuple[int, int]:
-        if self._enc is not None:
-            span = self._enc.token_to_chars(k)
-            return (span[0], span[1]) if span else (0, 0)
-        a, b = self._offsets[k]  # type: ignore[index]
-        return a, b
-
-    def covering(self, i: int, j: int) -> list[int]:
-        """The tokens in ``range(i, j)`` that cover at least one character."""
-        if self._enc is None:
-            return [k for k in range(i, j) if self._ends[k] > self._starts[k]]
-        # The Rust lookup called directly: a method call per token would cost a third of tokenising.
-        to_chars = self._enc.token_to_chars
-        return [k for k in range(i, j) if (span := to_chars(k)) and span[1] > span[0]]
-
-    def first_after(self, pos: int) -> int:
-        """Index of the first token that ends after ``pos`` (len(ids) if none)."""
-        if self._enc is None:
-            return bisect_right(self._ends, pos)
-        # Materialising every offset costs more than the whole encode on short rows: look up
-        # characters instead, skipping those no token covers (a trimmed space).
-        while pos < self._chars:
-            k = self._enc.char_to_token(pos)
-            if k is not None:
-                return k
-            pos += 1
-        return len(self.ids)
-
-    def first_from(self, pos: int) -> int:
-        """Index of the first token that starts at or after ``pos``."""
-        if self._enc is None:
-            return bisect_left(self._starts, pos)
-        k = self.first_after(pos)
-        while k < len(self.ids) and self.chars(k)[0] < pos:
-            k += 1
-        return k
-
-
-def _encode(tokenizer: Any, texts: list[str], special: bool) -> list[_Tokens]:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:  # the Rust tokenizer directly: transformers' wrapping costs as much
-        return [_Tokens(e.ids, len(t), enc=e)
-                for t, e in zip(texts, backend.encode_batch(texts, add_special_tokens=special))]
-    enc = tokenizer(texts, add_special_tokens=special, return_offsets_mapping=True)
-    return [_Tokens(list(i), len(t), offsets=o)
-            for t, i, o in zip(texts, enc["input_ids"], enc["offset_mapping"])]
-
-
-def _labels(ids: list[int], tokens: _Tokens, text: str,
-            spans: list[tuple[int, int]]) -> tuple[list[int], int]:
-    """The labels of an encoded chat, and the index of its first trained token."""
-    labels = [IGNORE] * len(ids)
-    first = len(ids)
-    for s, e in spans:
-        # From the first token that ends inside the span: a byte-level BPE merges the space a
-        # template puts before the answer into the answer's first token, which must be trained.
-        i, j = tokens.first_after(s), tokens.first_from(e)
-        # The newline a template puts after the end-of-turn token is formatting, not an answer.
-        while j > i:
-            a, b = tokens.chars(j - 1)
-            if text[a:b].strip():
-                break
-            j -= 1
-        trained = tokens.covering(i, j)
-        for k in trained:
-            labels[k] = ids[k]
-        if trained and trained[0] < first:
-            first = trained[0]
-    return labels, first
 
 
 def _truncate(ids: list[int], labels: list[int], first: int, limit: int, mode: str,

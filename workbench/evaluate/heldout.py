@@ -1,7 +1,8 @@
 """The ``heldout`` task: answer held-out prompts greedily and score the answers against references.
 
 Metrics (one line in eval.jsonl): ``exact_match`` and ``contains`` (0-1, after case and space
-normalisation), ``rouge_l`` (F1, 0-1, rouge-score), ``bleu`` and ``chrf`` (0-100, sacrebleu).
+normalisation), ``rouge_l`` (F1, 0-1, rouge-score), ``bleu`` and ``chrf`` (0-100, sacrebleu;
+``bleu`` only where the median reference has 4 words or more: below that it is 0 for any answer).
 Chinese text is tokenised per character for ROUGE (rouge-score's own tokenizer drops CJK
 characters) and with sacrebleu's ``zh`` tokenizer for BLEU; the choice is made once per set, from
 the references.
@@ -32,7 +33,7 @@ def load_examples(path: str | Path, max_samples: int | None) -> list[tuple[Messa
     from workbench.data.formats import to_example
     from workbench.data.sources import read_rows
     from workbench.errors import DatasetError
-    from workbench.spec import DataSource
+    from workbench.spec.sections import DataSource
 
     if not Path(path).is_file():
         raise EvalTaskError(f"eval file {path} does not exist; give a jsonl file of prompts and "
@@ -93,11 +94,23 @@ def scores(predictions: Sequence[str], references: Sequence[str]) -> dict[str, A
     out: dict[str, Any] = {k: sum(row[k] for row in rows) / n
                            for k in ("exact_match", "contains", "rouge_l")}
     refs = [list(references)]
-    out["bleu"] = sacrebleu.corpus_bleu(list(predictions), refs,
-                                        tokenize="zh" if zh else "13a").score
+    if bleu_means_something(references, zh):
+        out["bleu"] = sacrebleu.corpus_bleu(list(predictions), refs,
+                                            tokenize="zh" if zh else "13a").score
     out["chrf"] = sacrebleu.corpus_chrf(list(predictions), refs).score
     out["rows"] = rows
     return out
+
+
+BLEU_MIN_WORDS = 4  # BLEU's geometric mean needs 4-grams: a shorter answer scores 0 whatever it says
+
+
+def bleu_means_something(references: Sequence[str], zh: bool = False) -> bool:
+    """Whether BLEU says anything about these references: their median is at least 4 words (4
+    characters in Chinese). Below that, every answer has no 4-gram to match and BLEU is 0 even
+    when exact match rises, so it is left out rather than shown as a score that contradicts."""
+    lengths = sorted(len(_CJK.findall(r)) if zh else len(r.split()) for r in references)
+    return bool(lengths) and lengths[len(lengths) // 2] >= BLEU_MIN_WORDS
 
 
 def run(source: Any, examples: list[tuple[Messages, str]], max_new_tokens: int

@@ -23,7 +23,7 @@ def load_texts(path: str | Path, tokenizer: Any, max_samples: int | None
     from workbench.data.formats import to_example
     from workbench.data.sources import read_rows
     from workbench.errors import DatasetError
-    from workbench.spec import DataSource
+    from workbench.spec.sections import DataSource
 
     if not Path(path).is_file():
         raise EvalTaskError(f"perplexity file {path} does not exist; give a jsonl file with a "

@@ -18,7 +18,7 @@ from typing import Any
 
 from workbench.errors import EvalError
 from workbench.evaluate import results
-from workbench.spec import EvalTask
+from workbench.spec.sections import EvalTask
 
 # Per-example rows are kept where small: at most this many per task and evaluation point.
 EXAMPLES_KEPT = 64
@@ -52,7 +52,7 @@ def as_tasks(tasks: Any, **knobs: Any) -> list[EvalTask]:
     from pydantic import ValidationError
 
     from workbench.errors import SpecError
-    from workbench.spec import _problems
+    from workbench.spec.problems import problems
 
     out = []
     for t in tasks if isinstance(tasks, (list, tuple)) else [tasks]:
@@ -68,7 +68,7 @@ def as_tasks(tasks: Any, **knobs: Any) -> list[EvalTask]:
             out.append(EvalTask.model_validate(data))
         except ValidationError as exc:
             raise SpecError([("eval.tasks." + p if p else "eval.tasks", m)
-                             for p, m in _problems(exc)]) from None
+                             for p, m in problems(exc, EvalTask)]) from None
     return out
 
 

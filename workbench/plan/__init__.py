@@ -13,8 +13,10 @@ is written out, with its sources and measured tolerances, in ``docs/planning.md`
 
 The modules follow the data, and this one re-exports their public names:
 :mod:`~workbench.plan.shape` (the model's shape) -> :mod:`~workbench.plan.memory` (peak memory of
-a strategy) -> :mod:`~workbench.plan.timing` (data, step time) -> :mod:`~workbench.plan.planner`
-(every strategy evaluated, the choice, suggestions), which returns a :class:`Plan`
+a strategy) -> :mod:`~workbench.plan.timing` (data, step time) -> :mod:`~workbench.plan.inputs`
+(the card, precision and optimizers planned for) -> :mod:`~workbench.plan.planner` (every strategy
+evaluated, the choice) -> :mod:`~workbench.plan.suggest` (changes, each re-planned), which returns
+a :class:`Plan`
 (:mod:`~workbench.plan.result`). The clock under the time estimate is measured by
 :mod:`~workbench.plan.calibrate` (``calibrate("local")``) and learnt from ended runs by
 :mod:`~workbench.plan.history`.

@@ -1,7 +1,7 @@
 """Memory: the peak bytes per GPU (or CPU process) of one training strategy, and the strategies.
 
 :func:`estimate_memory` adds up weights, gradients, optimizer states, activations, logits and
-fixed overheads for a :class:`Strategy` (method x data-parallel sharing x offload) on a
+fixed overheads for a :class:`Strategy` (method x data-parallel sharing x offload x optimizer) on a
 :class:`_Setup` (model shape, batch, sequence length, world size); :func:`all_strategies` lists
 the combinations the planner compares. Sources and measured tolerances: ``docs/planning.md``.
 """
@@ -18,6 +18,7 @@ from workbench.spec import ParallelSpec
 GiB = 2**30
 Method = Literal["lora", "qlora", "full"]
 Parallel = Literal["ddp", "zero1", "zero2", "zero3"]
+Optimizer = Literal["adamw", "adamw_8bit", "paged_adamw_8bit"]
 
 
 # bitsandbytes NF4 with double quantisation (QLoRA, Dettmers et al. 2023, sec. 3): 4 bits per
@@ -37,6 +38,12 @@ _CPU_FIXED_OVERHEAD_GIB = 0.6
 _LOGIT_BYTES = 12
 # DeepSpeed bucket sizes the trainer's config uses (elements): reduce + all-gather for ZeRO-1/2.
 _DS_BUCKET = 2e8
+# Adam state per trainable parameter: two fp32 moments; bitsandbytes' 8-bit AdamW keeps them in
+# one byte each, block-wise quantised with an fp32 absmax per block of 256 values
+# (Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization"; bitsandbytes'
+# Optimizer8bit blocksize).
+_ADAM_STATE_BYTES = {"adamw": 8.0, "adamw_8bit": 2 + 2 * 4 / 256,
+                     "paged_adamw_8bit": 2 + 2 * 4 / 256}
 
 
 @dataclass(frozen=True)
@@ -47,6 +54,7 @@ class Strategy:
     parallel: Parallel
     offload_optimizer: bool = False
     offload_params: bool = False
+    optimizer: Optimizer = "adamw"  # train.optimizer as the trainer will run it
 
     @property
     def label(self) -> str:
@@ -56,7 +64,8 @@ class Strategy:
         if self.offload_params:
             extra.append("params")
         off = f" + offload {' & '.join(extra)}" if extra else ""
-        return f"{self.method} + {self.parallel}{off}"
+        optim = {"adamw_8bit": " + 8-bit adamw", "paged_adamw_8bit": " + paged 8-bit adamw"}
+        return f"{self.method} + {self.parallel}{off}{optim.get(self.optimizer, '')}"
 
     def parallel_spec(self) -> ParallelSpec:
         return ParallelSpec(strategy=self.parallel, offload_optimizer=self.offload_optimizer,
@@ -76,6 +85,10 @@ class MemoryBreakdown:
     activations_with_checkpointing: float = 0.0
     activations_without_checkpointing: float = 0.0
     host_offloaded: float = 0.0  # what offload moves to host RAM, per process
+    # A paged optimizer's states (bitsandbytes, CUDA unified memory): outside torch's allocator
+    # and not in `total`; the driver keeps on the card what its free memory holds and pages the
+    # rest through host RAM (:func:`paged_spill_gib`).
+    paged: float = 0.0
 
     COMPONENTS = ("weights", "trainable", "gradients", "optimizer", "activations", "overhead")
 
@@ -117,6 +130,9 @@ class _Setup:
     liger: bool = False
     flash_attention: bool = False
     eager_attention: bool = False
+    # Each parameter's optimizer step runs as soon as its gradient is accumulated, and the
+    # gradient is freed (torchtune's optimizer_in_bwd): the trainer does not, its reference runs do.
+    optimizer_in_backward: bool = False
 
 
 def _loss_bytes(s: _Setup, logit_bytes: float) -> float:
@@ -187,7 +203,11 @@ def estimate_memory(s: _Setup, st: Strategy, logit_bytes: float = _LOGIT_BYTES) 
     ZeRO-3 also the weights (Rajbhandari et al. 2020, "ZeRO", sec. 5).
 
     ``logit_bytes`` is what the loss holds per token x vocab entry: 12 for transformers' fp32
-    cross-entropy; with ``s.fused_loss`` (Liger's fused linear cross-entropy) it is not used."""
+    cross-entropy; with ``s.fused_loss`` (Liger's fused linear cross-entropy) it is not used.
+
+    An 8-bit AdamW (bitsandbytes, without DeepSpeed) keeps ~2 B of state per trainable parameter
+    instead of 8; a paged one keeps it in unified memory (``paged``, outside ``total``). With
+    ``s.optimizer_in_backward`` only the largest parameter's gradient is alive at once."""
     sh = s.shape
     n = s.world
     b = s.compute_bytes
@@ -230,7 +250,9 @@ def estimate_memory(s: _Setup, st: Strategy, logit_bytes: float = _LOGIT_BYTES) 
             # peft keeps adapters in fp32 (autocast_adapter_dtype), so their grads are fp32 too.
             trainable = t * 4
             grads = t * 4
-        optim = t * 8
+        optim = t * _ADAM_STATE_BYTES[st.optimizer]
+        if s.optimizer_in_backward:
+            grads = min(grads, sh.largest_layer_params * grads / t) if t else grads
     else:
         shard = t / n
         # DeepSpeed casts the module (adapters included) to bf16 and keeps an fp32 master copy.
@@ -254,6 +276,10 @@ def estimate_memory(s: _Setup, st: Strategy, logit_bytes: float = _LOGIT_BYTES) 
             host += frozen_bytes / n + adapter_working
             trainable -= adapter_working
 
+    paged = 0.0
+    if st.optimizer == "paged_adamw_8bit":
+        paged, optim = optim, 0.0
+
     act_gc = _activation_bytes(s, True, logit_bytes)
     act_no = _activation_bytes(s, False, logit_bytes)
     act = act_gc if s.checkpointing else act_no
@@ -276,12 +302,22 @@ def estimate_memory(s: _Setup, st: Strategy, logit_bytes: float = _LOGIT_BYTES) 
         optimizer=optim / GiB, activations=act / GiB, overhead=overhead / GiB,
         activations_with_checkpointing=act_gc / GiB,
         activations_without_checkpointing=act_no / GiB,
-        host_offloaded=host / GiB,
+        host_offloaded=host / GiB, paged=paged / GiB,
     )
+
+
+def paged_spill_gib(mem: MemoryBreakdown, capacity_gib: float) -> float:
+    """GiB of a paged optimizer's states that do not fit beside the rest on the card: they live
+    in host RAM and cross PCIe every step, in as the update reads them and out as newer pages
+    evict them."""
+    return max(0.0, mem.paged - max(0.0, capacity_gib - mem.total))
 
 
 def unsupported(st: Strategy) -> str | None:
     """Why the trainer cannot run ``st`` (None: it can). Such a strategy is never chosen."""
+    if st.optimizer != "adamw" and (st.parallel != "ddp" or st.offload_optimizer):
+        return (f"train.optimizer {st.optimizer} runs without DeepSpeed (ZeRO steps its own "
+                "optimizer): use parallel.strategy ddp or auto")
     if st.method == "qlora" and st.parallel == "zero3":
         # bitsandbytes 4-bit weights are placed whole on each GPU (device_map) and are not
         # parameters ZeRO-3 can partition; transformers skips zero.Init for quantised models.
@@ -295,15 +331,21 @@ def safety_margin_gib(capacity_gib: float) -> float:
     return max(2.0, 0.08 * capacity_gib)
 
 
-def all_strategies(world: int) -> list[Strategy]:
+def all_strategies(world: int,
+                   optimizers: tuple[Optimizer, ...] = ("adamw",)) -> list[Strategy]:
     """Every valid combination, cheapest first within each method (ZeRO shards need world > 1,
-    offloading is what you pay for when nothing else fits)."""
-    out = []
+    offloading is what you pay for when nothing else fits). ``optimizers``: those the run may
+    step; an 8-bit one runs under DDP only, and DeepSpeed's offload steps its own."""
+    out: list[Strategy] = []
     for method in ("full", "lora", "qlora"):
-        out.append(Strategy(method, "ddp"))
-        if world > 1:
-            out += [Strategy(method, "zero1"), Strategy(method, "zero2"),
-                    Strategy(method, "zero3")]
+        if "adamw" in optimizers:
+            out.append(Strategy(method, "ddp"))
+            if world > 1:
+                out += [Strategy(method, "zero1"), Strategy(method, "zero2"),
+                        Strategy(method, "zero3")]
+        out += [Strategy(method, "ddp", optimizer=o) for o in optimizers if o != "adamw"]
+        if "adamw" not in optimizers:
+            continue
         out += [Strategy(method, "zero2", offload_optimizer=True),
                 Strategy(method, "zero3", offload_optimizer=True),
                 Strategy(method, "zero3", offload_optimizer=True, offload_params=True)]

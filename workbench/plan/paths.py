@@ -28,12 +28,25 @@ def fast_paths(spec: RunSpec, on_gpu: bool, gpu: GpuType, precision: Precision,
     from workbench.train.fastpath import planned_device, resolve_fast_paths
 
     p = st.parallel_spec() if st is not None else spec.parallel
+    optimizer = st.optimizer if st is not None else (
+        "adamw" if spec.train.optimizer == "auto" else spec.train.optimizer)
     here = spec.target == "local" and (not on_gpu or _cuda_here())
     return resolve_fast_paths(
         spec.train.fast, planned_device(on_gpu, gpu.bf16, here), None,
         precision.load_dtype, stage=spec.method.stage,
         zero_stage=int(p.strategy[-1]) if p.strategy.startswith("zero") else 0,
-        offload_optimizer=p.offload_optimizer)
+        offload_optimizer=p.offload_optimizer, optimizer=optimizer)
+
+
+def tier(st: Strategy) -> int:
+    """Where ``st`` stands in the order memory savers are reached for on a card: AdamW with the
+    states on the card (DDP, ZeRO) 0, an 8-bit/paged AdamW 1, optimizer offload 2, parameter
+    offload 3. Gradient checkpointing and the fused loss are the spec's and the fast paths'."""
+    if st.offload_params:
+        return 3
+    if st.offload_optimizer:
+        return 2
+    return 0 if st.optimizer == "adamw" else 1
 
 
 def ladder(mine: list[Candidate], chosen: Candidate, on_gpu: bool) -> list[str]:
@@ -41,8 +54,7 @@ def ladder(mine: list[Candidate], chosen: Candidate, on_gpu: bool) -> list[str]:
     and its time against the fastest strategy (one line), and what parameter offload costs."""
     if not on_gpu or not mine or any(c.hours is None for c in mine):
         return []
-    ranked = sorted(mine, key=lambda c: (c.strategy.offload_params, c.strategy.offload_optimizer,
-                                         c.hours or 0.0))
+    ranked = sorted(mine, key=lambda c: (tier(c.strategy), c.hours or 0.0))
     fastest = min(mine, key=lambda c: c.hours or 0.0)
     base = fastest.hours or 1.0
     parts = [f"{c.strategy.label} {c.memory.total:.1f} GiB "

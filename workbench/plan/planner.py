@@ -1,10 +1,11 @@
-"""The planner: every strategy evaluated for a spec, the cheapest that fits chosen, suggestions.
+"""The planner: every strategy evaluated for a spec, the one to run chosen, time and cost.
 
-:func:`plan` resolves the GPU type, the model shape and the data estimate, evaluates every
-method x strategy x offload combination (memory, then time and cost), picks the cheapest that fits
-with a safety margin, and suggests concrete spec changes when nothing fits or a cheaper choice
-exists. Launch refuses a plan that does not fit (:func:`check_fits`); ``parallel.strategy: auto``
-asks :func:`choose_strategy`.
+:func:`plan` resolves the GPU type, the model shape and the data estimate
+(:mod:`~workbench.plan.inputs`), evaluates every method x strategy x offload x optimizer
+combination (memory, then time and cost), picks the fastest that fits with a safety margin in
+the order memory savers are reached for (:func:`workbench.plan.paths.tier`), and attaches the
+suggestions of :mod:`~workbench.plan.suggest`. Launch refuses a plan that does not fit
+(:func:`check_fits`); ``parallel.strategy: auto`` asks :func:`choose_strategy`.
 """
 
 from __future__ import annotations
@@ -13,80 +14,44 @@ import math
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-from workbench.errors import BudgetError, PlanError, WorkbenchError
+from workbench.errors import BudgetError, FastPathError, PlanError
+from workbench.plan.inputs import _setup as _setup
+from workbench.plan.inputs import optimizers_of, precision_of, resolve_gpu
 from workbench.plan.memory import (
     MemoryBreakdown,
     Strategy,
-    _Setup,
     all_strategies,
     estimate_memory,
+    paged_spill_gib,
     safety_margin_gib,
     unsupported,
 )
 from workbench.plan.paths import fast_paths as _fast_paths
 from workbench.plan.paths import ladder as _ladder
+from workbench.plan.paths import tier
 from workbench.plan.paths import with_fast_paths as _with_fast_paths
-from workbench.plan.result import Candidate, Plan, Suggestion
+from workbench.plan.result import Candidate, Plan
 from workbench.plan.scoring_time import scoring_seconds, validation_of
 from workbench.plan.shape import ModelShape, model_shape
 from workbench.plan.stage import stage_cost, stage_data, stage_memory, stage_time_factor
+from workbench.plan.suggest import suggestions
 from workbench.plan.timing import (
     _INTER_NODE_GBPS,
     DataEstimate,
     _Run,
     estimate_data,
     eval_seconds,
+    paging_seconds,
     step_rows,
     step_seconds,
 )
 from workbench.runs.budget import billed_units, check_enforceable, unit_price
 from workbench.runs.startup import finish_estimate, startup_estimate
-from workbench.spec import ParallelSpec, RunSpec
-from workbench.spec.precision import DeviceKind, Precision, resolve_precision
-from workbench.targets.gpus import GpuType, get_gpu, gpu_table
-
-
-def _resolve_gpu(spec: RunSpec, gpu_type: str | None) -> tuple[GpuType, bool]:
-    table = gpu_table()
-    if spec.resources.gpus_per_node == 0:
-        return table["CPU"], False
-    name = gpu_type or spec.resources.gpu_type
-    if name is None:
-        from workbench.targets.gpus import detect_gpu_type
-
-        name = detect_gpu_type()
-    if name is None:
-        raise PlanError(
-            "no GPU type to plan against: set resources.gpu_type (e.g. 'A100-80G'; known types: "
-            f"{', '.join(n for n in table if n != 'CPU')}) or run where a GPU is visible"
-        )
-    return get_gpu(name, table), True
-
-
-def _precision(spec: RunSpec, on_gpu: bool, gpu: GpuType | None = None) -> Precision:
-    device: DeviceKind = "cpu" if not on_gpu else (
-        "cuda-bf16" if gpu is None or gpu.bf16 else "cuda-fp16")
-    return resolve_precision(spec.model.dtype, spec.method.kind, device)
-
-
-def _setup(spec: RunSpec, shape: ModelShape, on_gpu: bool, seq_len: int,
-           gpu: GpuType | None = None) -> _Setup:
-    precision = _precision(spec, on_gpu, gpu)  # the trainer resolves the same way
-    return _Setup(
-        shape=shape,
-        compute_bytes=precision.compute_bytes,
-        load_bytes=precision.load_bytes,
-        micro_batch=spec.train.batch_size,
-        seq_len=seq_len,
-        world=spec.resources.world_size,
-        nodes=spec.resources.nodes,
-        lora_r=spec.method.lora_r,
-        targets=spec.method.target_modules,
-        checkpointing=spec.train.gradient_checkpointing,
-        on_gpu=on_gpu,
-    )
+from workbench.spec import RunSpec
+from workbench.spec.sections import ParallelSpec
+from workbench.targets.gpus import GpuType
 
 
 def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
@@ -116,7 +81,7 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
         f"activations sized at max_length {spec.data.max_length}"
         + (" (packed)" if spec.data.packing else " (example lengths unknown)"))
     margin = safety_margin_gib(capacity)
-    precision = _precision(spec, on_gpu, gpu)  # the same resolution _setup made
+    precision = precision_of(spec, on_gpu, gpu)  # the same resolution _setup made
     assumptions.append("precision: " + precision.reason)
     fast_at = len(assumptions)  # the chosen strategy's fast paths go here, once it is chosen
     global_batch = spec.train.batch_size * spec.train.grad_accum * res.world_size
@@ -205,9 +170,14 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
     step_x = step_m / step_seconds(s_time, Strategy(spec.method.kind, "ddp", False, False), full
                                    )[0] if step_m else 1.0
 
+    def spill_of(st: Strategy) -> float:
+        """GiB of a paged optimizer's states that page through host RAM each step."""
+        return paged_spill_gib(memory_of(st), capacity) if st.optimizer == "paged_adamw_8bit" \
+            else 0.0
+
     def seconds_of(st: Strategy) -> tuple[float, float]:
         secs, flops = step_seconds(s_time, st, run)
-        return secs * stage_x * step_x, flops * stage_x
+        return (secs + paging_seconds(spill_of(st))) * stage_x * step_x, flops * stage_x
 
     # Validation passes are held and billed like steps (forward only, corrected like them).
     eval_s = eval_seconds(spec, s_time, run, data.rows, data.tokens_per_example,
@@ -219,8 +189,13 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
                          validation_rows=val_rows, steps=steps,
                          example_tokens=data.tokens_per_example)
     candidates = []
-    for st in all_strategies(res.world_size):
-        mem = memory_of(st)
+    for st in all_strategies(res.world_size, optimizers_of(spec, on_gpu)):
+        try:
+            mem = memory_of(st)
+        except FastPathError:
+            if spec.train.optimizer != "auto" or st.optimizer == "adamw":
+                raise  # what the spec asks for cannot run there: say so now
+            continue  # an 8-bit optimizer ``auto`` may reach for that the target cannot run
         secs = seconds_of(st)[0] * time_scale
         hours = (secs * steps + eval_s * time_scale + sc.seconds) / 3600 if steps else None
         fits = mem.total <= capacity - margin and unsupported(st) is None
@@ -231,18 +206,23 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
     mine = [c for c in candidates if c.strategy.method == spec.method.kind]
     if wanted.strategy == "auto":
         fitting = [c for c in mine if c.fits]
-        # Parameter offload only when nothing else fits (it moves every weight over PCIe each
-        # step); otherwise cheapest = fastest (cost is time x cards), among equals the simpler
-        # one (list order).
-        pool = [c for c in fitting if not c.strategy.offload_params] or fitting
+        # Memory savers in the order practitioners reach for them (paths.tier): AdamW with its
+        # states on the card, an 8-bit/paged AdamW, optimizer offload, parameter offload (every
+        # weight over PCIe each step); within the first tier that fits, cheapest = fastest (cost
+        # is time x cards), among equals the simpler one (list order).
+        first = min((tier(c.strategy) for c in fitting), default=0)
+        pool = [c for c in fitting if tier(c.strategy) == first]
         chosen = min(pool, key=lambda c: c.hours or 0.0) if pool else min(
             [c for c in mine if unsupported(c.strategy) is None], key=lambda c: c.memory.total)
         reasons.append("parallel: auto -> " + (
-            f"{chosen.strategy.label} is the fastest strategy that fits"
+            f"{chosen.strategy.label} is the fastest strategy that fits" + (
+                "" if first == 0 else " once AdamW with its states on the card does not (memory "
+                "savers reached for in order: 8-bit/paged AdamW, optimizer offload, parameter "
+                "offload)")
             if fitting else f"nothing fits; {chosen.strategy.label} needs the least memory"))
     else:
         target = Strategy(spec.method.kind, wanted.strategy, wanted.offload_optimizer,
-                          wanted.offload_params)
+                          wanted.offload_params, optimizers_of(spec, on_gpu)[0])
         chosen = next((c for c in mine if c.strategy == target), None)  # type: ignore[assignment]
         if chosen is None:
             # e.g. ZeRO-1/2/3 without offload on one process, or ddp + offload: still evaluate.
@@ -275,6 +255,12 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
         reasons.append(f"peak {mem.total:.1f} GiB per {unit} exceeds {capacity - margin:.1f} GiB "
                        f"usable of {capacity:.1f} ({gpu.name}, keeping {margin:.1f} free); "
                        f"largest part: {biggest} {getattr(mem, biggest):.1f} GiB")
+    spill = spill_of(chosen.strategy)
+    if mem.paged:
+        reasons.append(f"paged 8-bit AdamW states: {mem.paged:.1f} GiB outside torch's allocator; "
+                       + (f"{spill:.1f} GiB do not fit beside the rest and page through host RAM "
+                          f"each step (~{paging_seconds(spill):.2f} s over PCIe)" if spill else
+                          "they fit in the card's free memory"))
     if mem.host_offloaded:
         # Not part of `fits`: the target's host RAM is not known here (a remote node's may differ).
         reasons.append(f"offloading needs ~{mem.host_offloaded * res.procs_per_node:.0f} GiB of "
@@ -333,119 +319,6 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
     )
 
 
-def _suggest(spec: RunSpec, p: Plan, gpu: GpuType, on_gpu: bool, shape: ModelShape,
-             data: DataEstimate) -> list[Suggestion]:
-    """Concrete changes, each checked by re-planning the changed spec."""
-    out: list[Suggestion] = []
-
-    def check(changes: dict[str, Any], gpu_over: GpuType | None = None) -> Plan | None:
-        try:  # a variant may be invalid, or ask a card for a dtype it lacks (bf16 on a T4)
-            variant = spec.updated(**changes)
-            return _evaluate(variant, gpu_over or gpu, on_gpu, shape, data)
-        except WorkbenchError:
-            return None
-
-    if not p.fits:
-        if spec.parallel.strategy != "auto":
-            q = check({"parallel.strategy": "auto", "parallel.offload_optimizer": False,
-                       "parallel.offload_params": False})
-            if q and q.fits:
-                ps = q.strategy.parallel_spec()
-                out.append(Suggestion(
-                    f"use {q.strategy.label} (parallel.strategy: {ps.strategy}"
-                    + (", offload_optimizer: true" if ps.offload_optimizer else "")
-                    + (", offload_params: true" if ps.offload_params else "") + ")",
-                    {"parallel.strategy": ps.strategy,
-                     "parallel.offload_optimizer": ps.offload_optimizer,
-                     "parallel.offload_params": ps.offload_params}))
-        if not spec.train.gradient_checkpointing:
-            q = check({"train.gradient_checkpointing": True})
-            if q and q.fits:
-                out.append(Suggestion("turn on gradient checkpointing "
-                                      "(train.gradient_checkpointing: true; ~30% slower)",
-                                      {"train.gradient_checkpointing": True}))
-        bs = spec.train.batch_size
-        if bs > 1:
-            for smaller in sorted({bs // 2, bs // 4, 1} - {0}, reverse=True):
-                accum = spec.train.grad_accum * bs // smaller
-                q = check({"train.batch_size": smaller, "train.grad_accum": accum})
-                if q and q.fits:
-                    out.append(Suggestion(
-                        f"train.batch_size {smaller} with train.grad_accum {accum} "
-                        "(same global batch, less activation memory)",
-                        {"train.batch_size": smaller, "train.grad_accum": accum}))
-                    break
-        for kind, label in (("lora", "use LoRA"), ("qlora", "use QLoRA")):
-            if kind == spec.method.kind or (spec.method.kind == "qlora" and kind == "lora"):
-                continue
-            ch: dict[str, Any] = {"method.kind": kind, "parallel.strategy": "auto"}
-            ch["model.quantization"] = "4bit" if kind == "qlora" else "none"
-            q = check(ch)
-            if q and q.fits:
-                out.append(Suggestion(f"{label} (method.kind: {kind}): "
-                                      f"{q.memory.total:.1f} GiB per GPU", ch))
-                break
-        if on_gpu:
-            res = spec.resources
-            for n in (2, 4, 8):
-                if n <= res.gpus_per_node:
-                    continue
-                ch = {"resources.gpus_per_node": n, "parallel.strategy": "auto"}
-                if res.processes_per_node is not None:
-                    ch["resources.processes_per_node"] = n
-                q = check(ch)
-                if q and q.fits:
-                    out.append(Suggestion(f"{n} GPUs (resources.gpus_per_node: {n}) with "
-                                          f"{q.strategy.label}", ch))
-                    break
-            table = gpu_table()
-            bigger = sorted((g for g in table.values() if g.name not in ("CPU", gpu.name)
-                             and g.memory_gib > gpu.memory_gib),
-                            key=lambda g: (g.price_per_hour is None, g.price_per_hour or 0,
-                                           g.memory_gib))
-            for g in bigger:
-                q = check({"resources.gpu_type": g.name, "parallel.strategy": "auto"}, g)
-                if q and q.fits:
-                    out.append(Suggestion(f"a bigger card: resources.gpu_type {g.name} "
-                                          f"({g.memory_gib:.0f} GiB) with {q.strategy.label}",
-                                          {"resources.gpu_type": g.name,
-                                           "parallel.strategy": "auto"}))
-                    break
-        if not out:
-            out.append(Suggestion(
-                "nothing tried fits: use a smaller model, a shorter data.max_length, or more "
-                "GPUs/nodes"))
-    if p.budget_verdict == "over budget" and p.cost and p.steps and p.budget_limit:
-        fixed = p.startup_cost or 0.0  # start-up and release are paid whatever max_steps is
-        eval_h = ((p.clock or {}).get("eval_s", 0.0) + (p.clock or {}).get("scoring_s", 0.0)) / 3600
-        if p.hours:  # ~EVALS_PER_RUN validation passes whatever max_steps is: taken as fixed
-            fixed += (p.cost - fixed) * eval_h / p.hours
-        per_step = (p.cost - fixed) / p.steps
-        steps = int((p.budget_limit - fixed) / per_step) if per_step > 0 else 0
-        if steps >= 1:
-            out.append(Suggestion(f"train.max_steps {steps:,} stays within the budget of "
-                                  f"{p.budget_limit:,.2f} {p.currency}",
-                                  {"train.max_steps": steps}))
-        if spec.method.kind == "full":
-            q = check({"method.kind": "lora", "parallel.strategy": "auto"})
-            if q and q.cost is not None and q.fits and q.cost <= p.budget_limit:
-                out.append(Suggestion(f"use LoRA: {q.cost:,.2f} {q.currency}",
-                                      {"method.kind": "lora", "parallel.strategy": "auto"}))
-        if on_gpu:
-            for g in gpu_table().values():
-                if g.name in ("CPU", gpu.name) or g.price_per_hour is None:
-                    continue
-                q = check({"resources.gpu_type": g.name, "parallel.strategy": "auto"}, g)
-                if q and q.fits and q.cost is not None and q.cost <= p.budget_limit:
-                    out.append(Suggestion(f"resources.gpu_type {g.name}: {q.cost:,.2f} "
-                                          f"{q.currency}", {"resources.gpu_type": g.name,
-                                                            "parallel.strategy": "auto"}))
-                    break
-    if p.steps is None:
-        out.append(Suggestion("set train.max_steps so time and cost can be estimated"))
-    return out
-
-
 def plan(spec: RunSpec | dict | str | Path | None = None, *,
          gpu_type: str | None = None, longest: int | None = None) -> Plan:
     """Plan ``spec``: memory per GPU for every strategy, the choice, time, cost and verdict.
@@ -458,7 +331,7 @@ def plan(spec: RunSpec | dict | str | Path | None = None, *,
     (launch passes it after tokenising, when the sample the plan read missed longer rows).
     """
     spec = RunSpec.coerce(spec)
-    gpu, on_gpu = _resolve_gpu(spec, gpu_type)
+    gpu, on_gpu = resolve_gpu(spec, gpu_type)
     m = spec.model
     shape = model_shape(m.id, m.revision, m.trust_remote_code)
     data = estimate_data(spec)
@@ -467,7 +340,7 @@ def plan(spec: RunSpec | dict | str | Path | None = None, *,
                        longest_of="every training row")
     data = stage_data(spec, data)  # grpo trains on prompt + completion, G times per prompt
     p = _evaluate(spec, gpu, on_gpu, shape, data)
-    p.suggestions = _suggest(spec, p, gpu, on_gpu, shape, data)
+    p.suggestions = suggestions(spec, p, gpu, on_gpu, shape, data, _evaluate)
     from workbench.runs.wallet import Wallet
 
     wallet = Wallet.open()

@@ -295,6 +295,23 @@ _CPU_ADAM_PARAMS_PER_S = 1e9  # DeepSpeed CPUAdam on a many-core host (ZeRO-Offl
 # calibration measures it (workbench.plan.calibrate.measure_optimizer).
 _GPU_OPTIMIZER_PARAMS_PER_S = 3e10
 _CPU_OPTIMIZER_PARAMS_PER_S_PER_CORE = 1.5e7
+_ADAMW_STEP_BYTES = 7 * 4  # what the rates above stream per parameter
+
+
+def _optimizer_step_bytes(s: _Setup, st: Strategy) -> float:
+    """Bytes one parameter's update streams: AdamW's ~7 fp32 values; bitsandbytes' 8-bit AdamW
+    reads the gradient, reads and writes the parameter and its two 1-byte moments."""
+    if st.optimizer == "adamw":
+        return _ADAMW_STEP_BYTES
+    param = s.load_bytes if st.method == "full" else 4  # peft keeps adapters fp32
+    return 3 * param + 4
+
+
+def paging_seconds(spill_gib: float) -> float:
+    """Seconds per step a paged optimizer spends moving ``spill_gib`` of states that do not fit
+    on the card (workbench.plan.memory.paged_spill_gib) in and out of host RAM: PCIe is full
+    duplex, so the pages evicted go out while the pages needed come in."""
+    return spill_gib * 2**30 / (_PCIE_GBPS * 1e9)
 
 
 @dataclass(frozen=True)
@@ -345,7 +362,8 @@ def step_seconds(s: _Setup, st: Strategy, r: _Run) -> tuple[float, float]:
     elif r.on_gpu:
         # Counted whole on every card: ZeRO-1/2's sharded update is not taken as cheaper
         # (unmeasured: its bucketing and gathers cost too), so the choice among them is unchanged.
-        seconds += t / (r.optimizer_params_per_s or _GPU_OPTIMIZER_PARAMS_PER_S)
+        seconds += (t / (r.optimizer_params_per_s or _GPU_OPTIMIZER_PARAMS_PER_S)
+                    * _optimizer_step_bytes(s, st) / _ADAMW_STEP_BYTES)
     else:
         # A CPU host's ranks share its memory bandwidth: each updates every trainable parameter
         # (offloading to the same host changes nothing).

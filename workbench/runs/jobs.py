@@ -7,7 +7,8 @@
 
 A Job reads everything from the run directory (through the backend), so a Job found again after a
 kernel restart (``jobs()``, ``get_job(id)``) is as good as the one ``launch`` returned
-(:mod:`workbench.runs.launching` starts runs and returns Jobs).
+(:mod:`workbench.runs.launching` starts runs and returns Jobs; :mod:`workbench.runs.attempts`
+hands a run to its backend, at launch and on resume).
 """
 
 from __future__ import annotations
@@ -16,20 +17,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from workbench.errors import BudgetError, JobFailedError, RunBusyError, WorkbenchError
-from workbench.runs import procs
+from workbench.errors import JobFailedError, RunBusyError, WorkbenchError
+from workbench.runs.attempts import live_processes, resume_attempt
 from workbench.runs.readable import Readable
 from workbench.runs.registry import Registry, RunRecord
-from workbench.runs.rundir import (
-    BUDGET_STOPPED,
-    CANCEL_REQUESTED,
-    FAILED,
-    PENDING,
-    QUEUED,
-    TERMINAL,
-    MetricsReader,
-    RunDir,
-)
+from workbench.runs.rundir import PENDING, QUEUED, TERMINAL, MetricsReader, RunDir
 from workbench.spec import RunSpec
 from workbench.targets.backends import Backend, get_backend
 
@@ -37,26 +29,6 @@ from workbench.targets.backends import Backend, get_backend
 # final bill. A supervisor killed in between never marks ``released``: wait() does not hang on it.
 RELEASE_WAIT_S = 60.0
 _WRITE_POLL_S = 0.05  # how often Job.wait looks whether status.json was rewritten
-
-
-def submit_attempt(backend: Backend, rd: RunDir, spec: RunSpec, claim: dict[str, Any],
-                   **options: Any) -> str | None:
-    """Hand the run to ``backend`` (``claim``: the status of a run being submitted) unless a
-    cancel was asked for; None then, with nothing started. The caller holds the run's attempt
-    lock, so a cancel asked meanwhile waits for this to return; one asked while the backend
-    started the run is carried out here, once the backend knows what it started."""
-    if not rd.start_unless_cancelled(**claim):
-        return None
-    try:
-        job_id = backend.submit(rd.path, spec, **options)
-    except BaseException as exc:  # refused: the run ends failed, not queued for ever
-        why = str(exc) or type(exc).__name__
-        rd.update_status(lambda s: None if s.get("state") in TERMINAL else s.update(
-            state=FAILED, ended=time.time(), error=why))
-        raise
-    if rd.status().get(CANCEL_REQUESTED) is not None:
-        backend.cancel(rd.path, job_id)
-    return job_id
 
 
 def get_job(id_or_name: str, registry: Registry | None = None) -> Job:
@@ -253,83 +225,18 @@ class Job:
                 raise RunBusyError(f"run {self.id} is being resumed by another caller right now; "
                                    "follow it with job.status() or job.wait() instead")
             self.run_dir.forget_cancel()  # a cancel asked for from here on stops this resume
-            live = self._live_processes(grace_s=15.0)
+            live = live_processes(self.run_dir, grace_s=15.0)
             if live:
                 raise RunBusyError(
                     f"run {self.id} still has live processes ("
                     + ", ".join(p.describe() for p in live)
                     + "); wait for them to end or call job.cancel(), then resume")
-            return self._resume(**changes)
-
-    def _live_processes(self, grace_s: float) -> list[procs.ProcessIdentity]:
-        """The current attempt's live processes on this host. After a recorded outcome they get
-        ``grace_s`` to exit: the supervisor writes the outcome just before it exits."""
-        deadline = time.time() + grace_s
-        while True:
-            status = self.run_dir.status()
-            live = procs.alive_here(p for p in procs.of_attempt(status) if p.here)
-            if not live or status.get("state") not in TERMINAL or time.time() > deadline:
-                return live
-            time.sleep(0.2)
-
-    def _resume(self, **changes: Any) -> Job:
-        allowed = {"budget.limit", "train.max_steps", "train.epochs", "checkpoint.storage"}
-        bad = set(changes) - allowed
-        if bad:
-            raise WorkbenchError(f"cannot change {sorted(bad)} on resume; allowed: "
-                                 f"{sorted(allowed)}")
-        state = self.state
-        if state not in TERMINAL:
-            raise RunBusyError(f"run {self.id} is {state}; cancel it first or wait for it")
-        status = self.status()
-        spent = status.get("cost") or 0.0
-        limit = changes.get("budget.limit")
-        import yaml
-
-        from workbench.runs.budget import check_enforceable
-        from workbench.runs.wallet import Wallet
-
-        earlier: dict[str, Any] = {}
-        if self.run_dir.resume_file.is_file():
-            earlier = yaml.safe_load(self.run_dir.resume_file.read_text()) or {}
-        merged = {**earlier, **changes}
-        resumed = RunSpec.from_yaml(self.run_dir.spec_file).updated(**merged)
-        wallet, hold_id = Wallet.open(status_of=lambda run_id: get_job(run_id).status()), None
-        if wallet is not None:  # the resume holds what it may add, and is limited to it
-            from workbench.plan import plan
-
-            resumed, hold_id = wallet.hold_resume(self.run_dir, resumed, spent, limit,
-                                                  plan(resumed).cost, f"resume of {self.id}")
-            if hold_id is not None:
-                merged["budget.limit"] = limit = resumed.budget.limit
-        try:
-            if state == BUDGET_STOPPED and (not isinstance(limit, (int, float)) or limit <= spent):
-                raise BudgetError(
-                    f"run {self.id} stopped at its budget: {spent:.4g} "
-                    f"{status.get('currency', '')} spent of {self.spec.budget.limit or 0:g}; "
-                    "resuming with " + ("no new limit" if limit is None
-                                        else f"a budget.limit of {limit:g}")
-                    + " would stop it again at once. Give a larger one: "
-                    f"job.resume(**{{'budget.limit': N}}) or `workbench resume {self.id} "
-                    "--budget N`")
-            # Validated (and the budget checked against what is spent) before anything is written.
-            check_enforceable(resumed, spent)
-            if merged != earlier:
-                self.run_dir.resume_file.write_text(yaml.safe_dump(merged), encoding="utf-8")
-            if hold_id is not None:
-                wallet.attach(hold_id, "resume", self.id, str(self.run_dir.path),  # type: ignore[union-attr]
-                              base_cost=spent)
-            job_id = submit_attempt(self.backend, self.run_dir, self.run_dir.spec(), {
-                "state": QUEUED, "error": None, "stop_reason": None, "stop_request": None,
-                "note": None, "ended": None})
-        except BaseException:
-            if hold_id is not None:
-                wallet.release(hold_id, 0, f"resume of {self.id} refused")  # type: ignore[union-attr]
-            raise
-        self.registry.update_run(self.id, backend_job_id=job_id or self.record.backend_job_id,
-                                 state=self.run_dir.status().get("state", QUEUED))
-        self.record = self.registry.get_run(self.id)
-        return self
+            job_id = resume_attempt(self, changes,
+                                    status_of=lambda run_id: get_job(run_id).status())
+            self.registry.update_run(self.id, backend_job_id=job_id or self.record.backend_job_id,
+                                     state=self.run_dir.status().get("state", QUEUED))
+            self.record = self.registry.get_run(self.id)
+            return self
 
     def cancel(self, timeout: float = 30.0, stop_request: str | None = None) -> str:
         """Stop every process of the run; the run ends 'cancelled' (unless it already ended).

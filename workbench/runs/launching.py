@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from workbench.errors import DataTruncationWarning, LaunchError
+from workbench.runs.attempts import submit_attempt
 from workbench.runs.home import runs_dir
-from workbench.runs.jobs import Job, get_job, submit_attempt
+from workbench.runs.jobs import Job, get_job
 from workbench.runs.registry import Registry, RunRecord
 from workbench.runs.rundir import CANCEL_REQUESTED, PENDING, QUEUED, RunDir, write_json_atomic
 from workbench.spec import RunSpec

@@ -195,7 +195,7 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 
 def _start_ranks(folder: Path, nproc: int, me: procs.ProcessIdentity) -> Ranks:
-    from workbench.runs.supervise import launcher_command
+    from workbench.runs.node import launcher_command
 
     cmd = launcher_command(nproc, ["--standby", str(folder)])
     env = {**os.environ, "PYTHONUNBUFFERED": "1", procs.SUPERVISOR_ENV: me.token,

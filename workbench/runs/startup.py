@@ -27,7 +27,7 @@ Basis of each phase (seconds; ``None`` where the input is unknown):
   partitions; ZeRO-3 partitions the weights too: 20 s). With several ranks, DDP and ZeRO-1/2 also
   pay for the weights once more: the wrap broadcasts every parameter, frozen ones too (torch's
   ``_sync_module_states``), from rank 0 at the link's rate (the GPU table's ``interconnect_gbps``).
-  CPU ranks train the weights where they were loaded (workbench.train.run gives them the device
+  CPU ranks train the weights where they were loaded (workbench.train.arguments gives them the device
   ``cpu``: the Trainer's move to accelerate's ``cpu:N`` would copy every weight of every rank).
 - ``first step``: on CPU, what the first step spends beyond the steady pace: its gradients and
   AdamW's two float32 states made in new memory at the load rate, on every rank of the node at

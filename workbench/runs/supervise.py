@@ -7,6 +7,8 @@ node's launcher (:mod:`workbench.runs.launcher` on one node, torchrun across nod
 succeeded, failed (with the root cause a rank recorded) or cancelled. It records itself and the
 launcher in status.json's ``processes`` (:mod:`workbench.runs.procs`); the launcher dies with it
 (PR_SET_PDEATHSIG) and each rank watches it, so a supervisor killed -9 leaves nothing training.
+Where the node sits and what it launches is :mod:`workbench.runs.node`; the error a failed
+attempt records is :mod:`workbench.runs.failure`'s.
 """
 
 from __future__ import annotations
@@ -20,8 +22,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import psutil
@@ -29,6 +29,8 @@ import psutil
 from workbench.errors import ResourceError
 from workbench.runs import procs
 from workbench.runs.budget import KILL_GRACE_S, AttemptBill
+from workbench.runs.failure import error_file, error_text, launcher_killed, log_sizes
+from workbench.runs.node import NodeRole, torchrun_command
 from workbench.runs.rundir import (
     BUDGET_STOPPED,
     CANCEL_REQUESTED,
@@ -46,130 +48,7 @@ if TYPE_CHECKING:
 
 OWN_FOLDER_ENV = "WORKBENCH_OWN_FOLDER"  # set for ranks whose run directory no other node shares
 CANCEL_GRACE_S = 20.0  # SIGTERM first, SIGKILL after this long
-
-
-@dataclass(frozen=True)
-class NodeRole:
-    """Where this node sits in a multi-node run (all defaults: a single node, standalone)."""
-
-    nnodes: int = 1
-    node_rank: int = 0
-    rdzv_endpoint: str | None = None  # HOST:PORT on node 0 where the nodes meet
-    rdzv_id: str | None = None
-    # This node's run directory is not node 0's (no shared folder): it starts from the snapshot
-    # in checkpoint.storage, and it cannot see node 0's snapshots to agree on a restart.
-    own_folder: bool = False
-
-    @property
-    def writes_status(self) -> bool:
-        return self.node_rank == 0  # one writer of status.json per run
-
-    @property
-    def launcher_log(self) -> str:
-        # On a shared filesystem every node writes into the same logs/: one file per node.
-        return "launcher.log" if self.nnodes == 1 else f"launcher-node{self.node_rank}.log"
-
-
-def launcher_command(nproc: int, train_args: list[str]) -> list[str]:
-    """One node's ranks without torchrun (:mod:`workbench.runs.launcher`): no torch import first."""
-    return [sys.executable, "-m", "workbench.runs.launcher", str(nproc), "-m", "workbench.train",
-            *train_args]
-
-
-def torchrun_command(run_dir: Path, nproc: int, role: NodeRole = NodeRole()) -> list[str]:
-    """The launcher of this node's ranks: :mod:`workbench.runs.launcher` on a single node, torchrun
-    with a static rendezvous across nodes."""
-    if role.nnodes == 1:
-        return launcher_command(nproc, [str(run_dir)])
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
-    # A static rendezvous: torchrun honours --node_rank only with it (c10d hands out ranks in
-    # arrival order), so global rank 0 -- the writer of metrics, snapshots and the adapter --
-    # runs on node 0, whose run directory is the one of record.
-    addr, _, port = (role.rdzv_endpoint or "").rpartition(":")
-    cmd += [f"--nnodes={role.nnodes}", f"--node_rank={role.node_rank}",
-            "--rdzv_backend=static", f"--master_addr={addr}", f"--master_port={port}",
-            f"--rdzv_id={role.rdzv_id or run_dir.name}"]
-    return cmd + ["-m", "workbench.train", str(run_dir)]
-
-
-def error_file(rd: RunDir, role: NodeRole) -> Path:
-    """Where torchrun copies the first failing rank's error (TORCHELASTIC_ERROR_FILE); emptied
-    before each start, so what it holds is this attempt's root cause."""
-    return rd.logs_dir / f"rank-error-node{role.node_rank}.json"
-
-
-def log_sizes(rd: RunDir) -> dict[str, int]:
-    """Where each log ends now: an attempt's errors are read after these offsets only."""
-    return {p.name: p.stat().st_size for p in rd.log_files() if p.is_file()}
-
-
-def _root_cause(path: Path, texts: dict[str, str], max_lines: int) -> str | None:
-    try:
-        message = json.loads(path.read_text(encoding="utf-8"))["message"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    if isinstance(message, str):
-        return message
-    summary = str(message.get("message") or "").strip()
-    stack = str((message.get("extraInfo") or {}).get("py_callstack") or "")
-    if not summary:
-        return None
-    # The rank whose log shows this exception line; the error file itself does not name it.
-    where = next((name for name, text in texts.items()
-                  if name.startswith("rank-") and summary in text), "a rank")
-    body = "\n".join(stack.strip().splitlines()[-max_lines:])
-    return f"{where}: {summary}\n{body}"
-
-
-def error_text(rd: RunDir, max_lines: int = 25, since: dict[str, int] | None = None,
-               root_cause: Path | None = None) -> str:
-    """The most telling error of this attempt: the root cause a rank recorded (torchelastic's
-    error file), else the first rank traceback, else the launcher's, in the logs past ``since``."""
-    since = since or {}
-    texts: dict[str, str] = {}
-    for path in sorted(rd.logs_dir.glob("rank-*.log")) + sorted(rd.logs_dir.glob("launcher*.log")):
-        if path.is_file():
-            with path.open("rb") as fh:
-                fh.seek(since.get(path.name, 0))
-                texts[path.name] = fh.read().decode("utf-8", errors="replace")
-    if root_cause is not None:
-        found = _root_cause(root_cause, texts, max_lines)
-        if found:
-            return found
-    logs = list(texts)
-    for name in logs:
-        lines = texts[name].splitlines()
-        starts = [i for i, line in enumerate(lines) if line.startswith("Traceback")]
-        if starts:
-            block = lines[starts[-1]:]
-            # The exception line is the last non-indented line of the block.
-            tail = [ln for ln in block if ln and not ln.startswith((" ", "\t"))]
-            summary = tail[-1] if tail else block[-1]
-            body = "\n".join(block[-max_lines:])
-            return f"{name}: {summary}\n{body}"
-    for name in reversed(logs):
-        text = texts[name].strip().splitlines()
-        if text:
-            return f"{name}: " + "\n".join(text[-max_lines:])
-    return "no log output; the processes died before writing anything"
-
-
 MAX_RESTARTS = 3  # automatic resumes after a rank dies, each needing a newer snapshot
-
-
-def launcher_killed(rc: int | None) -> str:
-    """What the ranks' logs cannot say: the launcher itself (:mod:`workbench.runs.launcher`, or torchrun
-    across nodes) was killed by a signal (it would report a rank's death with an exit code), so
-    the tail of a log is no cause."""
-    if rc is None or rc >= 0:
-        return ""
-    try:
-        name = signal.Signals(-rc).name
-    except ValueError:
-        name = f"signal {-rc}"
-    return (f"the launcher of the ranks was killed by {name} from outside the run (the OOM killer, "
-            "a user, the machine's scheduler); its ranks were stopped. job.resume() continues "
-            "from the newest snapshot.\n")
 
 
 def _newest_committed_step(rd: RunDir) -> int | None:
@@ -209,9 +88,11 @@ def publish_snapshot(run_dir: str) -> int:
     return 0
 
 
-def supervise(run_dir: str, role: NodeRole = NodeRole(), standby: Ranks | None = None) -> int:
-    """Run the attempt; ``standby``: ranks already started and waiting for the go (their
-    torchrun serves the first start, see :mod:`workbench.runs.standby`)."""
+def supervise(run_dir: str, role: NodeRole | None = None, standby: Ranks | None = None) -> int:
+    """Run the attempt; ``role``: where this node sits (None: a single node); ``standby``: ranks
+    already started and waiting for the go (their torchrun serves the first start, see
+    :mod:`workbench.runs.standby`)."""
+    role = role or NodeRole()
     rd = RunDir(run_dir)
     spec = rd.spec()
     cmd = torchrun_command(rd.path, spec.resources.procs_per_node, role)
@@ -352,7 +233,7 @@ def _run_ranks(rd: RunDir, cmd: list[str], child: list[subprocess.Popen],
     errors.unlink(missing_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", procs.SUPERVISOR_ENV: me.token,
            "TORCHELASTIC_ERROR_FILE": str(errors)}
-    if role.own_folder:  # only this node's ranks write into this folder (see train.run)
+    if role.own_folder:  # only this node's ranks write into this folder (see train.snapshotting)
         env[OWN_FOLDER_ENV] = "1"
     if standby is not None:
         proc = standby.proc

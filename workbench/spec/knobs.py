@@ -69,6 +69,7 @@ KNOBS: dict[str, str] = {
     "train.fast.attention": "auto (flash-attn where installed), default, sdpa, flash_attention_2, eager",
     "train.fast.fused_adamw": "torch's fused AdamW kernel on a GPU",
     "train.fast.tf32": "TF32 matmuls for fp32 work on Ampere and newer cards",
+    "train.optimizer": "auto, adamw, adamw_8bit or paged_adamw_8bit (bitsandbytes, CUDA)",
     "resources.gpus_per_node": "GPUs each node gives the run; 0: train on CPU",
     "resources.processes_per_node": "null: one per GPU, or 2 on CPU",
     "resources.nodes": "machines the run spans (SSH hosts or Slurm nodes)",

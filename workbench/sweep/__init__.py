@@ -7,6 +7,7 @@ The modules, in the order the data moves: :mod:`~workbench.sweep.space` (what ma
 :mod:`~workbench.sweep.start` (check and record a sweep), :mod:`~workbench.sweep.record` (the
 sweep's directory and sweep.json), :mod:`~workbench.sweep.study` (Optuna: samplers, pruner),
 :mod:`~workbench.sweep.runner` (the detached controller: price, launch, watch, prune, tell),
+:mod:`~workbench.sweep.budget` (what the sweep spent and holds, what a trial is priced at),
 :mod:`~workbench.sweep.objective` (the metric read from a trial's run), :mod:`~workbench.sweep.handle`
 (the Sweep handle) and :mod:`~workbench.sweep.widget` (the live view).
 """

@@ -16,6 +16,7 @@ from typing import Any
 from workbench.errors import SweepError
 from workbench.runs.jobs import Job
 from workbench.runs.registry import Registry
+from workbench.sweep import budget
 from workbench.sweep import record as rec
 
 
@@ -57,22 +58,16 @@ class Sweep:
     @property
     def spent(self) -> float:
         """What the sweep has spent: the final bills of its ended trials."""
-        from workbench.sweep.runner import spent
-
-        return spent(self.data())
+        return budget.spent(self.data())
 
     @property
     def held(self) -> float:
         """What the sweep holds for its trials under way (their limits): promised, not spent."""
-        from workbench.sweep.runner import held
-
-        return held(self.data())
+        return budget.held(self.data())
 
     def money(self, data: dict[str, Any] | None = None) -> str:
         """'spent 12.3 · held 40 of 100 CNY': spent and held apart, against the budget."""
-        from workbench.sweep.runner import money
-
-        return money(data or self.data())
+        return budget.money(data or self.data())
 
     @property
     def trials(self) -> list[dict[str, Any]]:

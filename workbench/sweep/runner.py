@@ -11,10 +11,9 @@ replaced by ``get_sweep(...).resume()``, which re-attaches to running trials, fi
 launch was cut short through the registry, and never launches a trial twice. One controller at a
 time: it holds the record's controller lock (an flock, released by the kernel when it dies).
 
-One budget (the ledger): the sweep has spent the final bill of every ended trial plus the whole
-``budget.limit`` of every trial still running (a run never passes its own limit). A trial starts
-only when the planner's price, with a margin, fits in what is left; so the sum of the trials'
-costs never passes the sweep's limit.
+One budget (:mod:`workbench.sweep.budget`): a trial starts only when its price fits in what the
+sweep has neither spent nor holds for the trials under way, with a ``budget.limit`` of what is
+left; so the sum of the trials' costs never passes the sweep's limit.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ from typing import Any
 
 from workbench.errors import WorkbenchError
 from workbench.runs import procs
-from workbench.runs.budget import KILL_GRACE_S, RELEASE_S, hourly_price
 from workbench.runs.jobs import RELEASE_WAIT_S, Job
 from workbench.runs.registry import Registry
 from workbench.runs.rundir import (
@@ -43,27 +41,15 @@ from workbench.runs.rundir import (
 )
 from workbench.spec import RunSpec
 from workbench.sweep import record as rec
+from workbench.sweep.budget import PRICE_MARGIN, committed, trial_price
 from workbench.sweep.objective import Objective
 from workbench.sweep.space import parse_space, trial_spec
 from workbench.sweep.study import open_study, suggest, trial_of, trial_of_frozen
 
 POLL_S = 1.0
-# The planner's price of a trial is an estimate (start-up on a busy machine is not in it): a trial
-# starts only when this multiple of it, plus starting and releasing, fits in what is left.
-PRICE_MARGIN = 1.5
 # How long a resumed controller gives a run registered by a killed launch() to show it was
 # submitted (a supervisor started just before the kill records itself a moment later).
 LAUNCH_SETTLE_S = 30.0
-
-
-def trial_price(spec: RunSpec) -> tuple[float | None, float]:
-    """The planner's cost of a trial of ``spec``, and what the controller sets aside before it
-    starts one: that cost times PRICE_MARGIN, plus starting and releasing its processes."""
-    from workbench.plan import plan
-
-    planned = plan(spec).cost
-    per_hour, _ = hourly_price(spec)
-    return planned, (planned or 0.0) * PRICE_MARGIN + per_hour * (KILL_GRACE_S + RELEASE_S) / 3600.0
 
 
 def start_controller(record: rec.SweepRecord) -> procs.ProcessIdentity:
@@ -81,30 +67,6 @@ def start_controller(record: rec.SweepRecord) -> procs.ProcessIdentity:
 def asked(data: dict[str, Any]) -> int:
     """Trials that count towards trials_total: all but those abandoned inside ask() (_adopt)."""
     return sum(1 for t in data["trials"] if not t.get("abandoned"))
-
-
-def spent(data: dict[str, Any]) -> float:
-    """What the sweep has spent: the final bills of its ended trials."""
-    return sum(float(t.get("cost") or 0.0) for t in data["trials"] if t.get("released"))
-
-
-def held(data: dict[str, Any]) -> float:
-    """What the sweep holds for trials under way: their limits (not spent yet)."""
-    return sum(float(t["limit"]) for t in data["trials"] if not t.get("released") and
-               t.get("state") not in (rec.WAITING, rec.SKIPPED) and t.get("limit") is not None)
-
-
-def money(data: dict[str, Any]) -> str:
-    """'spent 12.3 · held 40 of 100 CNY': what was spent and what is held, apart."""
-    budget = f" of {data['budget']:g}" if data.get("budget") else ""
-    holding = held(data)
-    return (f"spent {spent(data):.4g}" + (f" · held {holding:.4g}" if holding else "")
-            + f"{budget} {data.get('currency', '')}").rstrip()
-
-
-def committed(data: dict[str, Any]) -> float:
-    """What the sweep has spent or promised: final bills of ended trials, limits of the rest."""
-    return spent(data) + held(data)
 
 
 class Controller:

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from workbench.errors import SpecError, SweepError
-from workbench.spec import _FAMILIAR, RunSpec
+from workbench.spec import RunSpec
+from workbench.spec.problems import FAMILIAR
 
 Choice = bool | int | float | str | None
 # What a sweep sets itself: a trial's name and budget belong to the sweep, not to the space.
@@ -72,7 +73,7 @@ def _check_path(path: str, base: RunSpec) -> None:
     for part in path.split("."):
         if not isinstance(node, dict) or part not in node:
             options = sorted(node) if isinstance(node, dict) else []
-            familiar = _FAMILIAR.get(part, "")  # learning_rate -> lr, as the spec's errors say
+            familiar = FAMILIAR.get(part, "")  # learning_rate -> lr, as the spec's errors say
             close = [familiar] if familiar in options else difflib.get_close_matches(
                 part, options, n=1, cutoff=0.5)
             where = ".".join(walked) or "the spec"

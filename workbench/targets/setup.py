@@ -9,24 +9,25 @@ target's SSH (or this machine's shell) and installed with ``pip --no-index``. On
 install runs as a short ``srun`` job on a compute node; the venv then lives on the shared
 filesystem. Once it imports, the environment is marked done (``VENV/.workbench-setup.json``) and
 its python recorded as the target's ``python:``; a set-up that fails removes the venv it made,
-records nothing, and raises a :class:`SetupError` that says what to do.
+records nothing, and raises a :class:`SetupError` that says what to do. What is installed (the
+torch build, requirements, constraints, the Workbench wheel, a wheelhouse) is
+:mod:`workbench.targets.wheels`'s to choose and gather; this module looks at the node, carries the
+packages there and installs them.
 """
 
 from __future__ import annotations
 
 import json
 import shlex
-import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib.metadata import distribution, distributions
 from pathlib import Path
 from typing import Any
 
+from workbench.errors import SetupError
 from workbench.runs.home import home
 from workbench.targets.backends.transport import LocalTransport, SSHTransport, Transport
 from workbench.targets.check import notebook_versions, release
@@ -39,14 +40,16 @@ from workbench.targets.named import (
     get_target,
     save_target,
 )
+from workbench.targets.wheels import (
+    constraints,
+    cuda_build,
+    output_tail,
+    requirements,
+    wheelhouse,
+    workbench_wheel,
+)
 
 MARKER = ".workbench-setup.json"
-CUDA_BUILDS = (118, 121, 124, 126, 128, 129, 130)  # torch wheel variants cuXYZ on PyTorch's index
-NOT_PINNED = {"workbench", "workbench-lab", "torch", "triton", "pip", "setuptools", "wheel"}
-
-
-class SetupError(TargetError):
-    """A set-up that could not be done; one line that says what to do. Nothing was recorded."""
 
 
 @dataclass
@@ -235,7 +238,7 @@ def _setup_place(place: _Place, cfg: InstallSpec, venv: str, src: str, here: dic
     rc, lines = place.stream(place.wrap(cmd, cfg), progress, 600)
     line = next((ln for ln in lines if ln.startswith("WB-PREFLIGHT ")), None)
     if line is None:
-        raise SetupError(f"{place.label}: {cfg.python} did not run: {_tail(lines)}; set "
+        raise SetupError(f"{place.label}: {cfg.python} did not run: {output_tail(lines)}; set "
                          f"install.python of {ref} to a Python 3 that exists there")
     node = json.loads(line.split(" ", 1)[1])
     if not node["venv_ok"]:
@@ -248,7 +251,7 @@ def _setup_place(place: _Place, cfg: InstallSpec, venv: str, src: str, here: dic
     if node["exists"] and not node["ours"]:
         raise SetupError(f"{place.label}: {node['venv']} exists and was not made by `workbench "
                          f"targets setup`; set install.venv of {ref} to a new folder")
-    cuda = _cuda_build(cfg, node["cuda"])
+    cuda = cuda_build(cfg, node["cuda"])
     if src == "auto":
         src = "registry" if node["registry"] else "wheels"
     elif src == "registry" and not node["registry"]:
@@ -258,15 +261,15 @@ def _setup_place(place: _Place, cfg: InstallSpec, venv: str, src: str, here: dic
     progress(f"{place.label}: Python {node['python']} on {node['platform']}, "
              f"{'CUDA driver ' + str(node['cuda'] / 10) if node['cuda'] else 'no GPU driver'}; "
              f"packages from {'its registry' if src == 'registry' else 'wheels carried from here'}")
-    reqs, index = _requirements(cfg, here, cuda)
+    reqs, index = requirements(cfg, here, cuda)
     with tempfile.TemporaryDirectory(prefix="wb-setup-") as tmp:
         stage = Path(tmp) / "stage"
         stage.mkdir()
-        _workbench_wheel(stage, progress)
-        (stage / "constraints.txt").write_text(_constraints())
+        workbench_wheel(stage, progress)
+        (stage / "constraints.txt").write_text(constraints())
         reqs[0] = str(next(stage.glob("workbench-*.whl")).name) + reqs[0]
         if src == "wheels":
-            _wheelhouse(stage, reqs, index, node, cfg, progress)
+            wheelhouse(stage, reqs, index, node, cfg, progress)
         staged = node["venv"].rstrip("/") + ".setup"
         size = sum(p.stat().st_size for p in stage.iterdir()) / 2**20
         progress(f"{place.label}: copying {len(list(stage.iterdir()))} files ({size:,.0f} MB) "
@@ -280,7 +283,7 @@ def _setup_place(place: _Place, cfg: InstallSpec, venv: str, src: str, here: dic
     rc, lines = place.stream(place.wrap(cmd, cfg), progress, 3600)
     line = next((ln for ln in lines if ln.startswith("WB-RESULT ")), None)
     if rc != 0 or line is None:
-        why = next((ln[8:] for ln in lines if ln.startswith("WB-FAIL ")), _tail(lines))
+        why = next((ln[8:] for ln in lines if ln.startswith("WB-FAIL ")), output_tail(lines))
         raise SetupError(f"{place.label}: set-up failed, nothing recorded: {why}")
     got: dict[str, Any] = json.loads(line.split(" ", 1)[1])
     if cuda and not got["cuda"]:
@@ -294,111 +297,6 @@ def _setup_place(place: _Place, cfg: InstallSpec, venv: str, src: str, here: dic
     return got
 
 
-def _cuda_build(cfg: InstallSpec, driver: int | None) -> str:
-    """The torch variant: ``cuXYZ`` for the node's driver (or as asked), ``""`` for CPU."""
-    if cfg.torch.startswith("cu"):
-        return cfg.torch
-    if cfg.torch == "cpu" or not driver or cfg.torch.startswith("torch"):
-        return ""
-    fits = [b for b in CUDA_BUILDS if b <= driver]
-    return f"cu{fits[-1]}" if fits else ""
-
-
-def _requirements(cfg: InstallSpec, here: dict[str, str], cuda: str) -> tuple[list[str], str]:
-    """(["[extras]", torch requirement], the extra index for torch or "")."""
-    extras = sorted(set(cfg.extras) | ({"gpu"} if cuda else set()))
-    torch = cfg.torch if cfg.torch.startswith("torch") else f"torch=={release(here['torch'])}"
-    index = ("" if cfg.torch_index == "none" else cfg.torch_index if cfg.torch_index != "auto"
-             else f"https://download.pytorch.org/whl/{cuda or 'cpu'}")
-    return [f"[{','.join(extras)}]" if extras else "", torch], index
-
-
-def _constraints() -> str:
-    """The notebook's versions of every package the target's environment may need."""
-    pins: dict[str, str] = {}
-    for d in distributions():
-        name = (d.metadata["Name"] or "").lower().replace("_", "-")
-        if (name and name not in NOT_PINNED and not name.startswith("nvidia-")
-                and d.read_text("direct_url.json") is None):
-            pins.setdefault(name, f"{name}=={d.version}")
-    return "\n".join(sorted(pins.values())) + "\n"
-
-
-def _workbench_wheel(out: Path, progress: Callable[[str], None]) -> None:
-    """A wheel of the Workbench this notebook imports: built from its checkout, or repacked from
-    the installed files when it is not one."""
-    root = Path(__file__).resolve().parents[2]  # above the workbench package
-    if (root / "pyproject.toml").is_file():
-        progress(f"building the Workbench wheel from {root}")
-        with tempfile.TemporaryDirectory(prefix="wb-src-") as src:
-            for name in ("pyproject.toml", "README.md"):
-                shutil.copy(root / name, src)
-            shutil.copytree(root / "workbench", Path(src) / "workbench",
-                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-            r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                                "--no-build-isolation", "-w", str(out), src],
-                               capture_output=True, text=True)
-            if r.returncode:
-                raise SetupError(f"building the Workbench wheel failed: {_tail(r.stderr.split())}")
-        return
-    _repack(out)
-
-
-def _repack(out: Path) -> None:
-    """The installed workbench distribution as a wheel (its RECORD lists its files)."""
-    import zipfile
-
-    dist = distribution("workbench")
-    files = [f for f in dist.files or [] if "__pycache__" not in f.parts]
-    whl = out / f"workbench-{dist.version}-py3-none-any.whl"
-    with zipfile.ZipFile(whl, "w", zipfile.ZIP_DEFLATED) as z:
-        for f in files:
-            p = Path(str(f.locate()))
-            if p.is_file() and f.name != "RECORD":
-                z.write(p, str(f))
-        info = next(str(f.parent) for f in files if f.name == "METADATA")
-        z.writestr(f"{info}/RECORD", "")
-
-
-def _wheelhouse(stage: Path, reqs: list[str], index: str, node: dict[str, Any],
-                cfg: InstallSpec, progress: Callable[[str], None]) -> None:
-    """Every wheel the target needs, into ``stage``, from a cache here (WORKBENCH_HOME/wheelhouse,
-    one folder per Python, platform and torch build) filled from this machine's registry."""
-    import sysconfig
-
-    tag = f"cp{node['python'].replace('.', '')}-{node['platform']}-{index.rsplit('/', 1)[-1] or 'any'}"
-    cache = home() / "wheelhouse" / tag
-    cache.mkdir(parents=True, exist_ok=True)
-    links = ["--find-links", str(cache), "--find-links", str(stage)]
-    if cfg.wheels:
-        links += ["--find-links", str(Path(cfg.wheels).expanduser())]
-    same = (node["platform"] == sysconfig.get_platform()
-            and node["python"] == "{}.{}".format(*sys.version_info[:2]))
-    if same:  # pip wheel also builds the packages PyPI has only as sources
-        cmd = [sys.executable, "-m", "pip", "wheel", "--progress-bar", "off", "-w", str(cache)]
-    else:
-        arch = node["platform"].split("-", 1)[-1]
-        minor = int((node["glibc"] or "2.17").split(".")[1])
-        plats = [f"manylinux_2_{m}_{arch}" for m in range(17, minor + 1)] + [f"linux_{arch}"]
-        cmd = [sys.executable, "-m", "pip", "download", "--progress-bar", "off", "-d", str(cache),
-               "--only-binary=:all:", "--python-version", node["python"], "--implementation", "cp"]
-        cmd += [a for p in plats for a in ("--platform", p)]
-    cmd += links + ["-c", str(stage / "constraints.txt"), str(stage / reqs[0]), *reqs[1:]]
-    cmd += ["--extra-index-url", index] if index else []
-    progress(f"downloading the wheels here into {cache} (kept for the next set-up)")
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode:
-        raise SetupError(f"no registry there and no wheels here: this machine could not get "
-                         f"them ({_tail(r.stderr.splitlines())}); put the wheels in a folder and "
-                         "set install.wheels to it")
-    for p in cache.glob("*.whl"):
-        if not p.name.startswith("workbench-"):
-            try:  # the install needs them beside the Workbench wheel
-                (stage / p.name).hardlink_to(p)
-            except OSError:
-                shutil.copy(p, stage / p.name)
-
-
 def _copy(place: _Place, local: Path, remote: str) -> None:
     """``local``'s files into the folder ``remote`` there (tar over the transport, streamed)."""
     tar = subprocess.Popen(["tar", "-C", str(local), "-cf", "-", "."], stdout=subprocess.PIPE)
@@ -407,9 +305,5 @@ def _copy(place: _Place, local: Path, remote: str) -> None:
                              1800, stdin=tar.stdout)
     tar.wait()
     if rc != 0 or tar.returncode != 0:
-        raise SetupError(f"{place.label}: copying the wheels to {remote} failed: {_tail(lines)}")
-
-
-def _tail(lines: list[str]) -> str:
-    text = " ".join(ln.strip() for ln in lines[-3:] if ln.strip())
-    return text[-400:] or "no output"
+        raise SetupError(f"{place.label}: copying the wheels to {remote} failed: "
+                         f"{output_tail(lines)}")

@@ -220,7 +220,7 @@ def barrier() -> None:
 class SnapshotCallback(TrainerCallback):
     """When to snapshot (every N steps and/or M minutes) and the budget stop.
 
-    How a snapshot is written and committed is SnapshottingTrainer's job (workbench.train.run).
+    How a snapshot is written and committed is SnapshottingTrainer's job (workbench.train.snapshotting).
     """
 
     def __init__(self, spec: Any, billing: Any, step_s: float | None = None) -> None:

@@ -16,7 +16,9 @@ The rules, and why:
   SDPA where the model has it.
 * **Fused AdamW** (``adamw_torch_fused``: one kernel for every parameter instead of a loop) on
   CUDA, except when DeepSpeed offloads the optimizer (it steps the offloaded state itself); on CPU
-  the plain ``adamw_torch``, so a CPU run asks for nothing built for a GPU.
+  the plain ``adamw_torch``, so a CPU run asks for nothing built for a GPU. ``train.optimizer``
+  ``adamw_8bit`` / ``paged_adamw_8bit`` asks for bitsandbytes' 8-bit AdamW instead (CUDA and the
+  ``bitsandbytes`` package; refused clearly where either is missing, before anything trains).
 * **TF32** on compute capability 8.0+ (A100, H100, RTX 30xx/40xx): fp32 matmuls (LoRA adapters,
   fp32 runs) on tensor cores; never on CPU or older cards.
 
@@ -35,7 +37,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workbench.errors import FastPathError
-from workbench.spec import FastSpec, RunSpec
+from workbench.spec import RunSpec
+from workbench.spec.sections import FastSpec
 
 GPU_EXTRA = "pip install 'workbench[gpu]'"
 
@@ -55,6 +58,7 @@ class Device:
     liger_types: frozenset[str] | None = None
     flash_attn: bool = False  # flash-attn installed
     known: bool = True
+    bitsandbytes: bool = False  # bitsandbytes installed (8-bit optimizers)
 
 
 @dataclass(frozen=True)
@@ -98,8 +102,14 @@ def _line(liger: bool, liger_config: dict[str, bool] | None, attention: str, opt
         "fast paths: " + ("liger off" if not liger else
                           "liger on (no fused loss)" if liger_config and not liger_config.get(
                               "fused_linear_cross_entropy", True) else "liger on"),
-        attention, "fused adamw" if optim == "adamw_torch_fused" else "adamw",
+        attention, _OPTIM_WORDS.get(optim, "adamw"),
         "tf32 on" if tf32 else "tf32 off"])
+
+
+_OPTIM_WORDS = {"adamw_torch_fused": "fused adamw", "adamw_bnb_8bit": "8-bit adamw",
+                "paged_adamw_8bit": "paged 8-bit adamw"}
+# train.optimizer -> TrainingArguments.optim (bitsandbytes' AdamW8bit / PagedAdamW8bit).
+BNB_OPTIM = {"adamw_8bit": "adamw_bnb_8bit", "paged_adamw_8bit": "paged_adamw_8bit"}
 
 
 def applied_line(args: Any, model: Any) -> str:
@@ -112,14 +122,16 @@ def applied_line(args: Any, model: Any) -> str:
 
 def resolve_fast_paths(fast: FastSpec, device: Device, model_type: str | None, load_dtype: str,
                        *, stage: str = "sft", zero_stage: int = 0,
-                       offload_optimizer: bool = False) -> FastPaths:
+                       offload_optimizer: bool = False, optimizer: str = "adamw") -> FastPaths:
     """The fast paths of a run with switches ``fast`` on ``device`` for a model of
-    ``model_type`` loaded in ``load_dtype`` (workbench.spec.precision). Raises FastPathError for a
-    switch set ``on`` that cannot work there."""
+    ``model_type`` loaded in ``load_dtype`` (workbench.spec.precision), stepping ``optimizer``
+    (``train.optimizer`` as resolved: adamw, adamw_8bit or paged_adamw_8bit). Raises
+    FastPathError for a switch set ``on``, or an 8-bit optimizer, that cannot work there."""
     notes: list[str] = []
     liger, liger_config = _liger(fast.liger, device, model_type, stage, zero_stage, notes)
     attention = _attention(fast.attention, device, load_dtype, notes)
-    optim = _optim(fast.fused_adamw, device, offload_optimizer, notes)
+    optim = (_bnb_optim(optimizer, device, zero_stage, notes) if optimizer in BNB_OPTIM
+             else _optim(fast.fused_adamw, device, offload_optimizer, notes))
     tf32 = _tf32(fast.tf32, device, notes)
     return FastPaths(liger, liger_config, attention, optim, tf32, tuple(notes))
 
@@ -207,6 +219,24 @@ def _optim(switch: str, device: Device, offload_optimizer: bool, notes: list[str
     return "adamw_torch_fused"
 
 
+def _bnb_optim(optimizer: str, device: Device, zero_stage: int, notes: list[str]) -> str:
+    why_not = None
+    if not device.cuda:
+        why_not = "bitsandbytes' 8-bit optimizers need a CUDA GPU"
+    elif device.known and not device.bitsandbytes:
+        why_not = "bitsandbytes is not installed where it trains (pip install bitsandbytes)"
+    elif zero_stage:
+        why_not = "DeepSpeed ZeRO steps its own optimizer: use parallel.strategy ddp (or auto)"
+    if why_not is not None:
+        raise FastPathError(f"train.optimizer is {optimizer}, but {why_not}; or set "
+                            "train.optimizer: auto (or adamw)")
+    where = "" if device.known else " (if bitsandbytes is installed on the target)"
+    paged = (": its states page to host RAM when the card is short"
+             if optimizer == "paged_adamw_8bit" else "")
+    notes.append(f"{_OPTIM_WORDS[BNB_OPTIM[optimizer]]}{where}: Adam's moments in 8 bits{paged}")
+    return BNB_OPTIM[optimizer]
+
+
 def _tf32(switch: str, device: Device, notes: list[str]) -> bool | None:
     if switch == "off":
         notes.append("tf32 off: train.fast.tf32 is off")
@@ -241,7 +271,8 @@ def local_device() -> Device:
         liger_types = frozenset(MODEL_TYPE_TO_APPLY_LIGER_FN)
     return Device(cuda=True, capability=torch.cuda.get_device_capability(), liger=liger,
                   liger_types=liger_types,
-                  flash_attn=importlib.util.find_spec("flash_attn") is not None)
+                  flash_attn=importlib.util.find_spec("flash_attn") is not None,
+                  bitsandbytes=importlib.util.find_spec("bitsandbytes") is not None)
 
 
 def planned_device(on_gpu: bool, bf16_card: bool, local: bool) -> Device:
@@ -255,11 +286,13 @@ def planned_device(on_gpu: bool, bf16_card: bool, local: bool) -> Device:
     # Which model types Liger patches is read where it trains (importing it costs seconds).
     return Device(cuda=True, capability=capability,
                   liger=importlib.util.find_spec("liger_kernel") is not None,
-                  flash_attn=importlib.util.find_spec("flash_attn") is not None)
+                  flash_attn=importlib.util.find_spec("flash_attn") is not None,
+                  bitsandbytes=importlib.util.find_spec("bitsandbytes") is not None)
 
 
 def for_run(spec: RunSpec, source: str, load_dtype: str, zero_stage: int = 0,
-            offload_optimizer: bool = False, device: Device | None = None) -> FastPaths:
+            offload_optimizer: bool = False, device: Device | None = None,
+            optimizer: str = "adamw") -> FastPaths:
     """The fast paths of ``spec`` training here (``device``: this process's, unless given), for
     the model at ``source`` (its config's model type decides Liger)."""
     from transformers import AutoConfig
@@ -269,4 +302,4 @@ def for_run(spec: RunSpec, source: str, load_dtype: str, zero_stage: int = 0,
     return resolve_fast_paths(spec.train.fast, device or local_device(),
                               getattr(config, "model_type", None), load_dtype,
                               stage=spec.method.stage, zero_stage=zero_stage,
-                              offload_optimizer=offload_optimizer)
+                              offload_optimizer=offload_optimizer, optimizer=optimizer)

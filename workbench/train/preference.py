@@ -3,11 +3,11 @@
 :mod:`workbench.train.run` stays the one training path: it asks this module, for a non-SFT
 ``method.stage``, for the rows (the normalised jsonl that :mod:`workbench.data.preference` wrote
 at launch; TRL tokenises them with the model's chat template), the TRL config (built by
-``run.training_arguments``, passed in, so precision, strategy, logging, evaluation and DeepSpeed are the
-same as SFT's) and the trainer class and its extra arguments (reference model, reward functions).
-The run's own callbacks, snapshots, budget stop and resume then work unchanged, because the TRL
-trainer is wrapped by the same ``SnapshottingTrainer``. TRL implements every loss; nothing here
-re-implements one.
+:func:`workbench.train.arguments.training_arguments`, passed in, so precision, strategy, logging,
+evaluation and DeepSpeed are the same as SFT's) and the trainer class and its extra arguments
+(reference model, reward functions). The run's own callbacks, snapshots, budget stop and resume
+then work unchanged, because the TRL trainer is wrapped by the same ``SnapshottingTrainer``. TRL
+implements every loss; nothing here re-implements one.
 
     >>> cls = trainer_base(RunSpec(method={"stage": "dpo"}))  # doctest: +SKIP
     >>> cls.__name__
@@ -51,8 +51,8 @@ def beta(spec: RunSpec) -> float:
 
 def arguments(spec: RunSpec, rd: RunDir, has_eval: bool,
               training_arguments: Callable[..., Any]) -> Any:
-    """The stage's TRL config, built by run.py's ``training_arguments`` (passed in, so this
-    module sits below run.py) over the same base arguments as SFT."""
+    """The stage's TRL config, built by ``training_arguments`` (passed in by run.py) over the same
+    base arguments as SFT."""
     m, d = spec.method, spec.data
     extra: dict[str, Any] = {"beta": beta(spec)}
     if m.stage in ("dpo", "kto", "orpo"):

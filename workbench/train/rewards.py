@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.errors import RewardError
-from workbench.spec import BUILTIN_REWARDS, RewardSpec
+from workbench.spec.sections import BUILTIN_REWARDS, RewardSpec
 
 RewardFn = Callable[..., list[float]]
 _COLUMN_REWARDS = ("exact_match", "contains")

@@ -4,7 +4,8 @@
 many processes as the run has ranks on a node, its job in the environment. Each builds the run's
 model from its config with a few layers (``stepclock.fit_layers``), and
 :func:`time_train_steps` trains it for a few steps with what :func:`workbench.train.run.main`
-trains with: its ``training_arguments``, its Trainer class, its collator and its per-step
+trains with: its ``training_arguments`` (:mod:`workbench.train.arguments`), its Trainer class
+(:mod:`workbench.train.snapshotting`), its collator and its per-step
 callbacks (metrics.jsonl and status.json, the snapshot and budget checks), in a scratch run
 directory of its own. Every cost the run pays per step is then in the time: the Trainer's per-step
 logging (loss and gradient-norm reads, token counts, each a collective across ranks), LoRA
@@ -250,8 +251,9 @@ def time_train_steps(model: Any, run_dir: Path, seq: int, vocab: int, on_gpu: bo
     from workbench.data.batches import Collator
     from workbench.runs.budget import Billing
     from workbench.runs.rundir import RunDir
+    from workbench.train.arguments import training_arguments
     from workbench.train.callbacks import RunDirCallback, SnapshotCallback
-    from workbench.train.run import snapshotting_trainer_class, training_arguments
+    from workbench.train.snapshotting import snapshotting_trainer_class
 
     rd = RunDir(run_dir)
     spec = rd.spec()

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from workbench.runs.rundir import RunDir
-from workbench.spec import ParallelSpec, RunSpec
+from workbench.spec import RunSpec
+from workbench.spec.sections import ParallelSpec
 
 
 def resolved_parallel(spec: RunSpec, rd: RunDir) -> ParallelSpec:
@@ -29,6 +30,21 @@ def resolved_parallel(spec: RunSpec, rd: RunDir) -> ParallelSpec:
         return choose_strategy(spec)
     return ParallelSpec(strategy=chosen["parallel"], offload_optimizer=chosen["offload_optimizer"],
                         offload_params=chosen["offload_params"])
+
+
+def resolved_optimizer(spec: RunSpec, rd: RunDir) -> str:
+    """``train.optimizer``, or for "auto" the planner's choice recorded in plan.json (AdamW unless
+    only bitsandbytes' paged 8-bit AdamW fits; chosen only with ``parallel.strategy: auto``)."""
+    if spec.train.optimizer != "auto":
+        return spec.train.optimizer
+    if spec.parallel.strategy != "auto":
+        return "adamw"
+    try:
+        return str(json.loads(rd.plan_file.read_text())["strategy"].get("optimizer", "adamw"))
+    except (FileNotFoundError, KeyError, json.JSONDecodeError):
+        from workbench.plan import plan
+
+        return plan(spec).strategy.optimizer
 
 
 def deepspeed_config(parallel: ParallelSpec, cuda: bool) -> dict[str, Any] | None:

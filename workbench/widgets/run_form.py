@@ -15,7 +15,8 @@ from typing import Any, get_args
 import ipywidgets as W
 
 from workbench.errors import SpecError, WorkbenchError
-from workbench.spec import BUILTIN_DATASET, BUILTIN_MODEL, DataSource, RunSpec
+from workbench.spec import RunSpec
+from workbench.spec.sections import BUILTIN_DATASET, BUILTIN_MODEL, DataSource
 
 _STYLE = {"description_width": "110px"}
 _WIDE = W.Layout(width="460px")

@@ -54,7 +54,12 @@ from workbench.targets.backends.remote import (
     unconfirmed_cancel,
     write_remote_status,
 )
-from workbench.targets.backends.slurm_check import check_cluster, check_request, read_partitions
+from workbench.targets.backends.slurm_check import (
+    check_cluster,
+    check_request,
+    explain_sbatch,
+    read_partitions,
+)
 from workbench.targets.backends.slurm_script import (  # noqa: F401  (re-exported)
     ACTIVE,
     SLURM_FAILED,
@@ -159,27 +164,8 @@ class SlurmBackend:
         return f"slurm:{job}"
 
     def explain_sbatch(self, err: str) -> str:
-        t, low = self.target, err.lower()
-        msg = f"sbatch refused the job on {self.transport.where}: {err or 'no output'}\n-> "
-        if "partition" in low:
-            parts = self.scheduler("sinfo -h -o %P").stdout.decode(errors="replace").split()
-            return msg + (f"set 'partition:' of {t.ref} to one of: {', '.join(parts) or '?'} "
-                          "(sinfo lists them)")
-        if "account" in low or "association" in low:
-            return msg + (f"set 'account:' of {t.ref} to an account you belong to "
-                          "(sacctmgr show assoc user=$USER)")
-        if "qos" in low:
-            return msg + f"set 'qos:' of {t.ref} to a QOS your account may use"
-        if "time limit" in low:
-            return msg + f"lower 'time:' of {t.ref} below the partition's limit (sinfo -o '%P %l')"
-        if "node configuration is not available" in low or "node count" in low or "gres" in low:
-            return msg + ("no node (or not enough nodes) offers what the run asks for; lower "
-                          "resources.nodes / resources.gpus_per_node, or 'cpus_per_task:' / "
-                          f"'mem:' of {t.ref} (sinfo -o '%P %D %c %m %G' shows what exists)")
-        if "command not found" in low or "no such file" in low:
-            return msg + (f"Slurm's client tools are not on PATH there; add e.g. 'setup: "
-                          f"[module load slurm]' to {t.ref}")
-        return msg + f"fix the option named above in {t.ref} (targets.yaml) or the run spec"
+        """sbatch's refusal ``err`` with what to set (:func:`slurm_check.explain_sbatch`)."""
+        return explain_sbatch(err, self.target, self.transport.where, self.scheduler)
 
     def _scrub(self, text: str) -> str:
         """``text`` without the target's secrets (nor any token-shaped string)."""

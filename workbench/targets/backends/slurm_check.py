@@ -1,7 +1,8 @@
 """What a Slurm partition's nodes offer, read from ``sinfo``, and the two checks that read it:
 ``workbench targets check`` of a ``slurm:`` target (:func:`check_cluster`), and, before anything
 of a run is made, whether enough of the partition's nodes could ever hold what the run asks for
-(:func:`check_request`).
+(:func:`check_request`); and, for a job sbatch refused all the same, what to set
+(:func:`explain_sbatch`).
 
 The second exists because sbatch accepts some jobs that can never start: more CPUs per node than
 any node has, or more nodes than the partition holds, wait in the queue forever (reason
@@ -157,3 +158,31 @@ def check_cluster(backend: SlurmBackend, report: TargetReport) -> None:
     workdir = target.workdir or ("~/workbench-runs" if target.login else str(runs_dir()))
     probe_environment(tr, target, workdir, report, where,
                       None)  # GPUs live on compute nodes; the partition's line shows their gres
+
+
+def explain_sbatch(err: str, t: SlurmTarget, where: str,
+                   scheduler: Callable[[str], Result]) -> str:
+    """Why sbatch refused a job (its message ``err``, on the shell at ``where``), with the setting of
+    the target ``t`` or of the run spec to change; ``scheduler`` runs a Slurm command there (to
+    list the partitions)."""
+    low = err.lower()
+    msg = f"sbatch refused the job on {where}: {err or 'no output'}\n-> "
+    if "partition" in low:
+        parts = scheduler("sinfo -h -o %P").stdout.decode(errors="replace").split()
+        return msg + (f"set 'partition:' of {t.ref} to one of: {', '.join(parts) or '?'} "
+                      "(sinfo lists them)")
+    if "account" in low or "association" in low:
+        return msg + (f"set 'account:' of {t.ref} to an account you belong to "
+                      "(sacctmgr show assoc user=$USER)")
+    if "qos" in low:
+        return msg + f"set 'qos:' of {t.ref} to a QOS your account may use"
+    if "time limit" in low:
+        return msg + f"lower 'time:' of {t.ref} below the partition's limit (sinfo -o '%P %l')"
+    if "node configuration is not available" in low or "node count" in low or "gres" in low:
+        return msg + ("no node (or not enough nodes) offers what the run asks for; lower "
+                      "resources.nodes / resources.gpus_per_node, or 'cpus_per_task:' / "
+                      f"'mem:' of {t.ref} (sinfo -o '%P %D %c %m %G' shows what exists)")
+    if "command not found" in low or "no such file" in low:
+        return msg + (f"Slurm's client tools are not on PATH there; add e.g. 'setup: "
+                      f"[module load slurm]' to {t.ref}")
+    return msg + f"fix the option named above in {t.ref} (targets.yaml) or the run spec"
