@@ -201,6 +201,8 @@ def test_a_trial_that_ended_without_an_end_time_is_finished_once_its_bill_is_wai
     n = controller._next_waiting()["number"]
     rd = RunDir(tmp_path / "cut-short").create(RunSpec(name="cut-short"))
     rd.write_status(state="pruned", ended=None, cost=3.0)  # the supervisor never closed the bill
+    # What the run reached before it was stopped: eval_loss 2.5 at step 10, 2.1 at step 20.
+    rd.metrics_file.write_text('{"step": 10, "eval_loss": 2.5}\n{"step": 20, "eval_loss": 2.1}\n')
     now = time.time()
     record = RunRecord(id="cut-short", name="cut-short", target="local", backend_job_id=None,
                        run_dir=str(rd.path), state="pruned", created=now, updated=now)
@@ -219,6 +221,11 @@ def test_a_trial_that_ended_without_an_end_time_is_finished_once_its_bill_is_wai
     (trial,) = s.trials
     assert trial["released"] and not trial["cost_final"]
     assert trial["cost"] == 20.0  # a bill never closed counts as the whole limit
+    # Stopped early: no value to rank it by, but the table says what it last reached, as its
+    # run's own curve does, rather than a blank beside a run that shows an eval loss.
+    assert trial["value"] is None and trial["last"] == {"step": 20, "value": 2.1}
+    row = s.trials_df().iloc[0]
+    assert row["eval_loss (last seen)"] == "2.1 at step 20"
 
 
 # The main thread of this child ends on its own (the SYS_exit system call, not exit_group), the way

@@ -348,6 +348,10 @@ class Controller:
         cost = status.get("cost") if "released" in status else trial.get("limit")
         fields: dict[str, Any] = {"state": state, "cost": float(cost or 0.0), "value": value,
                                   "released": True, "cost_final": "released" in status}
+        if value is None:  # stopped early (pruned, budget): the objective it last reached
+            seen = self.objective.intermediate(job.run_dir.path)
+            if seen:
+                fields["last"] = {"step": seen[-1][0], "value": seen[-1][1]}
         if state == SUCCEEDED and value is None:
             said = self.objective.reported(job.run_dir.path)
             error = (f"objective {self.objective.name!r} was not reported by trial {n} "
