@@ -194,6 +194,29 @@ def test_a_students_endpoint_serves_the_services_copies_and_bills_the_seconds_up
     assert a.me()["balance"] == before["balance"] - view["charged"]
 
 
+def test_a_students_export_runs_as_them_into_their_run_and_is_charged_the_seconds(
+        hub: dict[str, Any], a_launched: dict[str, Any]) -> None:
+    """job.export() in A's kernel: the service exports as A (the files are A's, in A's run
+    folder), holds eval_minutes at the run's rate and charges the seconds it took; a bad format
+    is a 400 that moves no money."""
+    a, job, run_id = hub["client"]["a"], a_launched["job"], a_launched["run"]
+    before = a.me()
+    bad = http("POST", f"{hub['service']}export/{run_id}", hub["tokens"]["a"],
+               {"formats": ["zip"]})
+    assert bad[0] == 400 and a.me() == before
+    started = time.time()
+    report = job.export(["merged"])
+    took = time.time() - started
+    merged = Path(report["folders"]["merged"])
+    assert merged == _run_dir(hub, "a", run_id) / "export" / "merged"
+    assert (merged / "config.json").stat().st_uid == pwd.getpwnam(hub["users"]["a"]).pw_uid
+    assert "identical" in json.dumps(report["checks"])  # checked by running it, as A
+    # 36 CNY a core-hour is 1 fen a second: at most the seconds the call took.
+    assert 0 < report["charge"] <= min(report["hold"], took + 1)
+    after = a.me()
+    assert after["held"] == before["held"] and after["balance"] == before["balance"] - report["charge"]
+
+
 def _sweeps_on_disk(hub: dict[str, Any]) -> list[str]:
     sweeps = hub["state"] / "home" / "sweeps"
     return sorted(p.name for p in sweeps.iterdir()) if sweeps.exists() else []

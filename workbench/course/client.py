@@ -85,6 +85,10 @@ class CourseClient:
                  **knobs: Any) -> dict[str, Any]:
         return dict(self.request("POST", f"evaluate/{run_id}", {"tasks": tasks, **knobs}))
 
+    def export(self, run_id: str, formats: list[str], quant: list[str]) -> dict[str, Any]:
+        return dict(self.request("POST", f"export/{run_id}", {"formats": formats,
+                                                              "quant": quant}))
+
     def deploy(self, runs: list[str], name: str | None = None,
                **options: Any) -> CourseEndpoint:
         answer = self.request("POST", "deploy", {"runs": runs, "name": name,
@@ -170,6 +174,12 @@ class CourseJob:
         if isinstance(tasks, str):
             tasks = [tasks]
         return self.client.evaluate(self.id, tasks, **knobs)
+
+    def export(self, formats: Any = ("merged",), quant: Any = ("f16",)) -> dict[str, Any]:
+        """Export this ended run in the course service, as you, into the run's own folder
+        (held, then charged by the second, as an evaluation): its folders and checks."""
+        return self.client.export(self.id, [formats] if isinstance(formats, str) else
+                                  list(formats), [quant] if isinstance(quant, str) else list(quant))
 
     def deploy(self, *more: Any, name: str | None = None, **options: Any) -> CourseEndpoint:
         return deploy_via_course(self, *more, name=name, **options)

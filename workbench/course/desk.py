@@ -191,6 +191,22 @@ class CourseDesk:
         """Score an ended run as the student, held for ``eval_minutes`` at the rate of where it
         runs (:func:`~workbench.course.policy.eval_price`: the run's GPUs on its target, else
         one CPU core) and ended at that limit; charged for the seconds the service saw it run."""
+        request = {"verb": "evaluate", "tasks": tasks or None,
+                   **{k: knobs.get(k) for k in ("max_samples", "max_new_tokens")}}
+        return self._timed(user, run_id, "evaluate", request)
+
+    def export(self, user: str, run_id: str, formats: list[str],
+               quant: list[str]) -> dict[str, Any]:
+        """Export an ended run as the student, into the run's own folder in their space (merged,
+        GGUF, Ollama: workbench.serve.export_run); held and charged like an evaluation."""
+        return self._timed(user, run_id, "export",
+                           {"verb": "export", "formats": formats, "quant": quant})
+
+    def _timed(self, user: str, run_id: str, kind: str,
+               request: dict[str, Any]) -> dict[str, Any]:
+        """Work on an ended run (``kind``: evaluate or export) as the student: held for
+        ``eval_minutes`` at the rate of the run's resources, ended at that limit, charged for
+        the seconds the service saw it run."""
         from workbench.course.policy import admit, cards, eval_price
 
         student = self._student(user)
@@ -202,17 +218,16 @@ class CourseDesk:
         rate = f"{self.course.money(self.course.minor(price))} an hour ({where})"
         limit_s = round(self.course.caps.eval_minutes * 60)
         amount = self.course.minor(price * limit_s / 3600)
-        hold_id = self._hold(student, amount, f"evaluate {run_id} at {rate}")
-        self.ledger.attach_run(hold_id, run_id, h.run_dir or "", kind="evaluate")
-        request = {"verb": "evaluate", "run": run_id, "tasks": tasks or None, "limit_s": limit_s,
-                   **{k: knobs.get(k) for k in ("max_samples", "max_new_tokens")}}
-        worker = Worker(self.course, student, request, gpus=cards(admitted) > 0)
+        hold_id = self._hold(student, amount, f"{kind} {run_id} at {rate}")
+        self.ledger.attach_run(hold_id, run_id, h.run_dir or "", kind=kind)
+        worker = Worker(self.course, student, {**request, "run": run_id, "limit_s": limit_s},
+                        gpus=cards(admitted) > 0)
         rc, out, err, seconds = -1, "", "", float(limit_s)
         try:
             rc, out, err, seconds = worker.run(timeout=limit_s)
         finally:
             used = min(amount, self.course.minor(price * seconds / 3600))
-            self.ledger.settle(hold_id, used, actor=SERVICE_ACTOR, note=f"evaluate {run_id}")
+            self.ledger.settle(hold_id, used, actor=SERVICE_ACTOR, note=f"{kind} {run_id}")
         if rc != 0:
             if rc == -9:
                 why = "it ran past the course's eval_minutes"
@@ -222,12 +237,13 @@ class CourseDesk:
                     why = f"exit {rc}"
                 except CourseError as exc:
                     why = str(exc)
-            raise CourseError(f"evaluating {run_id} failed ({why}); charged "
-                              f"{self.course.money(used)} at {rate}")
+            raise CourseError(f"{'evaluating' if kind == 'evaluate' else 'exporting'} {run_id} "
+                              f"failed ({why}); charged {self.course.money(used)} at {rate}")
+        answer = parse_answer(rc, out, err, student)
         table = "\n".join(line for line in out.splitlines() if not line.startswith("{"))
         return {"run": run_id, "table": table.strip(), "charge": used,
                 "charge_text": self.course.money(used), "hold": amount, "rate": price,
-                "rate_text": rate}
+                "rate_text": rate, **{k: v for k, v in answer.items() if k != "run"}}
 
     # -- settling --------------------------------------------------------------------------------
     def settle_ended(self) -> list[str]:
@@ -236,13 +252,13 @@ class CourseDesk:
         self.meter.tick()
         settled = []
         for h in self.ledger.holds(open_only=True):
-            if h.kind == "evaluate" and time.time() - h.at > self.course.caps.eval_minutes * 60 \
-                    + UNRELEASED_SETTLE_S:
+            if h.kind in ("evaluate", "export") and time.time() - h.at > \
+                    self.course.caps.eval_minutes * 60 + UNRELEASED_SETTLE_S:
                 # The service died while it ran; the worker ends itself at the limit, which is
                 # all it could have used: the whole hold is charged.
                 amount = h.amount
                 if self.ledger.settle(h.hold_id, amount, actor=SERVICE_ACTOR,
-                                      note=f"evaluate {h.run_id} (service restarted)"):
+                                      note=f"{h.kind} {h.run_id} (service restarted)"):
                     settled.append(str(h.run_id))
                 continue
             if h.run_id is None or h.kind not in ("launch", "resume"):

@@ -12,6 +12,8 @@ adapter over :class:`~workbench.course.desk.CourseDesk`:
     POST /stop/RUN      students their own runs, instructors any
     POST /resume/RUN    hold what the resumed run may cost, then resume it (body: changes)
     POST /evaluate/RUN  score an ended run, held for eval_minutes at the rate of where it runs
+    POST /export/RUN    export an ended run into its folder (body: formats, quant), held and
+                        charged as an evaluation
                         (the run's GPUs on its target, else one core) (body: tasks)
     POST /deploy        hold an endpoint's first block, then serve (body: runs, name)
     GET  /endpoints     own endpoints (instructors: all);  POST /undeploy/NAME
@@ -38,6 +40,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -179,6 +182,21 @@ class Resume(_Handler):
         self.finish(await self.call(self.desk.resume, self.user(), run_id, changes))
 
 
+class ExportRun(_Handler):
+    async def post(self, run_id: str) -> None:
+        usage = '{"formats": ["merged", "gguf", "ollama"], "quant": ["f16", "q4_k_m"]}'
+        body = self.body(("formats", "quant"), usage)
+        lists = {}
+        for key, allowed in (("formats", r"merged|gguf|ollama"), ("quant", r"[a-z0-9_]{2,12}")):
+            value = body.get(key) or (["merged"] if key == "formats" else ["f16"])
+            if not (isinstance(value, list) and value and all(
+                    isinstance(v, str) and re.fullmatch(allowed, v) for v in value)):
+                raise _Refused(400, f"give {usage}")
+            lists[key] = value
+        self.finish(await self.call(self.desk.export, self.user(), run_id, lists["formats"],
+                                    lists["quant"]))
+
+
 class Evaluate(_Handler):
     async def post(self, run_id: str) -> None:
         usage = '{"tasks": ["heldout", ...], "max_samples": N, "max_new_tokens": N}'
@@ -281,7 +299,8 @@ def make_app(desk: CourseDesk, meter: EndpointMeter, prefix: str = "/") -> web.A
         (f"{p}/me", Me, args), (f"{p}/quote", Quote, args), (f"{p}/launch", Launch, args),
         (f"{p}/runs", Runs, args), (f"{p}/runs/([^/]+)", Runs, args),
         (f"{p}/stop/([^/]+)", Stop, args), (f"{p}/resume/([^/]+)", Resume, args),
-        (f"{p}/evaluate/([^/]+)", Evaluate, args), (f"{p}/deploy", Deploy, args),
+        (f"{p}/evaluate/([^/]+)", Evaluate, args),
+        (f"{p}/export/([^/]+)", ExportRun, args), (f"{p}/deploy", Deploy, args),
         (f"{p}/endpoints", Endpoints, args), (f"{p}/undeploy/([^/]+)", Undeploy, args),
         (f"{p}/sweep", Sweep, args), (f"{p}/sweeps", Sweeps, args),
         (f"{p}/sweeps/([^/]+)", Sweeps, args), (f"{p}/sweeps/([^/]+)/stop", StopSweep, args),

@@ -13,7 +13,8 @@ model folder and reward code are read and run with the student's rights only.
 Requests: ``quote`` (plan a spec: cost, hours), ``launch`` (a priced spec), ``spec`` (a run's
 spec and what it billed itself), ``resume`` (a run, changes), ``cancel`` (a run), ``evaluate``
 (a run, tasks, max_samples, max_new_tokens, limit_s: the ``workbench eval`` table on stdout
-before the answer), ``serve_plan`` (runs, or adapter folders: what an endpoint of them would
+before the answer), ``export`` (a run, formats, quant, limit_s: its export into the run's
+folder), ``serve_plan`` (runs, or adapter folders: what an endpoint of them would
 serve, read with the student's rights), ``whoami``.
 """
 
@@ -81,6 +82,14 @@ def handle(request: dict[str, Any]) -> dict[str, Any]:
         return _job_answer(job.resume(**request.get("changes", {})))
     if verb == "cancel":
         return {"state": job.cancel()}
+    if verb == "export":
+        from workbench.serve.export_run import export
+
+        signal.alarm(int(request.get("limit_s") or 0))  # ends itself at the course's limit
+        report = export(job, [str(f) for f in request.get("formats") or ["merged"]],
+                        quant=[str(q) for q in request.get("quant") or ["f16"]], progress=False)
+        return {"run": job.id, "folders": {k: str(v) for k, v in report.folders.items()},
+                "checks": report.checks}
     if verb == "evaluate":
         from workbench.cli import main as cli
 
