@@ -65,6 +65,11 @@ def test_calibration_is_written_with_device_and_date_and_drives_the_plan(home):
     assert stored["device"]["cores"] >= 1 and stored["device"]["name"]
     assert all(v > 0 for v in stored["layers"].values()) and stored["matmul_gflops"] > 0
     assert stored["optimizer_params_per_s"] > 0 and stored["load_bytes_per_s"] > 0
+    # Each figure is the median of several readings, and how far they spread is kept and said.
+    assert stored["readings"] == 3 and set(stored["spread"]) == {
+        "matmul", "optimizer", "load", "save", *(f"layers.{h}" for h in stored["layers"])}
+    line = next(c for c in report.checks if c.name == "calibration").detail
+    assert re.search(r"\(hidden 1024, (unsteady: )?±\d+ % between 3 readings\)", line), line
     p = plan(SPEC)
     assert any(a.startswith(f"calibrated on this machine {stored['date']}")
                for a in p.assumptions)
@@ -101,6 +106,96 @@ def test_a_calibration_from_another_device_is_not_used(home):
     with pytest.warns(CalibrationWarning, match="Some Other CPU 9000 .*planned on H100 GPUs"):
         p = plan(gpu)
     assert "not calibrated" in p.clock["basis"]
+
+
+class _FakeClock:
+    """A clock that moves only when the timed function runs: each call of ``fn`` advances it by
+    ``cost(t, calls)`` seconds (``calls``: the calls before it), so what `steady` keeps can be
+    checked against a known answer."""
+
+    def __init__(self, cost) -> None:
+        self.t, self.calls, self.cost = 0.0, 0, cost
+
+    def __call__(self) -> float:
+        return self.t
+
+    def fn(self) -> None:
+        self.t += self.cost(self.t, self.calls)
+        self.calls += 1
+
+
+def test_a_first_slow_reading_is_not_kept_and_the_spread_is_said():
+    from workbench.plan import calmeasure as cm
+
+    # 10 ms a call until the warm-up and the whole first reading are over, 1 ms a call after:
+    # the first reading is 10x off the next ones, as the issue saw between two probes.
+    slow_until = cm.WARMUP_S + cm.READING_S
+    clock = _FakeClock(lambda t, _: 0.010 if t < slow_until - 1e-9 else 0.001)
+    r = cm.steady(clock.fn, lambda: None, clock)
+    assert r.seconds == pytest.approx(0.001)  # the steady figure, not the first reading's
+    assert r.spread == pytest.approx(0.0, abs=1e-6)
+    assert r.readings == cm.READINGS + cm.MORE_READINGS  # the disagreement asked for more
+    # A steady function: three readings, no more, spread ~0.
+    clock = _FakeClock(lambda t, _: 0.002)
+    r = cm.steady(clock.fn, lambda: None, clock)
+    assert (r.seconds, r.readings) == (pytest.approx(0.002), cm.READINGS)
+    assert r.spread < 0.05
+    # One that never settles (calls longer than a reading, every other one 3x slower): the
+    # median kept, the spread said however wide.
+    clock = _FakeClock(lambda t, calls: 3 * cm.READING_S if calls % 2 else cm.READING_S)
+    r = cm.steady(clock.fn, lambda: None, clock)
+    assert r.readings == cm.READINGS + cm.MORE_READINGS
+    # Readings 3,1,3,1,3 (x READING_S): the steadiest three in a row are 3,1,3: median 3,
+    # spread (3 - 1) / 2 / 3.
+    assert r.seconds == pytest.approx(3 * cm.READING_S) and r.spread == pytest.approx(1 / 3)
+    assert r.spread > cm.UNSTEADY
+
+
+
+def _stored_with_spread(spread: dict, readings: int = 3) -> dict:
+    from workbench.plan.calibrate import device_identity
+
+    stored = {"target": "local", "date": "2026-12-01", "device": device_identity(False),
+              "dtype": "float32", "matmul_gflops": 20.0, "layers": {"64": 8.0, "1024": 20.0},
+              "optimizer_params_per_s": 1e8, "spread": spread, "readings": readings}
+    calibration_file("local").write_text(json.dumps(stored))
+    return stored
+
+
+def test_the_plan_says_how_steady_its_calibration_was(home):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CalibrationWarning)  # every one of these is read
+        _stored_with_spread({"layers.64": 0.03, "optimizer": 0.01, "save": 0.9})
+        steady = plan(SPEC).clock["basis"]
+        _stored_with_spread({"layers.64": 0.6, "optimizer": 0.01})
+        unsteady = plan(SPEC)
+        _stored_with_spread({}, 0)  # a file from before readings were kept
+        older = plan(SPEC).clock["basis"]
+    assert "hidden-64 layer" in steady and "steady to ±3 % between 3 readings" in steady
+    assert "unsteady" not in steady  # the save's spread is the check's to say, not the clock's
+    assert "the clock of this machine is unsteady: ±60 % between readings of the hidden-64 " \
+        "layer" in unsteady.clock["basis"]
+    assert any("unsteady: ±60 %" in a for a in unsteady.assumptions)
+    assert "unsteady: ±60 %" in unsteady.summary()  # the plan's Clock line
+    assert "steady" not in older and older.startswith("calibrated on this machine")
+    # A spread that is not a number, or below zero, makes the file unreadable, as any bad figure.
+    _stored_with_spread({"layers.64": -1})
+    with pytest.warns(CalibrationWarning, match="cannot be negative"):
+        assert "not calibrated" in plan(SPEC).clock["basis"]
+
+
+def test_the_real_probe_here_keeps_several_readings_and_their_spread(capsys):
+    from workbench.plan.calibrate import PROBE_TAG, READINGS, Calibration
+    from workbench.plan.probe import main
+
+    assert main(["--emit", "--target", "ssh:here"]) == 0  # what a remote target runs
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(PROBE_TAG))
+    cal = Calibration(**json.loads(line[len(PROBE_TAG):]))
+    figures = {"matmul", "optimizer", "load", "save", *(f"layers.{h}" for h in cal.layers)}
+    assert set(cal.spread) == figures and cal.readings == READINGS
+    assert all(0 <= v < 10 for v in cal.spread.values())
 
 
 @pytest.mark.parametrize("text", ["{not json", json.dumps({"target": "local"}),

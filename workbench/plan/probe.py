@@ -6,9 +6,11 @@ partition, with its account, QoS and the CPUs and GPU a run's process gets), rea
 it prints and stores them as the target's calibration (``WORKBENCH_HOME/calibration/TARGET.json``
 with ``source: "target probe"`` and ``where``: the host, or the Slurm job and node). The planner
 then plans that target from them (:func:`workbench.plan.calibrate.time_basis`) and says so
-("calibrated by a probe on slurm:gpu (Slurm job 42 on node7) DATE"). The probe measures for a
-few seconds; ``workbench targets check ssh:NAME|slurm:NAME`` runs it once the target is ready,
-and the stored figures are used until the next probe. A check reuses a stored probe rather than
+("calibrated by a probe on slurm:gpu (Slurm job 42 on node7) DATE", and how steady its readings
+were). The probe measures for a few seconds, as :func:`workbench.plan.calibrate.measure_here`
+does here (each figure the median of several readings, their spread kept); ``workbench targets
+check ssh:NAME|slurm:NAME`` runs it once the target is ready, and the stored figures are used
+until the next probe. A check reuses a stored probe rather than
 measuring again: on an SSH target while the first host's device (CPU model and core count, or
 GPU name and count, which the check sees anyway) is the one measured, however old; on a Slurm
 target, whose compute nodes the check does not see, when it is less than an hour old.

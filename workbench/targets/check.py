@@ -295,8 +295,13 @@ def _calibrate(name: str, report: TargetReport, seen: dict[str, Any] | None = No
                    "the planner uses the GPU table's peak x utilisation until it can")
         return
     best = max(cal.layers.items(), key=lambda kv: int(kv[0]))
+    steady = cal.steadiness(f"layers.{best[0]}")
+    unsteady = cal.unsteady()
     report.add("calibration", True,
                f"{cal.matmul_gflops:,.1f} GFLOP/s matmul, {best[1]:,.1f} GFLOP/s forward+backward"
-               f" (hidden {best[0]}) at {cal.dtype} on {cal.device['name']}"
-               f"{' (' + cal.where + ')' if cal.where else ''} {cal.date}; stored in "
-               f"{calibration_file(name)}")
+               f" (hidden {best[0]}{', ' + steady if steady else ''}) at {cal.dtype} on "
+               f"{cal.device['name']}{' (' + cal.where + ')' if cal.where else ''} {cal.date}; "
+               + (f"the clock of {'this machine' if name == 'local' else name} is unsteady: "
+                  + ", ".join(f"{k} ±{v * 100:.0f} %" for k, v in sorted(unsteady.items()))
+                  + " between readings (measure again when it is quieter); " if unsteady else "")
+               + f"stored in {calibration_file(name)}")
