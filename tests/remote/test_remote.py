@@ -638,6 +638,12 @@ def test_a_queued_job_says_why_it_waits(targets, capsys):
         assert main(["status", job.id]) == 0
         assert "queue_reason: JobHeldUser" in capsys.readouterr().out
         assert "waiting: JobHeldUser" in JobView(job, autostart=False).stats.value
+        # The lab panel's row for it carries the reason (the card shows "waiting: ...").
+        from workbench_lab.view import RunsView
+
+        rows = {r["id"]: r for r in RunsView(job.run_dir.path).runs()["runs"]}
+        assert rows[job.id]["state"] == "queued"
+        assert rows[job.id]["queue_reason"] == "JobHeldUser"
     finally:
         assert job.cancel() == "cancelled"
     _nothing_left(job.id)

@@ -91,12 +91,16 @@ class RunCard {
     this.nameNode.title = run.id;
     this.stateNode.textContent = state;
     this.stateNode.className = `jp-WorkbenchRuns-state jp-mod-${state}`;
+    this.stateNode.title = run.queue_reason ? `waiting: ${run.queue_reason}` : '';
     this.node.dataset.state = state;
     const parts = [
       run.target,
       `step ${run.step ?? 0} / ${run.total_steps ?? '?'}`,
       `loss ${number(run.last_loss)}`
     ];
+    if (run.queue_reason) {
+      parts.splice(1, 0, `waiting: ${run.queue_reason}`); // the scheduler's word for why
+    }
     const cost = money(run.cost, run.currency);
     if (cost) {
       parts.push(cost);

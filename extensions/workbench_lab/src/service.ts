@@ -36,6 +36,8 @@ export interface IRun {
   error: string | null;
   /** Why a run stopped short and how to go on (a budget stop); absent from older servers. */
   note?: string | null;
+  /** Why a queued job waits, as its scheduler says (Slurm's reason); older servers: absent. */
+  queue_reason?: string | null;
   created: number;
   cost: number | null;
   /** The live projection at the measured pace, and the plan's figures (older servers: absent). */
