@@ -178,7 +178,9 @@ def test_slurm_endpoint_runs_inside_its_job_with_an_api_key(slurm_ep, reference,
     assert get_endpoint("slurm-ep").record.state == "stopped"
 
 
-def test_remote_bad_inputs_are_clear_errors(trained, targets, tmp_path):
+def test_remote_bad_inputs_are_clear_errors(trained, targets, tmp_path, monkeypatch):
+    import workbench.course.endpoints as course_endpoints
+    from workbench.serve.sources import plan_serving
     from workbench.targets.named import TargetError
 
     with pytest.raises(ServingEnvironmentError, match="on host wb-node0 has no vLLM installed"):
@@ -190,6 +192,11 @@ def test_remote_bad_inputs_are_clear_errors(trained, targets, tmp_path):
     # A course serving on ssh:nowhere deploys there (the failure is that target's), and the block
     # it held comes back but for the seconds the deploy tried.
     meter = _course_meter(tmp_path, "ssh:nowhere")
+    # "ana" has no Unix account here: the plan her worker would make (and the service's copies of
+    # her files, tests/course/test_isolation.py) are the plan of the run itself.
+    monkeypatch.setattr(course_endpoints, "student_plan",
+                        lambda course, student, runs: plan_serving([trained]))
+    monkeypatch.setattr(course_endpoints, "copies", lambda course, student, plan, dest: plan)
     meter.ledger.attach_run(meter.ledger.hold("ana", 1, actor="ana", note="launch"), trained.id,
                             str(trained.run_dir.path))  # the run is ana's in this course
     with pytest.raises(TargetError, match="ssh:nowhere.*not configured"):
