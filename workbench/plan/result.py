@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from workbench.plan.memory import MemoryBreakdown, Strategy
+from workbench.plan.view import COLOURS, fmt_hours, plan_html
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -138,7 +139,7 @@ class Plan:
         lines.append(f"Data: {self.data_note}")
         lines += [f"  {line}" for line in token_lines(self.data_tokens)]
         if self.hours is not None:
-            lines.append(f"Time: {_fmt_hours(self.hours)} training ({self.flops:.3g} FLOPs)")
+            lines.append(f"Time: {fmt_hours(self.hours)} training ({self.flops:.3g} FLOPs)")
         fast = next((a for a in self.assumptions if a.startswith("fast paths:")), None)
         if fast and self.device == "gpu":
             lines.append(f"Fast paths: {fast.removeprefix('fast paths: ')}")
@@ -148,8 +149,8 @@ class Plan:
             lines.append(f"Scoring: {self.clock['scoring']}")
         if self.startup_s:
             known = {k: v for k, v in self.startup_s.items() if v}
-            lines.append(f"Start-up (every attempt, billed): ~{_fmt_hours(sum(known.values()) / 3600)}"
-                         " (" + ", ".join(f"{k} {_fmt_hours(v / 3600)}" for k, v in known.items())
+            lines.append(f"Start-up (every attempt, billed): ~{fmt_hours(sum(known.values()) / 3600)}"
+                         " (" + ", ".join(f"{k} {fmt_hours(v / 3600)}" for k, v in known.items())
                          + ")")
         if self.cost is not None:
             lines.append(f"Cost: {self.cost:,.2f} {self.currency}"
@@ -179,8 +180,7 @@ class Plan:
         else:
             fig = ax.figure
         left = 0.0
-        colors = ("#4c72b0", "#55a868", "#c44e52", "#8172b2", "#ccb974", "#8c8c8c")
-        for comp, color in zip(MemoryBreakdown.COMPONENTS, colors, strict=True):
+        for comp, color in zip(MemoryBreakdown.COMPONENTS, COLOURS, strict=True):
             value = getattr(self.memory, comp)
             ax.barh([0], [value], left=left, color=color, label=f"{comp} {value:.1f}")
             left += value
@@ -193,7 +193,7 @@ class Plan:
         ax.set_xlabel("GiB per GPU" if self.device == "gpu" else "GiB per process")
         title = f"{self.strategy.label}: {'fits' if self.fits else 'does NOT fit'}"
         if self.hours is not None:
-            title += f" | {_fmt_hours(self.hours)}"
+            title += f" | {fmt_hours(self.hours)}"
         if self.cost is not None:
             title += f" | {self.cost:,.2f} {self.currency}"
         ax.set_title(title)
@@ -203,8 +203,6 @@ class Plan:
         return fig
 
     def _repr_html_(self) -> str:
-        from workbench.plan.view import plan_html
-
         return plan_html(self)
 
 
@@ -232,11 +230,3 @@ def _fmt_count(n: float) -> str:
         if n >= scale:
             return f"{n / scale:.3g}{suffix}"
     return f"{n:.0f}"
-
-
-def _fmt_hours(hours: float) -> str:
-    if hours < 1 / 60:
-        return f"{hours * 3600:.0f} s"
-    if hours < 1:
-        return f"{hours * 60:.0f} min"
-    return f"{hours:.1f} h"

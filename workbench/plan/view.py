@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from workbench.plan.result import Plan
 
-# One colour per memory component, in MemoryBreakdown.COMPONENTS order (as Plan.plot draws them).
+# One colour per memory component, in MemoryBreakdown.COMPONENTS order (the bar here, Plan.plot).
 COLOURS = ("#4c72b0", "#55a868", "#c44e52", "#8172b2", "#ccb974", "#8c8c8c")
 
 
-def _hours(hours: float) -> str:
+def fmt_hours(hours: float) -> str:
+    """6 s, 12 min, 1.5 h: a duration as people read it."""
     if hours < 1 / 60:
         return f"{hours * 3600:.0f} s"
     if hours < 1:
@@ -32,7 +33,7 @@ def headline(plan: Plan) -> str:
     """'fits · LoRA, DDP · 3 min · 0.42 CNY (within budget)', rounded for reading."""
     parts = ["fits" if plan.fits else "does not fit", plan.strategy.label]
     if plan.hours is not None:
-        parts.append(_hours(plan.hours))
+        parts.append(fmt_hours(plan.hours))
     if plan.cost is not None:
         money = (f"< 0.01 {plan.currency}" if 0 < plan.cost < 0.005
                  else f"{plan.cost:,.2f} {plan.currency}")
