@@ -416,7 +416,8 @@ def test_export_from_the_api_runs_once_at_a_time_and_its_report_shows_in_details
     reply = requests.post(url, headers=lab_server.auth, json={"formats": ["merged"]}, timeout=30)
     assert reply.status_code == 202, reply.reason
     record = json.loads((job.run_dir.path / "export" / "panel.json").read_text())
-    os.kill(record["pid"], signal.SIGSTOP)  # held still: the second ask meets it under way
+    pid = record["process"]["pid"]
+    os.kill(pid, signal.SIGSTOP)  # held still: the second ask meets it under way
     try:
         again = requests.post(url, headers=lab_server.auth, json={"formats": ["merged"]},
                               timeout=30)
@@ -425,7 +426,7 @@ def test_export_from_the_api_runs_once_at_a_time_and_its_report_shows_in_details
                                timeout=30).json()
         assert details["export"]["running"] and details["export"]["formats"] == ["merged"]
     finally:
-        os.kill(record["pid"], signal.SIGCONT)
+        os.kill(pid, signal.SIGCONT)
 
     def ended() -> dict | None:
         d = requests.get(lab_server.api(f"runs/{job.id}"), headers=lab_server.auth,

@@ -18,10 +18,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from workbench.errors import WorkbenchError
 from workbench.runs.jobs import Job
+from workbench.runs.procs import ProcessIdentity
 
 FORMATS = ("merged", "gguf", "ollama")
 _QUANT = re.compile(r"[a-z0-9_]{2,12}")
@@ -37,11 +36,10 @@ class ExportBusyError(WorkbenchError):
 
 
 def _alive(record: dict[str, Any]) -> bool:
+    """Whether the export process the record names still runs (by PID and start time)."""
     try:
-        p = psutil.Process(int(record["pid"]))
-        return abs(p.create_time() - float(record["create_time"])) < 0.05 and \
-            p.status() != psutil.STATUS_ZOMBIE
-    except (psutil.Error, KeyError, TypeError, ValueError):
+        return ProcessIdentity.from_dict(record["process"]).process() is not None
+    except (KeyError, TypeError, ValueError):
         return False
 
 
@@ -76,8 +74,8 @@ def start(job: Job, formats: Any, quant: Any) -> dict[str, Any]:
     with (folder / LOG).open("w") as log:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, env=env,
                                 stderr=subprocess.STDOUT, cwd=folder, start_new_session=True)
-    record = {"pid": proc.pid, "create_time": psutil.Process(proc.pid).create_time(),
-              "formats": formats, "quant": quant}
+    record = {"process": ProcessIdentity.of(proc.pid, "export").to_dict(), "formats": formats,
+              "quant": quant}
     (folder / RECORD).write_text(json.dumps(record))
     return {"id": job.id, "exporting": True, "formats": formats, "quant": quant}
 
