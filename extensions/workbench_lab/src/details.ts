@@ -6,7 +6,7 @@
 import { Widget } from '@lumino/widgets';
 
 import { renderExport } from './export';
-import { duration, money, number } from './format';
+import { duration, money, number, terms } from './format';
 import { drawLossPlot } from './sparkline';
 import { IRunDetails, IScore, ISnapshot, TERMINAL_STATES, WorkbenchService } from './service';
 
@@ -139,15 +139,7 @@ export class RunDetails extends Widget {
     if (d.error) {
       rows.push(['Error', d.error]);
     }
-    this.summaryNode.replaceChildren(
-      ...rows.flatMap(([k, v]) => {
-        const dt = document.createElement('dt');
-        dt.textContent = k;
-        const dd = document.createElement('dd');
-        dd.textContent = v;
-        return [dt, dd];
-      })
-    );
+    this.summaryNode.replaceChildren(...terms(rows));
     const train = d.metrics.filter(m => m.loss !== undefined).map(m => [m.step, m.loss!] as [number, number]);
     const evals = d.metrics
       .filter(m => m.eval_loss !== undefined)
@@ -221,15 +213,7 @@ export class RunDetails extends Widget {
     const h = document.createElement('h3');
     h.textContent = 'Settings';
     const dl = document.createElement('dl');
-    dl.append(
-      ...settings.flatMap(([k, v]) => {
-        const dt = document.createElement('dt');
-        dt.textContent = k;
-        const dd = document.createElement('dd');
-        dd.textContent = v;
-        return [dt, dd];
-      })
-    );
+    dl.append(...terms(settings));
     const full = document.createElement('details');
     const summary = document.createElement('summary');
     summary.textContent = 'Full spec (YAML)';

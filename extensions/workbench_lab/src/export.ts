@@ -5,6 +5,7 @@
  */
 import { Widget } from '@lumino/widgets';
 
+import { terms } from './format';
 import { IExportState } from './service';
 
 export interface IExportChoice {
@@ -82,13 +83,7 @@ export function renderExport(section: HTMLElement, state?: IExportState | null):
   }
   if (state.report && !state.running) {
     const dl = document.createElement('dl');
-    for (const [kind, folder] of Object.entries(state.report.folders)) {
-      const dt = document.createElement('dt');
-      dt.textContent = kind;
-      const dd = document.createElement('dd');
-      dd.textContent = folder;
-      dl.append(dt, dd);
-    }
+    dl.append(...terms(Object.entries(state.report.folders)));
     parts.push(dl);
   }
   if (state.log.length) {

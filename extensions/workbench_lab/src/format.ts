@@ -1,4 +1,4 @@
-/** Small formatters shared by the panel and the details view. */
+/** Small formatters shared by the panel and the details view, and their label/value lists. */
 
 export function duration(seconds: number | null | undefined): string {
   if (seconds === null || seconds === undefined || !isFinite(seconds)) {
@@ -22,4 +22,15 @@ export function money(value: number | null | undefined, currency: string | null)
   }
   const text = value > 0 && value < 0.01 ? '< 0.01' : value.toFixed(2);
   return `${text} ${currency || ''}`.trim();
+}
+
+/** The <dt>/<dd> pairs of a definition list, one pair per [label, value] row. */
+export function terms(rows: [string, string][]): HTMLElement[] {
+  return rows.flatMap(([k, v]) => {
+    const dt = document.createElement('dt');
+    dt.textContent = k;
+    const dd = document.createElement('dd');
+    dd.textContent = v;
+    return [dt, dd];
+  });
 }
