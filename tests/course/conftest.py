@@ -70,9 +70,10 @@ def _students_python(root: Path) -> Path:
     """A venv the students' Unix users can run (jupyterhub-singleuser, workbench_lab): the
     interpreter copied out of its 0700 home under /root into ``root``, the project's venv added
     as a site dir (its editable install of workbench imports this checkout's package; the
-    checkout's root stays off their sys.path). The students reach both wherever the clone lives
-    through the students_reach fixture."""
-    from tests.course.reach import project_site
+    checkout's root stays off their sys.path), and beside it ``serve-venv``, which adds the
+    checkout's serving venv (vLLM) the same way. The students reach them wherever the clone
+    lives through the students_reach fixture."""
+    from tests.course.reach import project_site, serving_site
 
     base, ver = Path(sys.base_prefix), f"python{sys.version_info[0]}.{sys.version_info[1]}"
     py = root / "python"
@@ -89,6 +90,14 @@ def _students_python(root: Path) -> Path:
     site = root / "venv" / "lib" / ver / "site-packages"
     (site / "workbench_project.pth").write_text(
         f"import site; site.addsitedir({str(project_site())!r})\n")
+    # The serving venv's packages (vLLM) the same way, for the endpoints students run as
+    # themselves on the hub machine.
+    serve = root / "serve-venv"
+    subprocess.run([str(py / "bin" / ver), "-m", "venv", "--without-pip", str(serve)],
+                   check=True, env=env)
+    if serving_site() is not None:
+        (serve / "lib" / ver / "site-packages" / "workbench_serve.pth").write_text(
+            f"import site; site.addsitedir({str(serving_site())!r})\n")
     conf = root / "venv" / "etc" / "jupyter" / "jupyter_server_config.d"
     conf.mkdir(parents=True)
     (conf / "workbench_lab.json").write_text(json.dumps(
@@ -132,6 +141,7 @@ def running_hub(people: dict[str, str], course_of: Callable[[dict[str, str]], di
     # Python their users can execute; `init` passes its library path to the service.
     python = _students_python(root)
     course["student_python"] = str(python)
+    course["serve_python"] = str(root / "serve-venv" / "bin" / "python")
     course_file = root / "course.yaml"
     course_file.write_text(yaml.safe_dump(course))
     env = {**os.environ, "LD_LIBRARY_PATH": str(root / "python" / "lib")}

@@ -24,6 +24,11 @@ def project_site() -> Path:
     return next(Path(p) for p in sys.path if p.endswith("site-packages"))
 
 
+def serving_site() -> Path | None:
+    """The checkout's serving venv's site-packages (vLLM: `make serve-env`), if it has one."""
+    return next((REPO / ".venv-serve" / "lib").glob("python*/site-packages"), None)
+
+
 def students_imports() -> list[Path]:
     """The folders the students' processes read: this checkout (its package, through the editable
     install), the project

@@ -162,35 +162,51 @@ def test_a_students_evaluate_resume_and_deploy_go_through_the_service(
     assert a.me()["balance"] == me["balance"] - view["charge"]  # neither held nor charged
 
 
-def test_a_students_endpoint_serves_the_services_copies_and_bills_the_seconds_up(
+def test_a_students_endpoint_runs_as_them_and_bills_the_seconds_the_service_saw(
         hub: dict[str, Any], a_launched: dict[str, Any]) -> None:
-    """Granted enough for an endpoint's first block, A deploys the run: the service serves its
-    own copies of A's adapter (vLLM names none of A's files), only A's key reaches it, and the
-    undeploy charges the seconds it was up."""
+    """Granted enough for an endpoint's first block, A deploys the run: its guard and vLLM run as
+    A's Unix user on A's own files (nothing of the service's), only A's key reaches it, A's
+    forged files saying it ended do not stop the bill, and the undeploy ends every process and
+    charges the seconds it was up."""
     a, teacher, run_id = hub["client"]["a"], hub["client"]["teacher"], a_launched["run"]
+    uid = pwd.getpwnam(hub["users"]["a"]).pw_uid
     teacher.grant(hub["users"]["a"], 1001, note="an endpoint's first hour")
     before = a.me()
     started = time.time()
     ep = a.deploy([run_id], name="home")
     assert ep.name == f"home.{hub['users']['a']}" and ep.view["state"] == "healthy"
     assert a.me()["held"] == before["held"] + 100_000  # one block: 1000 CNY, in fen
-    servers = [p for p in psutil.process_iter(["cmdline"])
+    servers = [p for p in psutil.process_iter(["cmdline", "uids"])
                if "--lora-modules" in (p.info["cmdline"] or []) and ep.name in " ".join(
                    p.info["cmdline"] or [])]
     assert servers, "no vLLM process serves the endpoint"
+    assert {p.info["uids"].real for p in servers} == {uid}  # vLLM runs as A
     cmdline = " ".join(servers[0].info["cmdline"])
-    assert str(hub["state"] / "serving" / ep.name) in cmdline
-    assert "/students/" not in cmdline  # nothing of A's space is opened by the server
+    assert str(_run_dir(hub, "a", run_id)) in cmdline  # A's own adapter, read as A
+    assert str(hub["state"]) + "/home" not in cmdline and "/serving/" not in cmdline
     assert ep.chat("Say hi", max_tokens=4)  # with A's key, from A's view
     keyless = urllib.request.Request(f"{ep.url}/v1/models")
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(keyless, timeout=30)
     assert refused.value.code == 401
+    # A writes, in A's own endpoint folder, that the server ended long ago and names no process:
+    # the service meters what it saw start, not those files.
+    folder = hub["state"] / "students" / hub["users"]["a"] / "workbench" / "endpoints" / ep.name
+    for file, body in (("processes.json", "[]"), ("exit.json", json.dumps({"time": started}))):
+        (folder / file).write_text(body)
+        os.chown(folder / file, uid, -1)
+    forged = time.time()
+    record = hub["state"] / "served" / f"{ep.name}.json"  # the service's own, written each look
+    wait_until("the service's next look at the endpoint",
+               lambda: record.stat().st_mtime > forged + 0.01, 60, hub["log"])
+    assert a.endpoints()[0]["state"] == "healthy" and a.me()["held"] >= 100_000
     view = a.undeploy(ep.name)
     up = time.time() - started
-    assert view["held"] == 0
+    assert view["held"] == 0 and view["state"] == "stopped"
+    assert not [p for p in servers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     # 1000 CNY an hour is 100000 fen in 3600 s: about 27.8 fen a second it was up.
     assert 0 < view["charged"] <= math.ceil(up * 100_000 / 3600) + 1, (view, up)
+    assert view["charged"] >= math.floor((forged - started) * 100_000 / 3600)  # not the forgery's
     assert a.me()["balance"] == before["balance"] - view["charged"]
 
 

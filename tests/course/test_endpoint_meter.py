@@ -200,29 +200,23 @@ def test_a_student_chats_with_an_endpoint_that_wants_its_key(course_home: dict) 
 
 def test_every_course_endpoint_gets_a_key_of_its_own(course_home: dict,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """A course deploy always asks workbench.serve.deploy for a key, a new one each time, so a
-    classmate on the same hub machine cannot use (or bill, or keep alive) someone's endpoint.
-    The real path (the plan made as a real student, vLLM behind the key) is tested on the hub
-    (test_course.py); here deploy, and the plan the worker would make as the student, are
-    replaced by recorders, and what is under test is what the meter asks for."""
-    import workbench.course.endpoints as endpoints
-    import workbench.serve as serve
+    """A course deploy always starts its server with a key, a new one each time, so a classmate
+    on the same hub machine cannot use (or bill, or keep alive) someone's endpoint. The real path
+    (vLLM started by the worker as a real student, behind the key) is tested on the hub
+    (test_course.py); here the start is replaced by a recorder, and what is under test is what
+    the meter asks for."""
+    from workbench.course.served import Served
 
     meter = _meter(course_home["root"], credit=5)
     run_hold = meter.ledger.hold("ana", 10, actor="ana", note="launch r1")
     meter.ledger.attach_run(run_hold, "r1", str(course_home["root"] / "r1"))
     asked: list[dict] = []
 
-    class _Up:
-        url, models = "http://127.0.0.1:1", ["m"]
+    def recorder(student: str, runs: list, name: str, api_key: str, options: dict) -> Served:
+        asked.append({"api_key": api_key})
+        return Served(name, student, 0, api_key, 0.0, models=["m"])
 
-    def recorder(*dirs: Path, **kw: object) -> _Up:
-        asked.append(kw)
-        return _Up()
-
-    monkeypatch.setattr(serve, "deploy", recorder)
-    monkeypatch.setattr(endpoints, "student_plan", lambda course, student, runs: None)
-    monkeypatch.setattr(endpoints, "copies", lambda course, student, plan, dest: None)
+    monkeypatch.setattr(meter.served, "start", recorder)
     meter.deploy("ana", ["r1"], name="one")
     meter.undeploy("ana", "one.ana")
     meter.deploy("ana", ["r1"], name="two")

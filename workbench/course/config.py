@@ -100,6 +100,10 @@ class Course(_Strict):
     # The interpreter students' work runs with (None: the service's); every student must be
     # able to run it and import workbench with it.
     student_python: str | None = None
+    # The interpreter that runs students' endpoints on the hub machine (vLLM imports with it),
+    # as them: every student must be able to run it (None: the serving Python workbench finds,
+    # WORKBENCH_SERVE_PYTHON or the checkout's .venv-serve).
+    serve_python: str | None = None
     state_dir: str = "/srv/workbench-course"
     database: str | None = None  # a SQLAlchemy URL; None: sqlite in state_dir
     hub: Hub = Field(default_factory=Hub)

@@ -1,15 +1,17 @@
 """Course endpoints: a student's deploy paid block by block from their credit, stopped when the
 credit runs out or nobody uses it.
 
-An endpoint runs on the course's ``serve_target`` (the hub machine, an SSH host or a Slurm
-partition), started by :func:`workbench.serve.deploy` like any other. Its time is held in blocks
-of ``endpoint_hold_minutes`` at ``prices.endpoint_hour`` (per endpoint, wherever it runs); the
-first block is held before the server starts (402 when the credit is short: nothing starts), and
-the service's tick meters the rest with :class:`workbench.serve.metering.BlockMeter`, the meter a
-wallet's keeper uses too: next blocks held ahead, passed blocks charged, the endpoint stopped when
-a block cannot be held or it idles for ``idle_minutes``. Every endpoint has its own API key,
-given only to its student and the instructors, so only their requests reach it (and its meter).
-"""
+An endpoint runs on the course's ``serve_target``. On the hub machine (``local``) it runs as its
+student, deployed by the worker in the student's space (:mod:`workbench.course.served`); on an SSH
+host or a Slurm partition the service starts it with :func:`workbench.serve.deploy` like any
+other, from its own copies of the student's files (:mod:`workbench.course.serving`). Its time is
+held in blocks of ``endpoint_hold_minutes`` at ``prices.endpoint_hour`` (per endpoint, wherever it
+runs); the first block is held before the server starts (402 when the credit is short: nothing
+starts), and the service's tick meters the rest with :class:`workbench.serve.metering.BlockMeter`,
+the meter a wallet's keeper uses too: next blocks held ahead, passed blocks charged, the endpoint
+stopped when a block cannot be held or it idles for ``idle_minutes``. Every endpoint has its own
+API key, given only to its student and the instructors, so only their requests reach it (and its
+meter)."""
 
 from __future__ import annotations
 
@@ -21,7 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from workbench.course.desk import SERVICE_ACTOR, CourseDesk, Forbidden
+from workbench.course.served import CourseWatch, ServedEndpoints
 from workbench.course.serving import copies, student_plan
+from workbench.course.students import space
 from workbench.errors import (
     CourseError,
     EndpointNotFoundError,
@@ -36,12 +40,17 @@ class EndpointMeter:
         self.desk, self.course, self.ledger = desk, desk.course, desk.ledger
         self._starting: set[str] = set()  # deploys in progress in this process
         self._guard = threading.Lock()
+        self.served = ServedEndpoints(self.course)
         self.meter = BlockMeter(self.ledger, self.block_s, self.course.idle_minutes * 60,
-                                actor=SERVICE_ACTOR, starting=self._deploying)
+                                actor=SERVICE_ACTOR, starting=self._deploying,
+                                watch=CourseWatch(self.served))
 
     def _deploying(self, h: RunHold) -> bool:
+        return self._deploying_name(str(h.run_id))
+
+    def _deploying_name(self, name: str) -> bool:
         with self._guard:
-            return h.run_id in self._starting
+            return name in self._starting
 
     @property
     def block_s(self) -> float:
@@ -83,23 +92,30 @@ class EndpointMeter:
             name = f"{_endpoint_name(name or runs[-1])}.{student}"
             if name in live:
                 raise CourseError(f"endpoint {name} is up; undeploy it first or pick another name")
-            # Planned as the student, served from the service's copies (workbench.course.serving).
-            plan = copies(self.course, student, student_plan(self.course, student, runs),
-                          self.course.state / "serving" / name)
+            as_student = self.course.serve_target == "local"
+            if as_student:
+                folder = space(self.course, student) / "workbench" / "endpoints" / name
+            else:  # planned as the student, served from the service's copies
+                plan = copies(self.course, student, student_plan(self.course, student, runs),
+                              self.course.state / "serving" / name)
+                folder = endpoints_dir() / name
             amount = self.course.minor(price * self.block_s / 3600)
             hold_id = self.desk._hold(student, amount, f"deploy {name}")
             started = time.time()
             # Recorded before the server starts: a service that dies while vLLM starts still
             # finds (and charges, and stops) the endpoint when it comes back.
-            self.ledger.attach_run(hold_id, name, str(endpoints_dir() / name), kind="endpoint",
-                                   since=started)
+            self.ledger.attach_run(hold_id, name, str(folder), kind="endpoint", since=started)
             with self._guard:
                 self._starting.add(name)
+        # Every course endpoint wants its own key, even on loopback: the hub machine is shared,
+        # and only the owner's view (and instructors') carries it.
+        key = secrets.token_urlsafe(24)
         try:
-            # Every course endpoint wants its own key, even on loopback: the hub machine is
-            # shared, and only the owner's view (and instructors') carries it.
-            ep = deploy(*dirs, name=name, keep=True, progress=False, api_key=secrets.token_urlsafe(24),
-                        target=self.course.serve_target, plan=plan, **options)
+            if as_student:
+                served = self.served.start(student, runs, name, key, options)
+            else:
+                ep = deploy(*dirs, name=name, keep=True, progress=False, api_key=key,
+                            target=self.course.serve_target, plan=plan, **options)
         except BaseException:
             self.ledger.settle(hold_id, min(amount, self.course.minor(
                 price * (time.time() - started) / 3600)), actor=SERVICE_ACTOR,
@@ -108,6 +124,8 @@ class EndpointMeter:
         finally:
             with self._guard:
                 self._starting.discard(name)
+        if as_student:
+            return {**self.view(name), "models": served.models}
         return {**self.view(name), "url": ep.url, "models": ep.models}
 
     def _live_names(self, student: str) -> list[str]:
@@ -142,6 +160,9 @@ class EndpointMeter:
         out: dict[str, Any] = {"name": name, "student": holds[0].student if holds else None,
                                "held": sum(h.amount for h in holds if h.charge is None),
                                "charged": sum(h.charge or 0 for h in holds), "state": None}
+        served = self.served.get(name)
+        if served is not None:
+            return {**out, **self.served.view(served, starting=self._deploying_name(name))}
         try:
             record = refresh_state(name)
         except EndpointNotFoundError:

@@ -135,26 +135,7 @@ class Meter:
         return ended
 
     def _alive(self, a: Attempt) -> list[tuple[int, float]]:
-        """The attempt's processes still running (adding descendants of the running ones)."""
-        alive: list[tuple[int, float]] = []
-        for pid, started in list(a.procs):
-            try:
-                p = psutil.Process(pid)
-                if abs(p.create_time() - started) > 0.05 or p.status() == psutil.STATUS_ZOMBIE:
-                    continue
-                kids = p.children(recursive=True)
-            except psutil.Error:
-                continue
-            alive.append((pid, started))
-            for k in kids:
-                try:
-                    ident = (k.pid, k.create_time())
-                except psutil.Error:
-                    continue
-                if ident not in a.procs:
-                    a.procs.append(ident)
-                    alive.append(ident)
-        return alive
+        return follow(a.procs)
 
     def _stop_at_hold(self, a: Attempt, alive: list[tuple[int, float]], now: float) -> None:
         if a.rate <= 0:
@@ -175,3 +156,28 @@ class Meter:
                     p.send_signal(sig)
             except psutil.Error:
                 continue
+
+
+def follow(procs: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """The processes of ``procs`` (pid, start time) still running; descendants of the running
+    ones are added to ``procs`` as they are seen, so a process that outlives its parent is still
+    followed."""
+    alive: list[tuple[int, float]] = []
+    for pid, started in list(procs):
+        try:
+            p = psutil.Process(pid)
+            if abs(p.create_time() - started) > 0.05 or p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            kids = p.children(recursive=True)
+        except psutil.Error:
+            continue
+        alive.append((pid, started))
+        for k in kids:
+            try:
+                ident = (k.pid, k.create_time())
+            except psutil.Error:
+                continue
+            if ident not in procs:
+                procs.append(ident)
+                alive.append(ident)
+    return alive

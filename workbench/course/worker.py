@@ -15,7 +15,10 @@ spec and what it billed itself), ``resume`` (a run, changes), ``cancel`` (a run)
 (a run, tasks, max_samples, max_new_tokens, limit_s: the ``workbench eval`` table on stdout
 before the answer), ``export`` (a run, formats, quant, limit_s: its export into the run's
 folder), ``serve_plan`` (runs, or adapter folders: what an endpoint of them would
-serve, read with the student's rights), ``whoami``.
+serve, read with the student's rights), ``serve`` (runs, name, api_key, max_model_len, python: an
+endpoint of them started on this machine, its vLLM run as the student; answers its guard's
+identity at once, the service waits for it to answer), ``unserve`` (name, why, procs: that
+endpoint stopped, and every process the service recorded for it ended), ``whoami``.
 """
 
 from __future__ import annotations
@@ -66,6 +69,10 @@ def handle(request: dict[str, Any]) -> dict[str, Any]:
 
         sources = [Path(s) if s.startswith("/") else get_job(s) for s in map(str, request["runs"])]
         return {"plan": plan_to_data(plan_serving(sources))}
+    if verb == "serve":
+        return _serve(request)
+    if verb == "unserve":
+        return _unserve(request)
     from workbench.runs.jobs import get_job
 
     job = get_job(str(request["run"]))
@@ -107,6 +114,57 @@ def handle(request: dict[str, Any]) -> dict[str, Any]:
             return {"error": "EvaluationError", "message": f"workbench eval exited {rc}"}
         return {"run": job.id}
     return {"error": "BadRequest", "message": f"unknown request {verb!r}"}
+
+
+def _serve(request: dict[str, Any]) -> dict[str, Any]:
+    import psutil
+
+    from workbench.runs.jobs import get_job
+    from workbench.serve import deploy
+
+    options = {k: request[k] for k in ("max_model_len", "python") if request.get(k) is not None}
+    ep = deploy(*[get_job(str(r)) for r in request["runs"]], name=str(request["name"]),
+                keep=True, wait=False, progress=False, api_key=str(request["api_key"]), **options)
+    pid = int(ep.record.pid)
+    return {"endpoint_dir": str(ep.dir), "url": ep.record.url,
+            "guard": [pid, psutil.Process(pid).create_time()]}
+
+
+def _unserve(request: dict[str, Any]) -> dict[str, Any]:
+    """Stop the endpoint as the student would, then end what is left of the processes the service
+    recorded for it (the student may have moved or renamed the folder that names them)."""
+    import time
+
+    import psutil
+
+    from workbench.errors import WorkbenchError
+    from workbench.serve.endpoint import STOP_FILE, get_endpoint
+
+    log = ""
+    try:
+        ep = get_endpoint(str(request["name"]))
+        (ep.dir / STOP_FILE).write_text(json.dumps({"reason": request.get("why"),
+                                                    "time": time.time()}))
+        ep.stop(timeout=30)
+        log = ep.logs(tail=15)
+    except (WorkbenchError, OSError):
+        pass
+    left = []
+    for pid, started in request.get("procs") or []:
+        try:
+            p = psutil.Process(int(pid))
+            if abs(p.create_time() - float(started)) <= 0.05:
+                left.append(p)
+        except psutil.Error:
+            continue
+    for end, grace in (("terminate", 10.0), ("kill", 5.0)):
+        for p in left:
+            try:
+                getattr(p, end)()
+            except psutil.Error:
+                pass
+        _, left = psutil.wait_procs(left, timeout=grace)
+    return {"stopped": not left, "log": log}
 
 
 def main() -> int:

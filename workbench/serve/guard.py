@@ -9,10 +9,12 @@ It imports nothing heavy: it starts on every deploy.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -55,6 +57,7 @@ def _guard_main(argv: Sequence[str]) -> int:
     env.pop("VLLM_API_KEY", None)
     if (d / "api_key").is_file():
         env["VLLM_API_KEY"] = (d / "api_key").read_text().strip()
+    short_tmp = _short_tmpdir(env)
     lease = _lease(d, args.gpus)
     if isinstance(lease, str):  # no free card: nothing started, say who holds them
         print(lease, file=sys.stderr, flush=True)
@@ -66,10 +69,27 @@ def _guard_main(argv: Sequence[str]) -> int:
             command = _with_memory_fraction(command, lease[1][0])
         return _serve(d, args, port, command, env)
     finally:
+        if short_tmp is not None:
+            shutil.rmtree(short_tmp, ignore_errors=True)
         if lease is not None:
             from workbench.targets import leases
 
             leases.release(f"endpoint:{d.name}", lease[0])
+
+
+# vLLM binds its ZeroMQ sockets at TMPDIR/<a 36-character id>, and a Unix socket's path holds at
+# most 107 bytes.
+SOCKET_TMPDIR_MAX = 107 - 37
+
+
+def _short_tmpdir(env: dict[str, str]) -> str | None:
+    """When the endpoint's own TMPDIR is too long a path for vLLM's sockets (a deep home or
+    course space), a private one under /tmp (0700, removed when the guard ends) in its place;
+    None when it fits."""
+    if len(env.get("TMPDIR", "")) <= SOCKET_TMPDIR_MAX:
+        return None
+    env["TMPDIR"] = tempfile.mkdtemp(prefix="wb-serve-", dir="/tmp")
+    return env["TMPDIR"]
 
 
 def _lease(d: Path, gpus: int) -> Any:

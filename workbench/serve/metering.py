@@ -47,16 +47,40 @@ RENEW_AHEAD_S = 30.0  # the next block is held this long (at most half a block) 
 TICK_S = 2.0  # how often the wallet's keeper ticks
 
 
+class RegistryWatch:
+    """How a meter sees and stops the endpoints of this WORKBENCH_HOME's registry: the ones this
+    user deployed (a wallet's, a course's on a remote serve target)."""
+
+    def ended_at(self, name: str) -> float | None:
+        return ended_at(name)
+
+    def requests_seen(self, name: str) -> tuple[float, float] | None:
+        return requests_seen(name)
+
+    def stop(self, name: str, why: str) -> None:
+        """Stop it, its reason written first (whoever sees it stopped reads why); raises
+        DeployError when its processes outlive the stop."""
+        try:
+            ep = get_endpoint(name)
+            (ep.dir / STOP_FILE).write_text(json.dumps({"reason": why, "time": time.time()}))
+            ep.stop()
+        except EndpointNotFoundError:
+            pass
+
+
 class BlockMeter:
     """Meters every open endpoint hold of ``account`` (None: every account) in ``ledger``.
     ``starting(hold)``: its deploy is still under way (its own call settles what it held if
-    it fails)."""
+    it fails). ``watch`` sees and stops the endpoints (:class:`RegistryWatch` by default; a
+    course passes its own for endpoints its students run)."""
 
     def __init__(self, ledger: Ledger, block_s: float, idle_s: float, actor: str,
                  account: str | None = None,
-                 starting: Callable[[RunHold], bool] = lambda h: False) -> None:
+                 starting: Callable[[RunHold], bool] = lambda h: False,
+                 watch: Any = None) -> None:
         self.ledger, self.block_s, self.idle_s, self.actor = ledger, block_s, idle_s, actor
         self.account, self.starting = account, starting
+        self.watch = watch or RegistryWatch()
         self._seen: dict[str, tuple[float | None, float]] = {}  # name -> (done, last change)
 
     def used(self, h: RunHold, until: float) -> int:
@@ -84,7 +108,7 @@ class BlockMeter:
             # A deploy under way is paid block by block too, but only its own call may judge
             # that it failed (it is not registered yet) or idles.
             starting = any(self.starting(h) for h in holds)
-            gone_at = None if starting else ended_at(name)
+            gone_at = None if starting else self.watch.ended_at(name)
             if gone_at is not None:
                 for h in holds:
                     self.ledger.settle(h.hold_id, self.used(h, gone_at), actor=self.actor,
@@ -125,14 +149,11 @@ class BlockMeter:
 
     def stop(self, name: str, why: str, at: float | None = None) -> None:
         """Stop the endpoint and settle every open block of it for the time it was up."""
-        try:
-            ep = get_endpoint(name)
-            # The reason first: whoever sees it stopped reads why.
-            (ep.dir / STOP_FILE).write_text(json.dumps({"reason": why, "time": time.time()}))
-            ep.stop()
-        except EndpointNotFoundError:
-            pass
-        stopped = time.time() if at is None else at
+        self.watch.stop(name, why)
+        # Charged until its processes were gone (the guard's exit, or when the watch saw none),
+        # not until the stop was asked: a server takes seconds to end.
+        gone = self.watch.ended_at(name)
+        stopped = max(time.time() if gone is None else gone, at or 0.0)
         for h in self.open_blocks().get(name, []):  # read again: one held this tick is among them
             self.ledger.settle(h.hold_id, self.used(h, stopped), actor=self.actor,
                                note=f"endpoint {name} stopped: {why}")
@@ -141,7 +162,7 @@ class BlockMeter:
         """Seconds since a request last ran on the endpoint, as far as this meter has seen
         (after a restart of the meter, idle time counts again from its first look)."""
         last_done, last_change = self._seen.get(name, (None, now))
-        reading = requests_seen(name)
+        reading = self.watch.requests_seen(name)
         if reading is not None:
             done, running = reading
             if running or (last_done is not None and done != last_done):
@@ -180,12 +201,22 @@ def ended_at(name: str) -> float | None:
 
 
 def requests_seen(name: str) -> tuple[float, float] | None:
-    """(requests finished, requests running) from vLLM's Prometheus /metrics, reached through
-    the endpoint's serve target (an SSH tunnel, a Slurm node's address); None: no reading
-    (starting, stopped or not answering)."""
+    """(requests finished, requests running) of a registered endpoint, reached through its serve
+    target (an SSH tunnel, a Slurm node's address); None: no reading (starting, stopped or not
+    answering)."""
     try:
         ep = get_endpoint(name)
-        req = urllib.request.Request(f"{ep.url}/metrics", headers=ep._headers())
+        url, headers = ep.url, ep._headers()
+    except Exception:
+        return None
+    return read_requests(url, headers)
+
+
+def read_requests(url: str, headers: dict[str, str]) -> tuple[float, float] | None:
+    """(requests finished, requests running) from the vLLM server at ``url``'s Prometheus
+    /metrics; None when it does not answer."""
+    try:
+        req = urllib.request.Request(f"{url}/metrics", headers=headers)
         with urllib.request.urlopen(req, timeout=3) as resp:
             text = resp.read().decode("utf-8", "replace")
     except Exception:
