@@ -39,8 +39,12 @@ def _deploy(args: argparse.Namespace) -> Any:
 def _export(args: argparse.Namespace) -> Any:
     from workbench.serve.export_run import export
 
-    report = export(args.run, [f for part in args.format for f in part.split(",")],
-                    quant=args.quant.split(","), out=args.out, dtype=args.dtype)
+    formats = [f for part in args.format for f in part.split(",")]
+    if args.plan:
+        return repr(export(args.run, formats, quant=args.quant.split(","), dtype=args.dtype,
+                           plan_only=True))
+    report = export(args.run, formats, quant=args.quant.split(","), out=args.out,
+                    dtype=args.dtype)
     return repr(report)
 
 
@@ -121,13 +125,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_deploy)
 
     c = sub.add_parser("export", help="merged weights, GGUF or an Ollama Modelfile, each with a "
-                       "model card and checked by running it (docs/export.md)")
+                       "model card and checked by running it, where the run's weights are "
+                       "(this machine, its SSH host or Slurm cluster; docs/export.md)")
     c.add_argument("run", help="run id or name")
     c.add_argument("--format", action="append", default=None, required=True,
                    help="merged, gguf or ollama (repeat or comma-separate)")
     c.add_argument("--quant", default="f16", help="GGUF types, e.g. f16,q8_0,q4_k_m")
     c.add_argument("--out", help="folder (default: RUN_DIR/export)")
     c.add_argument("--dtype", default="float32", help="merged weights: float32, bfloat16, float16")
+    c.add_argument("--plan", "--dry-run", action="store_true",
+                   help="print the disk, memory and time it needs, and export nothing")
     c.set_defaults(func=_export)
 
     c = sub.add_parser("endpoints", help="list the endpoints")

@@ -30,7 +30,12 @@ The modules follow the data, and this one re-exports their public names:
   takes the data through all of them;
 - :mod:`~workbench.serve.export_run` (:func:`export`), :mod:`~workbench.serve.gguf`,
   :mod:`~workbench.serve.export_ollama`, :mod:`~workbench.serve.modelcard`: taking the model home
-  (merged weights, GGUF, an Ollama Modelfile, a model card), each checked by running it.
+  (merged weights, GGUF, an Ollama Modelfile, a model card), each checked by running it;
+  :mod:`~workbench.serve.export_source` (what is exported, and where its weights are),
+  :mod:`~workbench.serve.export_plan` (its disk, memory and time, before any work),
+  :mod:`~workbench.serve.export_remote` and :mod:`~workbench.serve.export_host` (an export run
+  on the SSH host or Slurm cluster that holds the weights);
+- :mod:`~workbench.serve.metering`: endpoints paid block by block (a wallet's keeper, a course).
 """
 
 from workbench.errors import (

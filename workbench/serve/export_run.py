@@ -13,6 +13,10 @@ not know, too little disk. The checks compare greedy tokens on the run's own val
 the merged model against base + adapter (both in transformers), each GGUF (in llama.cpp through
 llama-cpp-python) against the merged model; their figures go to the cards, export.json and the
 run's status.json (``export``). With a wallet the export is held and charged like an evaluation.
+Before any work the export makes its plan (:mod:`workbench.serve.export_plan`: disk, memory,
+time; ``plan_only=True`` returns it), prints it first and refuses on disk with its figures; a run
+whose weights are on its SSH host or Slurm cluster is exported there
+(:mod:`workbench.serve.export_remote`) and its folders come back.
 """
 
 from __future__ import annotations
@@ -24,13 +28,22 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import workbench.serve.gguf as g
 from workbench.errors import ExportError
+from workbench.serve.export_plan import ExportPlan, plan_for, size_text
+from workbench.serve.export_source import (  # noqa: F401  (FORMATS, DTYPES re-exported)
+    DTYPES,
+    FORMATS,
+    RunSource,
+    base_dir,
+    resolve_run,
+    validate,
+)
 
-FORMATS = ("merged", "gguf", "ollama")
-DTYPES = ("float32", "bfloat16", "float16")
+# The disk check asks this much more than the plan's estimate (sizes are within ~10% of it).
+DISK_MARGIN = 1.15
 # A float export (merged weights, an f16/bf16/f32 GGUF) whose greedy tokens agree less than this
 # with the model it came from is refused; quantised files have their agreement reported only.
 MIN_AGREEMENT = 0.9
@@ -76,8 +89,9 @@ def agreement(ref: Sequence[Sequence[int]], got: Sequence[Sequence[int]]) -> dic
         prefix = 0
         while prefix < min(len(a), len(b)) and a[prefix] == b[prefix]:
             prefix += 1
-        same += prefix
-        total += max(len(a), len(b), 1)
+        n = max(len(a), len(b), 1)  # two empty answers (EOS first) agree: one token each
+        same += n if list(a) == list(b) else prefix
+        total += n
         identical += list(a) == list(b)
     return {"prompts": len(ref), "identical": identical,
             "token_agreement": same / total if total else 1.0}
@@ -124,106 +138,121 @@ def _files(folder: Path) -> list[dict[str, Any]]:
             if p.is_file() and not p.name.startswith(".")]
 
 
-def _source(run: Any) -> tuple[Path, Path, str]:
-    """(artefact folder, run directory, run id) of a Job, run id or name, or RUN_DIR/adapter."""
-    from workbench.serve.sources import _source_to_path, require_adapter_weights
-
-    where, _, run_id = _source_to_path(run)
-    if not isinstance(where, str) and (where / "spec.yaml").is_file():  # a RUN_DIR given
-        from workbench.runs.rundir import RunDir
-
-        where = RunDir(where).artefact_dir() or where / "adapter"
-    if isinstance(where, str) or not (where.parent / "spec.yaml").is_file():
-        raise ExportError(f"{where} is not a run's adapter/ or model/ folder; export takes a run "
-                          "(Job, id or name)")
-    from workbench.evaluate.remote import placed_elsewhere
-
-    if placed_elsewhere(where.parent):
-        raise ExportError(f"run {run_id}'s weights are on its remote target; export runs only "
-                          "where the run directory is (this machine) for now")
-    if (where / "adapter_config.json").is_file():
-        require_adapter_weights(where)
-    return where, where.parent, run_id or where.parent.name
+@overload
+def export(run: Any, formats: Sequence[str] | str = ..., *, quant: Sequence[str] | str = ...,
+           out: str | Path | None = ..., dtype: str = ..., verify: bool = ...,
+           max_new_tokens: int = ..., prompts: Sequence[str] | None = ...,
+           progress: bool | Callable[[str], None] = ...,
+           plan_only: Literal[False] = ...) -> ExportReport: ...
 
 
-def _base_dir(art: Path) -> Path:
-    if not (art / "adapter_config.json").is_file():
-        return art
-    from workbench.spec.models import resolve_model
-
-    meta = json.loads((art / "workbench.json").read_text()) if (
-        art / "workbench.json").is_file() else {}
-    cfg = json.loads((art / "adapter_config.json").read_text())
-    return Path(resolve_model(str(meta.get("base_model") or cfg["base_model_name_or_path"])))
-
-
-def _need_bytes(base: Path, formats: set[str], quant: list[str]) -> int:
-    weights = sum(p.stat().st_size for p in base.glob("*.safetensors")) or sum(
-        p.stat().st_size for p in base.glob("*.bin"))
-    need = weights * 2.0  # the merged folder: float32 at most twice a 16-bit base
-    if formats & {"gguf", "ollama"}:
-        need += weights * 0.5 * (1 + len(quant))  # an f16 file, and at most as much per type
-    return int(need * 1.1)
+@overload
+def export(run: Any, formats: Sequence[str] | str = ..., *, quant: Sequence[str] | str = ...,
+           out: str | Path | None = ..., dtype: str = ..., verify: bool = ...,
+           max_new_tokens: int = ..., prompts: Sequence[str] | None = ...,
+           progress: bool | Callable[[str], None] = ...,
+           plan_only: Literal[True]) -> ExportPlan: ...
 
 
 def export(run: Any, formats: Sequence[str] | str = ("merged",), *,
            quant: Sequence[str] | str = ("f16",), out: str | Path | None = None,
            dtype: str = "float32", verify: bool = True, max_new_tokens: int = 16,
            prompts: Sequence[str] | None = None,
-           progress: bool | Callable[[str], None] = True) -> ExportReport:
+           progress: bool | Callable[[str], None] = True,
+           plan_only: bool = False) -> ExportReport | ExportPlan:
     """Export ``run`` (a Job, run id or name) to ``formats`` (merged, gguf, ollama) under ``out``
-    (default RUN_DIR/export); ``quant``: the GGUF types (f16, bf16, f32, q8_0, q4_k_m, ...)."""
-    fmts = [formats] if isinstance(formats, str) else list(formats)
-    bad = [f for f in fmts if f not in FORMATS]
-    if bad or not fmts:
-        raise ExportError(f"unknown export format {', '.join(bad) or '(none)'}; choose from "
-                          f"{', '.join(FORMATS)}")
-    if dtype not in DTYPES:
-        raise ExportError(f"dtype {dtype!r}: choose from {', '.join(DTYPES)}")
-    types = g.check_quant([quant] if isinstance(quant, str) else list(quant))
-    want_gguf = bool({"gguf", "ollama"} & set(fmts))
-    if want_gguf and not types:
-        raise ExportError("a GGUF export needs at least one type in quant= (e.g. f16)")
-    art, run_dir, run_id = _source(run)
-    base = _base_dir(art)
-    if want_gguf:
-        g.require_tools()
-        g.check_convertible(base if (base / "config.json").is_file() else art)
-    root = Path(out) if out is not None else run_dir / "export"
-    root.mkdir(parents=True, exist_ok=True)
-    need = _need_bytes(base, set(fmts), types)
-    free = shutil.disk_usage(root).free
-    if need > free:
-        raise ExportError(f"the export needs about {need / 2**30:.2f} GiB of disk in {root} but "
-                          f"{free / 2**30:.2f} GiB is free; pass out= on a larger disk")
-    from workbench.runs.deadline import stop_at
+    (default RUN_DIR/export); ``quant``: the GGUF types (f16, bf16, f32, q8_0, q4_k_m, ...).
+    A run whose weights are on its SSH host or Slurm cluster is exported there and the folders
+    come back into ``out``. ``plan_only``: return the :class:`ExportPlan` (disk, memory, time)
+    and do nothing."""
+    fmts, types = validate(formats, quant, dtype)
+    src = resolve_run(run)
+    n_prompts = len(prompts) if prompts else 8
+    plan = plan_for(src, fmts, types, dtype, verify, max_new_tokens, n_prompts)
+    if plan_only:
+        return plan
+    root = Path(out) if out is not None else src.run_dir / "export"
+    say = _say(progress)
+    if src.remote is None:
+        _refuse_before_work(src, fmts, types, root, plan)
+    else:  # the folders come back here: the disk for them is checked here, the rest there
+        _check_disk(root, plan, only_kept=True)
+    say(f"export of {src.run_id} on {plan.where}: {plan.headline()}")
     from workbench.runs.rundir import RunDir
     from workbench.runs.wallet import Wallet
 
-    rd = RunDir(run_dir)
-    spec = rd.spec()
+    rd = RunDir(src.run_dir)
     wallet = Wallet.open()
     held, limit = None, None
     if wallet is not None:
         minutes = float(wallet.settings["eval_hold_minutes"])
-        held = wallet.hold_time(spec, minutes, f"export of {run_id}", "export", run_id,
-                                str(run_dir))
+        held = wallet.hold_time(rd.spec(), minutes, f"export of {src.run_id}", "export",
+                                src.run_id, str(src.run_dir))
         limit = minutes * 60 if held is not None else None
+    started = time.time()
+    try:
+        if src.remote is not None:
+            from workbench.serve.export_remote import export_on_target
+
+            request = {"formats": fmts, "quant": types, "dtype": dtype, "verify": verify,
+                       "max_new_tokens": max_new_tokens, "prompts": list(prompts or [])}
+            report = ExportReport(src.run_id)
+            answer = export_on_target(src, request, root, say, limit)
+            report.folders = {k: Path(v) for k, v in answer["folders"].items()}
+            report.checks, report.seconds = answer["checks"], time.time() - started
+            rd.write_status(export={**report.to_dict(), "where": plan.where, "time": time.time()})
+            return report
+        return export_here(src, fmts, types, root, dtype=dtype, verify=verify,
+                           max_new_tokens=max_new_tokens, prompts=prompts, say=say, limit=limit)
+    finally:
+        if held is not None:
+            wallet.charge_time(*held, time.time() - started,  # type: ignore[union-attr]
+                               f"export {src.run_id}")
+
+
+def _refuse_before_work(src: RunSource, fmts: list[str], types: list[str], root: Path,
+                        plan: ExportPlan) -> None:
+    """What cannot work, refused before anything is written: GGUF without llama.cpp's tools or
+    for an architecture its converter does not know, and too little disk."""
+    if {"gguf", "ollama"} & set(fmts):
+        g.require_tools()
+        base = base_dir(src.art)
+        g.check_convertible(base if (base / "config.json").is_file() else src.art)
+    _check_disk(root, plan)
+
+
+def _check_disk(root: Path, plan: ExportPlan, only_kept: bool = False) -> None:
+    """Refuse when ``root``'s disk has less free than the plan says the export writes (with
+    DISK_MARGIN for the estimate), or only what is kept when the work is done elsewhere."""
+    root.mkdir(parents=True, exist_ok=True)
+    need = (sum(plan.files.values()) if only_kept else plan.disk_bytes) * DISK_MARGIN
+    free = shutil.disk_usage(root).free
+    if need > free:
+        raise ExportError(f"the export needs about {size_text(need)} of disk in {root} (its plan"
+                          f": {plan.headline()}) but {size_text(free)} is free; pass out= on a "
+                          "larger disk")
+
+
+def export_here(src: RunSource, fmts: list[str], types: list[str], root: Path, *,
+                dtype: str = "float32", verify: bool = True, max_new_tokens: int = 16,
+                prompts: Sequence[str] | None = None, say: Callable[[str], None] = print,
+                limit: float | None = None) -> ExportReport:
+    """The export on this machine, checks done: written under a temporary folder in ``root`` and
+    moved into place when every file is checked; stopped at ``limit`` seconds (a wallet's hold)."""
+    from workbench.runs.deadline import stop_at
+    from workbench.runs.rundir import RunDir
+
     started = time.time()
     tmp = root / f".tmp-{os.getpid()}-{int(started)}"
     try:
-        with stop_at(limit, ExportError, f"the export of {run_id} was stopped at its wallet hold "
-                     f"and charged it; nothing was written to {root}. Allow more with "
+        with stop_at(limit, ExportError, f"the export of {src.run_id} was stopped at its wallet "
+                     f"hold and charged it; nothing was written to {root}. Allow more with "
                      "workbench.credit(eval_hold_minutes=...)"):
-            report = _export(art, rd, run_id, fmts, types, tmp, root, dtype, verify,
-                             max_new_tokens, list(prompts) if prompts else run_prompts(run_dir),
-                             _say(progress), started)
+            return _export(src.art, RunDir(src.run_dir), src.run_id, fmts, types, tmp, root,
+                           dtype, verify, max_new_tokens,
+                           list(prompts) if prompts else run_prompts(src.run_dir), say, started)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        if held is not None:
-            wallet.charge_time(*held, time.time() - started,  # type: ignore[union-attr]
-                               f"export {run_id}")
-    return report
 
 
 def _export(art: Path, rd: Any, run_id: str, fmts: list[str], types: list[str], tmp: Path,
