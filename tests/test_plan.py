@@ -250,10 +250,14 @@ def test_auto_picks_cheapest_strategy_that_fits():
     assert not eight.strategy.offload_optimizer
     assert choose_strategy(gpu_spec(LLAMA2_7B, "full", gpus=8)) == eight.strategy.parallel_spec()
     # One card: AdamW's states do not fit beside the fp32 weights; the paged 8-bit AdamW is
-    # reached for before offloading, and with train.optimizer adamw the optimizer is offloaded.
+    # reached for before offloading; with train.optimizer adamw, AdamW stepped in backward over
+    # bf16 weights, and without that too the optimizer is offloaded.
     one = plan(gpu_spec(LLAMA2_7B, "full", gpus=1, gc=True))
     assert one.strategy.optimizer == "paged_adamw_8bit" and not one.strategy.offload_optimizer
-    one = plan(gpu_spec(LLAMA2_7B, "full", gpus=1, gc=True).updated(**{"train.optimizer": "adamw"}))
+    adamw = gpu_spec(LLAMA2_7B, "full", gpus=1, gc=True).updated(**{"train.optimizer": "adamw"})
+    one = plan(adamw)
+    assert one.strategy.in_backward and one.strategy.weights_16bit, one.summary()
+    one = plan(adamw.updated(**{"train.optimizer_in_backward": False}))
     assert one.strategy.offload_optimizer
     # Every method x strategy x offload is evaluated and reported.
     labels = {c.strategy.label for c in eight.candidates}

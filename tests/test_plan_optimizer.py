@@ -1,5 +1,6 @@
 """The optimizer a run steps (``train.optimizer``): AdamW or bitsandbytes' 8-bit / paged 8-bit
-AdamW, planned as the trainer will run it. Plans are made offline (Qwen2.5 shapes from the
+AdamW, after backward or inside it (``train.optimizer_in_backward``, with bf16 weights:
+``train.master_weights``), planned as the trainer will run it. Plans are made offline (Qwen2.5 shapes from the
 offline table) for a 24 GB RTX 4090; the trainer's side is the resolver it calls
 (workbench.train.fastpath) and the choice it reads back from plan.json."""
 
@@ -61,8 +62,11 @@ def test_a_run_that_fits_with_adamw_keeps_adamw():
 
 
 def test_train_optimizer_adamw_is_never_swapped_for_the_8bit_one():
+    # Not fitting with fp32 master weights, AdamW is stepped in backward over bf16 weights
+    # before its states are offloaded; either way it stays AdamW.
     p = plan(_spec(Q15, "adamw"))
-    assert p.strategy == Strategy("full", "zero2", offload_optimizer=True), p.summary()
+    assert p.strategy == Strategy("full", "ddp", in_backward=True, weights_16bit=True), \
+        p.summary()
     assert all(c.strategy.optimizer == "adamw" for c in p.candidates)
 
 
@@ -108,7 +112,8 @@ def test_the_8bit_optimizer_where_bitsandbytes_is_missing_is_refused_when_planne
     with pytest.raises(FastPathError, match="bitsandbytes is not installed"):
         plan(_spec(Q15, "paged_adamw_8bit", strategy="ddp"))
     p = plan(_spec(Q15))
-    assert p.strategy == Strategy("full", "zero2", offload_optimizer=True), p.summary()
+    assert p.strategy == Strategy("full", "ddp", in_backward=True, weights_16bit=True), \
+        p.summary()
 
 
 def test_the_8bit_optimizer_under_deepspeed_is_refused():
@@ -138,3 +143,58 @@ def test_the_trainer_reads_the_planned_optimizer_from_plan_json(tmp_path):
     assert resolved_optimizer(_spec(Q15), rd) == "paged_adamw_8bit"  # type: ignore[arg-type]
     assert resolved_optimizer(_spec(Q15, "adamw_8bit"), rd) == "adamw_8bit"  # type: ignore[arg-type]
     assert resolved_optimizer(_spec(Q15, strategy="ddp"), rd) == "adamw"  # type: ignore[arg-type]
+
+
+def _in_backward(spec: RunSpec) -> list[Strategy]:
+    return [c.strategy for c in plan(spec).candidates if c.strategy.in_backward]
+
+
+def test_the_optimizer_in_backward_frees_the_gradients_and_the_fp32_masters():
+    """1.5B on a 24 GB card with AdamW: bf16 weights (2 B) where fp32 ones were (4 B, plus their
+    2 B autocast copies), the largest parameter's gradient alone where every one was."""
+    shape = model_shape(Q15)
+    s = _setup(_spec(Q15), shape, True, 512)
+    before = estimate_memory(s, Strategy("full", "ddp"))
+    after = estimate_memory(s, Strategy("full", "ddp", in_backward=True, weights_16bit=True))
+    gib = 2**30
+    assert before.weights * gib == pytest.approx(6 * shape.params)
+    assert after.weights * gib == pytest.approx(2 * shape.params)
+    assert after.gradients * gib == pytest.approx(2 * shape.largest_layer_params)
+    assert after.optimizer == pytest.approx(before.optimizer)  # AdamW's moments stay fp32
+
+
+def test_auto_reaches_for_the_optimizer_in_backward_only_on_one_bf16_card():
+    assert _in_backward(_spec(Q15))  # a candidate on one RTX 4090 ...
+    assert not _in_backward(_spec(Q15, gpus=2))  # ... not across two (DDP averages after it)
+    assert not _in_backward(_spec(Q15, strategy="ddp"))  # nor under an explicit strategy
+    t4 = _spec(Q05).updated(**{"resources.gpu_type": "T4"})
+    assert not _in_backward(t4)  # fp16's loss scaler unscales only before step()
+    from workbench.plan.inputs import steppings_of
+
+    # CPU plans are as they were: stepped after backward, fp32 weights.
+    assert steppings_of(_spec(Q05, gpus=0, strategy="ddp"), False) == ((False, False),)
+
+
+def test_an_explicit_optimizer_in_backward_is_planned_or_refused_where_it_cannot_run():
+    from workbench.errors import SpecError
+
+    p = plan(_spec(Q05).updated(**{"train.optimizer_in_backward": True,
+                                   "train.master_weights": "fp32"}))
+    assert p.strategy == Strategy("full", "ddp", in_backward=True), p.summary()
+    assert all(c.strategy.in_backward for c in p.candidates if c.strategy.method == "full")
+    assert "optimizer in backward: each parameter is stepped" in " ".join(p.reasons)
+    t4 = _spec(Q05).updated(**{"resources.gpu_type": "T4", "train.optimizer_in_backward": True})
+    with pytest.raises(SpecError, match="train.optimizer_in_backward: false"):
+        plan(t4)
+
+
+def test_the_trainer_reads_the_planned_optimizer_in_backward_from_plan_json(tmp_path):
+    from workbench.train.strategy import resolved_in_backward
+
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps({"strategy": {"parallel": "ddp", "in_backward": True}}))
+    rd = SimpleNamespace(plan_file=plan_file)
+    assert resolved_in_backward(_spec(Q15), rd) is True  # type: ignore[arg-type]
+    explicit = _spec(Q15).updated(**{"train.optimizer_in_backward": False})
+    assert resolved_in_backward(explicit, rd) is False  # type: ignore[arg-type]
+    assert resolved_in_backward(_spec(Q15, strategy="ddp"), rd) is False  # type: ignore[arg-type]

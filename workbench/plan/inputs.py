@@ -10,6 +10,7 @@ from workbench.plan.memory import Optimizer, _Setup
 from workbench.plan.shape import ModelShape
 from workbench.spec import RunSpec
 from workbench.spec.precision import DeviceKind, Precision, resolve_precision
+from workbench.spec.stepping import why_not_in_backward
 from workbench.targets.gpus import GpuType, get_gpu, gpu_table
 
 
@@ -31,11 +32,35 @@ def resolve_gpu(spec: RunSpec, gpu_type: str | None) -> tuple[GpuType, bool]:
     return get_gpu(name, table), True
 
 
-def precision_of(spec: RunSpec, on_gpu: bool, gpu: GpuType | None = None) -> Precision:
-    """The precision the trainer resolves for ``spec`` on that device (workbench.spec.precision)."""
-    device: DeviceKind = "cpu" if not on_gpu else (
-        "cuda-bf16" if gpu is None or gpu.bf16 else "cuda-fp16")
-    return resolve_precision(spec.model.dtype, spec.method.kind, device)
+def _device(on_gpu: bool, gpu: GpuType | None) -> DeviceKind:
+    return "cpu" if not on_gpu else "cuda-bf16" if gpu is None or gpu.bf16 else "cuda-fp16"
+
+
+def precision_of(spec: RunSpec, on_gpu: bool, gpu: GpuType | None = None,
+                 in_backward: bool = False) -> Precision:
+    """The precision the trainer resolves for ``spec`` on that device, its optimizer stepped in
+    backward or not (workbench.spec.precision)."""
+    return resolve_precision(spec.model.dtype, spec.method.kind, _device(on_gpu, gpu),
+                             in_backward=in_backward, master_weights=spec.train.master_weights)
+
+
+def steppings_of(spec: RunSpec, on_gpu: bool, gpu: GpuType | None = None
+                 ) -> tuple[tuple[bool, bool], ...]:
+    """The (optimizer in backward, bf16 weights) pairs the plan may choose among: as
+    ``train.optimizer_in_backward`` says; for ``auto`` stepping after backward, and under
+    ``parallel.strategy: auto`` on a bf16 GPU also in backward where the run allows it
+    (workbench.spec.stepping). The weights follow ``train.master_weights``."""
+    wanted = spec.train.optimizer_in_backward
+    if wanted != "auto":
+        choices = [bool(wanted)]
+    else:
+        choices = [False]
+        if (on_gpu and spec.parallel.strategy == "auto" and _device(on_gpu, gpu) == "cuda-bf16"
+                and why_not_in_backward(spec.train, spec.method, spec.parallel,
+                                        spec.resources) is None):
+            choices.append(True)
+    return tuple((ib, not precision_of(spec, on_gpu, gpu, ib).fp32_trainable
+                  and spec.method.kind == "full") for ib in choices)
 
 
 def _setup(spec: RunSpec, shape: ModelShape, on_gpu: bool, seq_len: int,

@@ -9,7 +9,7 @@ the combinations the planner compares. Sources and measured tolerances: ``docs/p
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
 from workbench.plan.shape import ModelShape
@@ -55,6 +55,11 @@ class Strategy:
     offload_optimizer: bool = False
     offload_params: bool = False
     optimizer: Optimizer = "adamw"  # train.optimizer as the trainer will run it
+    # Each parameter stepped from its gradient hook in backward, its gradient freed at once
+    # (train.optimizer_in_backward), and full fine-tuning's weights in bf16 without an fp32
+    # master copy (train.master_weights; workbench.spec.precision).
+    in_backward: bool = False
+    weights_16bit: bool = False
 
     @property
     def label(self) -> str:
@@ -65,7 +70,11 @@ class Strategy:
             extra.append("params")
         off = f" + offload {' & '.join(extra)}" if extra else ""
         optim = {"adamw_8bit": " + 8-bit adamw", "paged_adamw_8bit": " + paged 8-bit adamw"}
-        return f"{self.method} + {self.parallel}{off}{optim.get(self.optimizer, '')}"
+        label = f"{self.method} + {self.parallel}{off}{optim.get(self.optimizer, ' + adamw')}"
+        if not (self.in_backward or self.weights_16bit):
+            return label.removesuffix(" + adamw")
+        return (label + (" in backward" if self.in_backward else "")
+                + (", bf16 weights" if self.weights_16bit else ""))
 
     def parallel_spec(self) -> ParallelSpec:
         return ParallelSpec(strategy=self.parallel, offload_optimizer=self.offload_optimizer,
@@ -131,7 +140,7 @@ class _Setup:
     flash_attention: bool = False
     eager_attention: bool = False
     # Each parameter's optimizer step runs as soon as its gradient is accumulated, and the
-    # gradient is freed (torchtune's optimizer_in_bwd): the trainer does not, its reference runs do.
+    # gradient is freed (train.optimizer_in_backward; a strategy's Strategy.in_backward sets it).
     optimizer_in_backward: bool = False
 
 
@@ -206,8 +215,13 @@ def estimate_memory(s: _Setup, st: Strategy, logit_bytes: float = _LOGIT_BYTES) 
     cross-entropy; with ``s.fused_loss`` (Liger's fused linear cross-entropy) it is not used.
 
     An 8-bit AdamW (bitsandbytes, without DeepSpeed) keeps ~2 B of state per trainable parameter
-    instead of 8; a paged one keeps it in unified memory (``paged``, outside ``total``). With
-    ``s.optimizer_in_backward`` only the largest parameter's gradient is alive at once."""
+    instead of 8; a paged one keeps it in unified memory (``paged``, outside ``total``). With the
+    optimizer stepped in backward (``st.in_backward``, or ``s.optimizer_in_backward``) only the
+    largest parameter's gradient is alive at once; with ``st.weights_16bit`` a full fine-tune's
+    weights (and so its gradients) are in the compute dtype, without an fp32 master copy."""
+    if st.weights_16bit or st.in_backward:
+        s = replace(s, load_bytes=s.compute_bytes if st.weights_16bit else s.load_bytes,
+                    optimizer_in_backward=s.optimizer_in_backward or st.in_backward)
     sh = s.shape
     n = s.world
     b = s.compute_bytes
@@ -318,6 +332,9 @@ def unsupported(st: Strategy) -> str | None:
     if st.optimizer != "adamw" and (st.parallel != "ddp" or st.offload_optimizer):
         return (f"train.optimizer {st.optimizer} runs without DeepSpeed (ZeRO steps its own "
                 "optimizer): use parallel.strategy ddp or auto")
+    if (st.in_backward or st.weights_16bit) and (st.parallel != "ddp" or st.offload_optimizer):
+        return ("the optimizer in backward and pure bf16 weights run without DeepSpeed (ZeRO "
+                "steps its own optimizer over its own fp32 masters): use parallel.strategy ddp")
     if st.method == "qlora" and st.parallel == "zero3":
         # bitsandbytes 4-bit weights are placed whole on each GPU (device_map) and are not
         # parameters ZeRO-3 can partition; transformers skips zero.Init for quantised models.
@@ -331,20 +348,28 @@ def safety_margin_gib(capacity_gib: float) -> float:
     return max(2.0, 0.08 * capacity_gib)
 
 
-def all_strategies(world: int,
-                   optimizers: tuple[Optimizer, ...] = ("adamw",)) -> list[Strategy]:
+def all_strategies(world: int, optimizers: tuple[Optimizer, ...] = ("adamw",),
+                   steppings: tuple[tuple[bool, bool], ...] = ((False, False),)
+                   ) -> list[Strategy]:
     """Every valid combination, cheapest first within each method (ZeRO shards need world > 1,
     offloading is what you pay for when nothing else fits). ``optimizers``: those the run may
-    step; an 8-bit one runs under DDP only, and DeepSpeed's offload steps its own."""
+    step; an 8-bit one runs under DDP only, and DeepSpeed's offload steps its own.
+    ``steppings``: the (optimizer in backward, bf16 weights) pairs a full fine-tune may run
+    with; any but (False, False) runs under DDP only, with each optimizer."""
     out: list[Strategy] = []
     for method in ("full", "lora", "qlora"):
-        if "adamw" in optimizers:
+        plain = method != "full" or (False, False) in steppings
+        if plain and "adamw" in optimizers:
             out.append(Strategy(method, "ddp"))
             if world > 1:
                 out += [Strategy(method, "zero1"), Strategy(method, "zero2"),
                         Strategy(method, "zero3")]
-        out += [Strategy(method, "ddp", optimizer=o) for o in optimizers if o != "adamw"]
-        if "adamw" not in optimizers:
+        if plain:
+            out += [Strategy(method, "ddp", optimizer=o) for o in optimizers if o != "adamw"]
+        if method == "full":
+            out += [Strategy(method, "ddp", optimizer=o, in_backward=ib, weights_16bit=w16)
+                    for ib, w16 in steppings if ib or w16 for o in optimizers]
+        if not plain or "adamw" not in optimizers:
             continue
         out += [Strategy(method, "zero2", offload_optimizer=True),
                 Strategy(method, "zero3", offload_optimizer=True),

@@ -31,22 +31,25 @@ def fast_paths(spec: RunSpec, on_gpu: bool, gpu: GpuType, precision: Precision,
     optimizer = st.optimizer if st is not None else (
         "adamw" if spec.train.optimizer == "auto" else spec.train.optimizer)
     here = spec.target == "local" and (not on_gpu or _cuda_here())
+    # A strategy without master weights loads them in bf16 (flash-attention 2 can take them).
+    load_dtype = "bfloat16" if st is not None and st.weights_16bit else precision.load_dtype
     return resolve_fast_paths(
         spec.train.fast, planned_device(on_gpu, gpu.bf16, here), None,
-        precision.load_dtype, stage=spec.method.stage,
+        load_dtype, stage=spec.method.stage,
         zero_stage=int(p.strategy[-1]) if p.strategy.startswith("zero") else 0,
         offload_optimizer=p.offload_optimizer, optimizer=optimizer)
 
 
 def tier(st: Strategy) -> int:
     """Where ``st`` stands in the order memory savers are reached for on a card: AdamW with the
-    states on the card (DDP, ZeRO) 0, an 8-bit/paged AdamW 1, optimizer offload 2, parameter
-    offload 3. Gradient checkpointing and the fused loss are the spec's and the fast paths'."""
+    states on the card (DDP, ZeRO) 0, an 8-bit/paged AdamW 1, then the same two stepped in
+    backward with bf16 weights (full fine-tuning) 2 and 3, optimizer offload 4, parameter
+    offload 5. Gradient checkpointing and the fused loss are the spec's and the fast paths'."""
     if st.offload_params:
-        return 3
+        return 5
     if st.offload_optimizer:
-        return 2
-    return 0 if st.optimizer == "adamw" else 1
+        return 4
+    return (2 if st.in_backward or st.weights_16bit else 0) + (st.optimizer != "adamw")
 
 
 def ladder(mine: list[Candidate], chosen: Candidate, on_gpu: bool) -> list[str]:

@@ -18,7 +18,7 @@ from typing import Literal
 
 from workbench.errors import BudgetError, FastPathError, PlanError
 from workbench.plan.inputs import _setup as _setup
-from workbench.plan.inputs import optimizers_of, precision_of, resolve_gpu
+from workbench.plan.inputs import optimizers_of, precision_of, resolve_gpu, steppings_of
 from workbench.plan.memory import (
     MemoryBreakdown,
     Strategy,
@@ -189,7 +189,8 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
                          validation_rows=val_rows, steps=steps,
                          example_tokens=data.tokens_per_example)
     candidates = []
-    for st in all_strategies(res.world_size, optimizers_of(spec, on_gpu)):
+    steppings = steppings_of(spec, on_gpu, gpu)
+    for st in all_strategies(res.world_size, optimizers_of(spec, on_gpu), steppings):
         try:
             mem = memory_of(st)
         except FastPathError:
@@ -207,22 +208,25 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
     if wanted.strategy == "auto":
         fitting = [c for c in mine if c.fits]
         # Memory savers in the order practitioners reach for them (paths.tier): AdamW with its
-        # states on the card, an 8-bit/paged AdamW, optimizer offload, parameter offload (every
-        # weight over PCIe each step); within the first tier that fits, cheapest = fastest (cost
-        # is time x cards), among equals the simpler one (list order).
+        # states on the card, an 8-bit/paged AdamW, the two stepped in backward over bf16
+        # weights, optimizer offload, parameter offload (every weight over PCIe each step);
+        # within the first tier that fits, cheapest = fastest (cost is time x cards), among
+        # equals the simpler one (list order).
         first = min((tier(c.strategy) for c in fitting), default=0)
         pool = [c for c in fitting if tier(c.strategy) == first]
         chosen = min(pool, key=lambda c: c.hours or 0.0) if pool else min(
             [c for c in mine if unsupported(c.strategy) is None], key=lambda c: c.memory.total)
         reasons.append("parallel: auto -> " + (
             f"{chosen.strategy.label} is the fastest strategy that fits" + (
-                "" if first == 0 else " once AdamW with its states on the card does not (memory "
-                "savers reached for in order: 8-bit/paged AdamW, optimizer offload, parameter "
-                "offload)")
+                "" if first == min(tier(c.strategy) for c in mine) else " once AdamW with its "
+                "states on the card does not (memory savers reached for in order: 8-bit/paged "
+                "AdamW, the optimizer in backward with bf16 weights, optimizer offload, "
+                "parameter offload)")
             if fitting else f"nothing fits; {chosen.strategy.label} needs the least memory"))
     else:
         target = Strategy(spec.method.kind, wanted.strategy, wanted.offload_optimizer,
-                          wanted.offload_params, optimizers_of(spec, on_gpu)[0])
+                          wanted.offload_params, optimizers_of(spec, on_gpu)[0],
+                          *steppings[0])
         chosen = next((c for c in mine if c.strategy == target), None)  # type: ignore[assignment]
         if chosen is None:
             # e.g. ZeRO-1/2/3 without offload on one process, or ddp + offload: still evaluate.
@@ -243,6 +247,16 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
 
     fast = _fast_paths(spec, on_gpu, gpu, precision, chosen.strategy)
     assumptions.insert(fast_at, f"{fast.line()} ({'; '.join(fast.notes)})")
+    if chosen.strategy.in_backward:  # the precision the trainer resolves with it
+        ran = precision_of(spec, on_gpu, gpu, True)
+        assumptions[fast_at - 1] = "precision: " + ran.reason
+        reasons.append("optimizer in backward: each parameter is stepped as its gradient "
+                       "arrives and the gradient freed (one parameter's gradient alive, no "
+                       "gradient clipping or accumulation)")
+    if chosen.strategy.weights_16bit:
+        reasons.append("bf16 weights without fp32 master copies: updates smaller than bf16 "
+                       "resolves (~1/256 of a weight) are lost, so small learning rates may "
+                       "stall; train.master_weights: fp32 keeps them, at 2 more bytes per weight")
     reasons.extend(_ladder(mine, chosen, on_gpu))
     mem = chosen.memory
     unit = "GPU" if on_gpu else "process"

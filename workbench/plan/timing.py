@@ -303,7 +303,9 @@ def _optimizer_step_bytes(s: _Setup, st: Strategy) -> float:
     reads the gradient, reads and writes the parameter and its two 1-byte moments."""
     if st.optimizer == "adamw":
         return _ADAMW_STEP_BYTES
-    param = s.load_bytes if st.method == "full" else 4  # peft keeps adapters fp32
+    # peft keeps adapters fp32; a full fine-tune's weights are what it loads, or bf16 without
+    # master weights.
+    param = (s.compute_bytes if st.weights_16bit else s.load_bytes) if st.method == "full" else 4
     return 3 * param + 4
 
 

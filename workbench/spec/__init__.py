@@ -46,6 +46,7 @@ from workbench.spec.sections import (
     TrackingSpec,
     TrainSpec,
 )
+from workbench.spec.stepping import stepping_problem
 
 __all__ = [
     "BUILTIN_DATASET", "BUILTIN_MODEL", "EVALS_PER_RUN", "BudgetSpec", "CheckpointSpec",
@@ -126,6 +127,9 @@ class RunSpec(Section):
         elif m.rewards:
             raise ValueError(f"method.rewards are for method.stage grpo (this is {m.stage}); "
                              "remove them or set method.stage: grpo")
+        stepping = stepping_problem(self.model, m, self.train, self.parallel, res)
+        if stepping is not None:
+            raise ValueError(stepping)
         if self.method.kind != "qlora" and self.model.quantization != "none":
             raise ValueError(
                 "model.quantization is only for method.kind 'qlora'; set method.kind: qlora "

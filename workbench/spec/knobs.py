@@ -70,6 +70,12 @@ KNOBS: dict[str, str] = {
     "train.fast.fused_adamw": "torch's fused AdamW kernel on a GPU",
     "train.fast.tf32": "TF32 matmuls for fp32 work on Ampere and newer cards",
     "train.optimizer": "auto, adamw, adamw_8bit or paged_adamw_8bit (bitsandbytes, CUDA)",
+    "train.optimizer_in_backward": "auto, true or false: step each parameter as its gradient "
+                                   "arrives and free it (full fine-tuning, one process)",
+    "train.master_weights": "auto, fp32 or none (pure bf16 weights: less memory, small updates "
+                            "lost); auto: none only with optimizer_in_backward on a bf16 GPU",
+    "train.max_grad_norm": "clip gradients to this global norm, 0: never; null: 1.0 (none with "
+                           "optimizer_in_backward)",
     "resources.gpus_per_node": "GPUs each node gives the run; 0: train on CPU",
     "resources.processes_per_node": "null: one per GPU, or 2 on CPU",
     "resources.nodes": "machines the run spans (SSH hosts or Slurm nodes)",

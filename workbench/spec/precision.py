@@ -8,6 +8,13 @@ The rules, and why:
   (8 bits of mantissa: ``1.0 + 1e-3 == 1.0`` in bf16), so pure-bf16 weights silently stop
   learning. Weights are loaded fp32 and the forward/backward run under bf16 (or fp16) autocast;
   under DeepSpeed ZeRO the engine casts the module to 16 bits and keeps its own fp32 master copy.
+* **Unless the run says otherwise.** ``train.master_weights: none`` trains pure bf16 weights (half
+  the bytes of fp32 ones, the updates too small for bf16 lost); ``auto`` does so only with the
+  optimizer stepped inside backward on a bf16 GPU (:mod:`workbench.spec.stepping`), the recipe
+  that fits an 8B full fine-tune on a 24 GB card. Pure 16-bit weights are bf16 only: fp16 ones
+  would need a loss scaler, whose unscaling waits for every gradient.
+* **The optimizer stepped in backward needs gradients at their true scale**, so it is refused
+  with fp16 autocast (a card without bf16), whose loss scaler unscales only before ``step()``.
 * **LoRA / QLoRA load the frozen base in 16 bits** (it never changes, so precision loss cannot
   accumulate) while peft keeps the adapters, their gradients and Adam state in fp32.
 * **Cards without bf16** (V100, T4: compute capability < 8.0) train with fp16 autocast and a loss
@@ -57,10 +64,39 @@ class Precision:
         return _BYTES[self.load_dtype]
 
 
-def resolve_precision(dtype: str, method: str, device: DeviceKind) -> Precision:
+def sixteen_bit_weights(master_weights: str, dtype: str, method: str, device: DeviceKind,
+                        in_backward: bool) -> bool:
+    """Whether a run trains pure 16-bit weights: ``train.master_weights`` none, or ``auto``
+    with the optimizer stepped in backward on a bf16 GPU (``model.dtype`` auto or bfloat16)."""
+    if method != "full" or master_weights == "fp32":
+        return False
+    if master_weights == "none":
+        return True
+    return in_backward and device == "cuda-bf16" and dtype in ("auto", "bfloat16")
+
+
+def resolve_precision(dtype: str, method: str, device: DeviceKind, *, in_backward: bool = False,
+                      master_weights: str = "auto") -> Precision:
     """The precision of a run with ``model.dtype`` ``dtype`` and ``method.kind`` ``method`` on
-    ``device``. Raises SpecError for bf16 on a card without it."""
+    ``device``, its optimizer stepped in backward or not, with ``train.master_weights``.
+    Raises SpecError for bf16 on a card without it, for pure 16-bit weights where they cannot
+    train, and for the optimizer stepped in backward under fp16 loss scaling."""
     full = method == "full"
+    if sixteen_bit_weights(master_weights, dtype, method, device, in_backward):
+        if device != "cuda-bf16":
+            raise SpecError([("train.master_weights", "pure 16-bit weights train in bf16, on a "
+                              "GPU that has it (not on CPU, V100 or T4): set "
+                              "train.master_weights: auto (or fp32)")])
+        return Precision("bfloat16", "bf16", False,
+                         "full fine-tuning with pure bf16 weights (train.master_weights "
+                         f"{master_weights}{', optimizer in backward' if in_backward else ''}): "
+                         "no fp32 master copy, so updates below bf16's resolution (~1/256 of "
+                         "a weight) are lost")
+    if in_backward and device == "cuda-fp16" and dtype != "float32":
+        raise SpecError([("train.optimizer_in_backward", "this GPU has no bf16, and fp16's loss "
+                          "scaler unscales the gradients only before the optimizer's step, "
+                          "after a step in backward has used them: set "
+                          "train.optimizer_in_backward: false (or auto)")])
     if device == "cpu":
         if dtype in ("auto", "float32"):
             return Precision("float32", "none", True, "CPU: fp32 throughout")

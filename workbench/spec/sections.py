@@ -186,6 +186,18 @@ class TrainSpec(Section):
     # AdamW, or bitsandbytes' 8-bit AdamW (paged: its states move to host RAM when the card is
     # short). auto: AdamW, or the paged 8-bit one where only that fits (parallel.strategy: auto).
     optimizer: Literal["auto", "adamw", "adamw_8bit", "paged_adamw_8bit"] = "auto"
+    # Step each parameter's optimizer from its gradient hook during backward and free the
+    # gradient at once, so no full set of gradients is held (full fine-tuning on one process,
+    # no accumulation or clipping: workbench.spec.stepping). auto: where only that fits
+    # (parallel.strategy: auto, on a bf16 GPU).
+    optimizer_in_backward: Literal["auto"] | bool = "auto"
+    # What full fine-tuning keeps its weights in: fp32 master weights, or none (pure bf16: half
+    # the memory, but updates below bf16's resolution are lost). auto: fp32, except with the
+    # optimizer stepped in backward on a bf16 GPU (workbench.spec.precision).
+    master_weights: Literal["auto", "fp32", "none"] = "auto"
+    # Clip the gradients' global norm to this (0: no clipping). None: 1.0, or no clipping with
+    # the optimizer stepped in backward (each step runs before the global norm is known).
+    max_grad_norm: float | None = Field(None, ge=0)
 
 
 class ResourceSpec(Section):

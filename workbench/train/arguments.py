@@ -11,7 +11,6 @@ from typing import Any
 
 from workbench.runs.rundir import RunDir
 from workbench.spec import RunSpec
-from workbench.spec.precision import local_device_kind, resolve_precision
 from workbench.spec.sections import EVALS_PER_RUN
 from workbench.train.fastpath import for_run
 
@@ -28,8 +27,10 @@ def training_arguments(spec: RunSpec, rd: RunDir, has_eval: bool, args_class: ty
         clear_stale_extension_locks,
         deepspeed_config,
         install_cpu_deepspeed_shim,
+        resolved_in_backward,
         resolved_optimizer,
         resolved_parallel,
+        run_precision,
     )
 
     cuda = torch.cuda.is_available()
@@ -65,7 +66,11 @@ def training_arguments(spec: RunSpec, rd: RunDir, has_eval: bool, args_class: ty
         os.environ.setdefault("WANDB_MODE", spec.tracking.wandb)
         os.environ.setdefault("WANDB_DIR", str(rd.path))
         os.environ.setdefault("WANDB_PROJECT", "workbench")
-    precision = resolve_precision(spec.model.dtype, spec.method.kind, local_device_kind())
+    precision = run_precision(spec, rd)
+    in_backward = resolved_in_backward(spec, rd)
+    if in_backward:
+        print("optimizer: stepped in backward, each parameter as its gradient arrives (no "
+              "gradient clipping)", flush=True)
     from workbench.spec.models import resolve_model
 
     fast = for_run(spec, resolve_model(spec.model.id), precision.load_dtype,
@@ -83,6 +88,9 @@ def training_arguments(spec: RunSpec, rd: RunDir, has_eval: bool, args_class: ty
         lr_scheduler_type=t.scheduler,
         warmup_steps=t.warmup_ratio,  # a float in [0, 1) is a ratio of total steps
         weight_decay=t.weight_decay,
+        # No global norm exists before a step in backward: no clipping there (workbench.spec.stepping).
+        max_grad_norm=t.max_grad_norm if t.max_grad_norm is not None else (
+            0.0 if in_backward else 1.0),
         num_train_epochs=t.epochs,
         max_steps=t.max_steps or -1,
         seed=t.seed,

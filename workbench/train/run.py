@@ -141,7 +141,9 @@ def main(run_dir: str) -> int:
 
         _ = args.device
         deepspeed.init_distributed()
-    model = load_model(spec, source)
+    from workbench.train.strategy import resolved_in_backward, run_precision
+
+    model = load_model(spec, source, run_precision(spec, rd))
     _startup("model")
     loaded_at = _storage(model)  # to tell whether the Trainer's set-up copies the weights
     fast_line = applied_line(args, model)  # what the Trainer really got, for logs and status
@@ -169,6 +171,7 @@ def main(run_dir: str) -> int:
                    *([] if stage else [EvalCallback(rd, spec, tokenizer, billing, snapshots)]),
                    *hold_callbacks()],
         run_dir=rd, keep=spec.checkpoint.keep, uploader=uploader, billing=billing,
+        optimizer_in_backward=resolved_in_backward(spec, rd),
     )
     _startup("trainer")
     resume_from = agreed_resume_point(rd)  # verified by rank 0 alone, the same on every rank

@@ -25,10 +25,41 @@ def snapshotting_trainer_class(base: type | None = None) -> type:
 
     class SnapshottingTrainer(base or Trainer):  # type: ignore[misc,valid-type]
         def __init__(self, *args: Any, run_dir: RunDir, keep: int, uploader: Any = None,
-                     billing: Any = None, **kwargs: Any) -> None:
+                     billing: Any = None, optimizer_in_backward: bool = False,
+                     **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.rd, self.keep, self.uploader, self.billing = run_dir, keep, uploader, billing
             self.writer = AsyncWriter(self.args.process_index)
+            self.in_backward: bool = optimizer_in_backward
+            if optimizer_in_backward and (self.args.max_grad_norm
+                                          or self.args.gradient_accumulation_steps > 1):
+                raise ValueError("the optimizer in backward steps each gradient as it arrives: "
+                                 "it needs max_grad_norm 0 and gradient_accumulation_steps 1")
+
+        def create_optimizer(self, model: Any = None) -> Any:
+            """The Trainer's optimizer, or with the optimizer in backward one per parameter
+            (workbench.train.in_backward) of the Trainer's class, arguments and decay groups."""
+            current: Any = getattr(self, "optimizer", None)
+            if not self.in_backward or current is not None:
+                return super().create_optimizer(model)
+            from workbench.train.in_backward import InBackwardOptimizer
+
+            target = self.model if model is None else model
+            cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, target)
+            built = InBackwardOptimizer(target, cls, kwargs,
+                                        set(self.get_decay_parameter_names(target)),
+                                        self.args.weight_decay)
+            print(f"optimizer in backward: {len(built.optimizers)} parameters, each stepped by "
+                  f"its own {cls.__name__} as its gradient arrives", flush=True)
+            self.optimizer = built
+            return built
+
+        def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
+            if self.in_backward and grad_norm is None:  # gradients are gone: the hooks' sum
+                wrapped: Any = getattr(self, "optimizer", None)
+                inner = getattr(wrapped, "optimizer", wrapped)  # inside accelerate's wrapper
+                return inner.take_grad_norm()
+            return super()._get_grad_norm(model, grad_norm)
 
         def _init_training_state(self, max_steps: int, per_epoch: int, epochs: int,
                                  resume_from: str | None, trial: Any) -> tuple[int, int]:

@@ -15,6 +15,7 @@ from typing import Any
 
 from workbench.runs.rundir import RunDir
 from workbench.spec import RunSpec
+from workbench.spec.precision import Precision, local_device_kind, resolve_precision
 from workbench.spec.sections import ParallelSpec
 
 
@@ -45,6 +46,30 @@ def resolved_optimizer(spec: RunSpec, rd: RunDir) -> str:
         from workbench.plan import plan
 
         return plan(spec).strategy.optimizer
+
+
+def resolved_in_backward(spec: RunSpec, rd: RunDir) -> bool:
+    """``train.optimizer_in_backward``, or for "auto" the planner's choice recorded in plan.json
+    (only for a full fine-tune under ``parallel.strategy: auto``, where only it fits)."""
+    wanted = spec.train.optimizer_in_backward
+    if wanted != "auto":
+        return bool(wanted)
+    if spec.method.kind != "full" or spec.parallel.strategy != "auto":
+        return False
+    try:
+        return bool(json.loads(rd.plan_file.read_text())["strategy"].get("in_backward", False))
+    except (FileNotFoundError, KeyError, json.JSONDecodeError):
+        from workbench.plan import plan
+
+        return plan(spec).strategy.in_backward
+
+
+def run_precision(spec: RunSpec, rd: RunDir) -> Precision:
+    """The precision this rank trains in (workbench.spec.precision), with the optimizer in
+    backward as resolved: the same decision for the model's load and the Trainer's AMP."""
+    return resolve_precision(spec.model.dtype, spec.method.kind, local_device_kind(),
+                             in_backward=resolved_in_backward(spec, rd),
+                             master_weights=spec.train.master_weights)
 
 
 def deepspeed_config(parallel: ParallelSpec, cuda: bool) -> dict[str, Any] | None:
