@@ -86,8 +86,9 @@ bench: setup
 	$(BIN)/python bench/bench_train.py
 
 # One GPU: LoRA tokens/s + MFU (padded/packed), Liger on/off side by side, peak memory vs the
-# plan, snapshot stall; <= 8 min, nothing downloaded. JSON in bench/results/gpu_check-<card>.json.
-# `--smoke` runs it on CPU.
+# plan, snapshot stall, then the published reference runs that fit the card (bench/gpu_published.py,
+# planned vs measured beside the published figure); nothing downloaded. JSON in
+# bench/results/gpu_check-<card>.json and gpu_published-<card>.json. `--smoke` runs it on CPU.
 gpu-check: setup gpu-extras
 	$(BIN)/python bench/gpu_check.py
 

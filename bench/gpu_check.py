@@ -1,10 +1,14 @@
 """One GPU check (issue 16): LoRA throughput and MFU with and without packing, peak memory
 against the planner, snapshot stall against a synchronous save, and LoRA tokens/s with and
-without Liger's kernels side by side (alternating rounds), written to one JSON.
+without Liger's kernels side by side (alternating rounds), written to one JSON; then, in a
+process of its own, the published reference runs that fit the card (bench/gpu_published.py,
+issue 40: planned, measured and published side by side, in a JSON of its own).
 
-    make gpu-check                          # on one modern GPU: a 7B-shaped Llama, <= 8 minutes
+    make gpu-check                          # on one modern GPU: a 7B-shaped Llama, <= 8 minutes,
+                                            # then the published rows, ~3 minutes (<= 7)
     python bench/gpu_check.py --smoke       # anywhere (CPU): a tiny Llama, seconds; the test
                                             # suite runs this so the check cannot rot
+    python bench/gpu_check.py --no-published  # without the published rows
 
 Nothing is downloaded: the model is built from Llama-2-7B's config (shipped with the planner)
 with random weights, directly on the device, and the data is synthetic token ids of varied
@@ -27,6 +31,8 @@ import os
 import platform
 import resource
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -221,10 +227,29 @@ def _same(a: Path, b: Path) -> bool:
         torch.equal(x["model"][k], y["model"][k]) for k in x["model"])
 
 
+def published_rows(smoke: bool, folder: Path | None) -> dict[str, Any]:
+    """bench/gpu_published.py in a process of its own (its memory readings start from a clean
+    card): where it wrote its JSON, its exit status and its one line per row."""
+    cmd = [sys.executable, str(Path(__file__).with_name("gpu_published.py"))]
+    if smoke:
+        cmd.append("--cpu-dry-run")
+    if folder is not None:  # beside gpu_check's own JSON
+        cmd += ["--out", str(folder / f"gpu_published-{'dry-run' if smoke else 'gpu'}.json")]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    print(done.stdout, end="", flush=True)
+    lines = done.stdout.splitlines()
+    wrote = next((ln[len("wrote "):] for ln in lines if ln.startswith("wrote ")), None)
+    return {"json": wrote, "rc": done.returncode,
+            "rows": [ln for ln in lines if not ln.startswith("wrote ")],
+            "stderr_tail": done.stderr[-2000:] if done.returncode else ""}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny model; runs on CPU in seconds")
     ap.add_argument("--out", type=Path, help="JSON path (default bench/results/gpu_check-*.json)")
+    ap.add_argument("--no-published", action="store_true",
+                    help="leave out the published reference runs (bench/gpu_published.py)")
     args = ap.parse_args(argv)
     cfg = SMOKE if args.smoke else FULL
     on_gpu = torch.cuda.is_available()
@@ -283,6 +308,10 @@ def main(argv: list[str] | None = None) -> int:
     result["liger"] = liger_side_by_side(cfg["model"], device,
                                          getattr(torch, precision.load_dtype), data, cfg,
                                          precision.amp)
+    if not args.no_published:
+        if on_gpu:  # the card as free as this process can leave it for the other one
+            torch.cuda.empty_cache()
+        result["published"] = published_rows(args.smoke, args.out.parent if args.out else None)
     out = args.out or Path(__file__).parent / "results" / (
         f"gpu_check-{'smoke' if args.smoke else gpu_type}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -296,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
              if "liger_over_plain" in result["liger"] else
              f"liger skipped ({result['liger']['skipped']}); ") +
           f"wrote {out}", flush=True)
-    return 0
+    return result.get("published", {}).get("rc", 0)
 
 
 if __name__ == "__main__":

@@ -16,11 +16,12 @@ reaches for the same recipe (train.optimizer_in_backward and train.master_weight
 DeepSpeed's optimizer offload), and the plan of each full row is held to the three tolerances
 like the others; test_the_model_of_torchtunes_full_recipe_* hold the memory and time models
 alone to those rows with the recipe given as the strategy.
+
+The rows are data (workbench/plan/published.py: each setup as its source states it and the
+figures it published), shared with bench/gpu_published.py, which runs them on a lent GPU.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import pytest
 
@@ -28,49 +29,11 @@ from workbench.plan import Strategy, estimate_memory, model_shape, plan
 from workbench.plan.inputs import _setup, precision_of
 from workbench.plan.memory import paged_spill_gib
 from workbench.plan.paths import fast_paths, with_fast_paths
+from workbench.plan.published import L8, REFERENCES, Reference
 from workbench.plan.timing import _Run, paging_seconds, step_seconds
-from workbench.spec import RunSpec
 from workbench.targets.gpus import get_gpu
 
 CUDA_CONTEXT_GIB = 0.9
-TORCHTUNE = "https://github.com/pytorch/torchtune/blob/main/README.md#memory-and-training-speed"
-L8 = "meta-llama/Llama-3.1-8B"
-L70 = "meta-llama/Llama-3.1-70B"
-# torchtune's llama3_1 LoRA configs: q_proj, v_proj, output_proj and the MLP, dropout 0.
-LORA_TARGETS = ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-@dataclass(frozen=True)
-class Reference:
-    name: str
-    model: str
-    kind: str
-    gpu: str
-    gpus: int
-    checkpointing: bool
-    lora_r: int
-    peak_gib: float
-    tokens_per_s: float
-    offload: str  # what the reference moved off the card: "none" or "optimizer"
-    in_backward: bool = False  # its optimizer stepped inside backward (torchtune's optimizer_in_bwd)
-    source: str = TORCHTUNE
-
-
-# Batch 2 per card, rows packed to 2,048 tokens, no accumulation (torchtune's note on the table).
-REFERENCES = [
-    Reference("8B LoRA, 1x RTX 4090", L8, "lora", "RTX 4090", 1, True, 8, 16.2, 3083, "none"),
-    Reference("8B QLoRA, 1x RTX 4090", L8, "qlora", "RTX 4090", 1, True, 8, 7.4, 2413, "none"),
-    # The full fine-tunes: bf16 weights, bitsandbytes' PagedAdamW8bit (its states in unified
-    # memory, paged to host RAM) stepped inside backward.
-    Reference("8B full, 1x RTX 4090", L8, "full", "RTX 4090", 1, True, 8, 18.9, 1650,
-              "optimizer", True),
-    # The A6000 rows: 1.5x the 4090's tokens/s on a card of similar peak, and a LoRA peak of
-    # 30 GiB, are checkpointing off (one forward less; every layer's activations kept).
-    Reference("8B LoRA, 1x RTX A6000", L8, "lora", "RTX A6000", 1, False, 8, 30.3, 4699, "none"),
-    Reference("8B full, 1x RTX A6000", L8, "full", "RTX A6000", 1, False, 8, 37.4, 2579,
-              "optimizer", True),
-    Reference("70B LoRA, 8x A100", L70, "lora", "A100-80G", 8, True, 16, 27.6, 3497, "none"),
-]
 
 
 @pytest.fixture(autouse=True)
@@ -79,20 +42,8 @@ def _env(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
-def _spec(ref: Reference) -> RunSpec:
-    return RunSpec.parse({
-        "model": {"id": ref.model, "quantization": "4bit" if ref.kind == "qlora" else "none"},
-        "method": {"kind": ref.kind, "lora_r": ref.lora_r, "lora_alpha": 2 * ref.lora_r,
-                   "target_modules": LORA_TARGETS},
-        "train": {"batch_size": 2, "gradient_checkpointing": ref.checkpointing,
-                  "max_steps": 100},
-        "data": {"max_length": 2048, "packing": True},
-        "resources": {"gpus_per_node": ref.gpus, "gpu_type": ref.gpu},
-    })
-
-
 def _plan(ref: Reference):
-    return plan(_spec(ref))
+    return plan(ref.spec())
 
 
 def _tokens_per_s(p) -> float:
@@ -109,6 +60,15 @@ def test_same_kind_of_strategy(ref):
     else:  # the optimizer's states leave torch's allocator: offloaded, or paged
         assert p.strategy.offload_optimizer or p.memory.paged > 0, p.summary()
     assert p.strategy.in_backward == ref.in_backward, p.summary()
+
+
+@pytest.mark.parametrize("ref", REFERENCES, ids=lambda r: r.name)
+def test_the_stated_optimizer_is_what_the_planner_chooses_on_the_published_card(ref):
+    """bench/gpu_published.py runs each row with its optimizer stated (the GPU check's card may
+    have room for another); on the row's own card that is the planner's choice, so the GPU
+    check measures the setup these tests plan."""
+    stated = plan(ref.stated_spec())
+    assert stated.fits and stated.strategy == _plan(ref).strategy, stated.summary()
 
 
 @pytest.mark.parametrize("ref", REFERENCES, ids=lambda r: r.name)
@@ -169,7 +129,7 @@ def test_the_plan_of_a_full_row_is_torchtunes_recipe(ref):
 
 def _recipe_setup(ref: Reference):
     """The models' inputs for a full row run with RECIPE: its loss chunked (the fused loss here)."""
-    spec, gpu = _spec(ref), get_gpu(ref.gpu)
+    spec, gpu = ref.spec(), get_gpu(ref.gpu)
     s = _setup(spec, model_shape(ref.model), True, 2048, gpu)
     return with_fast_paths(s, fast_paths(spec, True, gpu, precision_of(spec, True, gpu), RECIPE))
 
