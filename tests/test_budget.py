@@ -182,9 +182,9 @@ def test_a_limit_spent_during_start_up_stops_before_the_first_step():
 
 @pytest.fixture(scope="module")
 def stopped():
-    """A run the budget stopped mid-training (200 units: 100 s, start-up included: 25 s on a
-    loaded 2-core machine, far more when several test sessions share it)."""
-    job = workbench.launch(_spec("budget-stop", 200.0))
+    """A run the budget stopped mid-training (120 units: 60 s, start-up included, which took
+    25 s on a loaded 2-core machine)."""
+    job = workbench.launch(_spec("budget-stop", 120.0))
     held_from = _supervisor_started(job)
     assert job.wait(timeout=600, progress=False) == "budget_stopped", job.logs(tail=30)
     return job, held_from
@@ -193,14 +193,14 @@ def stopped():
 def test_a_budget_stop_bills_start_up_and_stays_within_the_limit(stopped):
     job, held_from = stopped
     status = job.status()
-    _check_bill(status, 200.0, held_from)
+    _check_bill(status, 120.0, held_from)
     steps = [m for m in _lines(job) if "loss" in m]
     assert steps and status["step"] == steps[-1]["step"]
     # Start-up is billed: the bill covers the supervisor's start to the first step's line...
     assert status["billed_s"] >= steps[0]["time"] - held_from
     # ...and the whole attempt, saving and the bundle included.
     assert status["billed_s"] >= status["updated"] - held_from - 0.5
-    assert f"{status['cost']:.4g} of 200 CNY spent at step {status['step']}" in status["note"]
+    assert f"{status['cost']:.4g} of 120 CNY spent at step {status['step']}" in status["note"]
 
 
 def test_a_budget_stop_snapshots_on_the_way_out_and_every_view_says_how_to_go_on(stopped):
@@ -211,7 +211,7 @@ def test_a_budget_stop_snapshots_on_the_way_out_and_every_view_says_how_to_go_on
     assert newest_verified(job.run_dir).name == f"step-{stopped_at}"
     # status.json, the summary and the job view: where it stopped and how to go on.
     note = status["note"]
-    assert f"{status['cost']:.4g} of 200 CNY spent at step {stopped_at} of 100000" in note
+    assert f"{status['cost']:.4g} of 120 CNY spent at step {stopped_at} of 100000" in note
     assert f"workbench resume {job.id} --budget N" in note and "'budget.limit'" in note
     assert job.summary()["note"] == note
     assert html.escape(note) in JobView(job, autostart=False).error.value
@@ -220,7 +220,7 @@ def test_a_budget_stop_snapshots_on_the_way_out_and_every_view_says_how_to_go_on
 def test_a_budget_stopped_run_is_not_resumed_into_spending(stopped):
     job, _ = stopped
     before = job.status()
-    with pytest.raises(BudgetError, match=f"{before['cost']:.4g} CNY spent of 200") as err:
+    with pytest.raises(BudgetError, match=f"{before['cost']:.4g} CNY spent of 120") as err:
         job.resume()
     assert f"workbench resume {job.id} --budget N" in str(err.value)
     with pytest.raises(BudgetError):
@@ -248,7 +248,7 @@ def test_a_requeued_attempt_of_a_spent_run_stops_before_starting_the_ranks(stopp
     # the limit unbilled, since stopping took less than its margin: that is no reason to start.)
     assert [p["role"] for p in status["processes"]] == ["supervisor"]
     assert launcher.stat().st_size == size
-    _check_bill(status, 200.0)
+    _check_bill(status, 120.0)
     assert status["billed_before_s"] == pytest.approx(before["billed_s"])  # continues the bill
 
 

@@ -202,6 +202,9 @@ def _launch(spec: RunSpec | dict | str | Path | None, force: bool,
         if standby is not None:
             standby.discard()
         raise
+    if standby is not None and _wait_spent_the_limit(standby, spec):
+        standby.discard()  # the attempt starts afresh: its bill starts with its supervisor
+        standby = None
     options = {} if standby is None else {"standby": standby}
     with rd.attempt_lock(wait_s=HAND_OVER_WAIT_S) as free:
         job_id = submit_attempt(backend, rd, spec, {"state": QUEUED}, **options) if free else None
@@ -213,6 +216,25 @@ def _launch(spec: RunSpec | dict | str | Path | None, force: bool,
     registry.update_run(rd.path.name, backend_job_id=job_id,
                         state=rd.status().get("state", QUEUED))
     return Job(registry.get_run(rd.path.name), registry=registry, backend=backend)
+
+
+def _wait_spent_the_limit(standby: Any, spec: RunSpec) -> bool:
+    """Would the standby's wait (the bill runs from its start: its ranks were importing while
+    the launch planned and prepared the data), then a stop and the release, pass the run's
+    budget.limit? A first launch on a fresh machine can plan for seconds (the built-in model
+    built, the clock measured)."""
+    if spec.budget.limit is None:
+        return False
+    import psutil
+
+    from workbench.runs.budget import KILL_GRACE_S, RELEASE_S, hourly_price
+
+    price, _ = hourly_price(spec)
+    try:
+        age = time.time() - psutil.Process(standby.proc.pid).create_time()
+    except psutil.Error:
+        return False
+    return (price or 0.0) * (age + KILL_GRACE_S + RELEASE_S) / 3600 > spec.budget.limit
 
 
 def _accept(spec: RunSpec, force: bool, registry: Registry, backend: Backend,
