@@ -297,8 +297,8 @@ def test_a_keeper_killed_mid_way_is_started_again_and_the_endpoint_is_paid_to_it
             name="stand-in", target="local", url=f"http://127.0.0.1:{port}", state="healthy",
             pid=server.pid, server_pid=None, endpoint_dir=str(folder), serves="{}",
             created=now, updated=now))
-        rate = 36.0  # an hour: 1 cent a second; blocks of 6 s are 6 cents
-        workbench.credit(0.25, "CNY", endpoint_price_per_hour=rate, endpoint_hold_minutes=0.1)
+        rate = 36.0  # an hour: 1 cent a second; blocks of 6 s are 6 cents: two, not three
+        workbench.credit(0.15, "CNY", endpoint_price_per_hour=rate, endpoint_hold_minutes=0.1)
         paid = hold_first_block(None, "stand-in", folder)
         assert paid is not None
         settle_start(paid, ok=True)  # up: the keeper's from here on
