@@ -103,7 +103,9 @@ def test_a_run_the_wallet_cannot_cover_is_refused_before_anything_starts(
 
 def test_the_steps_a_refusal_suggests_are_accepted(wallet_dir: Path) -> None:
     workbench.credit(1, "CNY")
-    dear = {**SPEC, "name": "dear", "train": {"max_steps": 5000}}
+    # Far more than the credit pays: the first plan in a fresh home put 5,000 steps anywhere
+    # from 0.7 to 25 CNY (what its clock measured decided), so 5,000 sat on the line.
+    dear = {**SPEC, "name": "dear", "train": {"max_steps": 50_000}}
     note = workbench.plan(dear).wallet_note
     assert note.startswith("this run is planned at"), note
     steps = int(re.search(r"train.max_steps of about (\d+)", note).group(1))

@@ -57,7 +57,8 @@ def test_a_workbench_error_shows_as_its_message_with_the_traceback_a_click_away(
         "SpecError: invalid run spec:",
         "  train.learning_rate: unknown field 'learning_rate'; did you mean 'lr'? allowed "
         "fields: batch_size, epochs, eval_every, fast, grad_accum, gradient_checkpointing, "
-        "log_every, lr, max_steps, optimizer, scheduler, seed, warmup_ratio, weight_decay"]
+        "log_every, lr, master_weights, max_grad_norm, max_steps, optimizer, "
+        "optimizer_in_backward, scheduler, seed, warmup_ratio, weight_decay"]
     [shown] = [m["content"]["data"] for m in msgs if m["msg_type"] == "display_data"]
     assert "<details>" in shown["text/html"] and "RunSpec(train=" in shown["text/html"]
     [full] = [m["content"]["traceback"] for m in tb_msgs if m["msg_type"] == "error"]
