@@ -27,3 +27,9 @@ def test_a_summary_shows_rounded_values_in_units_and_keeps_the_exact_ones():
     ]
     assert "<td style='text-align:left'>21.0 s</td>" in r._repr_html_()
     assert "note" not in r._repr_html_()  # empty values are left out
+
+
+def test_a_rate_per_second_is_not_read_as_a_duration():
+    # tokens_per_s ends in "_s" as the durations do; 11,700 tokens a second is not "3h15m".
+    r = Readable({"tokens_per_s": 11700.4, "elapsed_s": 4.8})
+    assert pretty(r).splitlines() == ["tokens_per_s  11,700", "elapsed_s     4.8 s"]

@@ -197,9 +197,13 @@ def test_details_show_the_runs_scores_and_settings(page, lab_server: LabServer,
     """Details of a finished run: its newest scores in a table (this run beside the base model)
     and the knobs it was run with, the whole spec a click away."""
     card = _card(page, lab_server, finished_run)
+    # A CPU run with no price set reads "free" on its card, as job.summary() says (issue 37).
+    assert " · free · " in card.locator(".jp-WorkbenchRuns-meta").inner_text()
     card.get_by_role("button", name=f"details of {finished_run.name}").click()
     scores = page.locator(".jp-WorkbenchDetails-scores table").first
     scores.wait_for(timeout=60_000)
+    cost = page.locator("dt", has_text="Cost").first
+    assert cost.evaluate("dt => dt.nextElementSibling.textContent") == "free"
     lines = [json.loads(x) for x in
              (finished_run.run_dir.path / "eval.jsonl").read_text().splitlines() if x]
     newest = [x for x in lines if x["task"] == "heldout" and x["model"] == "run"][-1]

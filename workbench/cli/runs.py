@@ -50,8 +50,8 @@ def _status(args: argparse.Namespace) -> Any:
 
     if args.run:
         job = get_job(args.run)
-        s = job.summary()
-        return "\n".join(f"{k:>12}: {v}" for k, v in s.items() if v is not None)
+        # As a notebook shows it: rounded, times in units, money as it reads (runs.money).
+        return "\n".join(f"{k:>12}: {v}" for k, v in job.summary().shown_items())
     return status_table(jobs(limit=args.limit))
 
 

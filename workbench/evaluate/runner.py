@@ -36,11 +36,13 @@ class EvalReport:
         return results.flat(self.lines)
 
     def df(self) -> Any:
-        """One row per (task, metric): phase, step, model, task, metric, value, n."""
+        """One row per (task, metric): phase, step, model, task, metric, value, n, and what was
+        scored where a task says (perplexity: the answer tokens, as eval_loss)."""
         import pandas as pd
 
         return pd.DataFrame([{"phase": ln["phase"], "step": ln["step"], "model": ln["model"],
-                              "task": ln["task"], "metric": k, "value": v, "n": ln["n"]}
+                              "task": ln["task"], "metric": k, "value": v, "n": ln["n"],
+                              **({"scored": ln["scored"]} if ln.get("scored") else {})}
                              for ln in self.lines for k, v in ln["metrics"].items()])
 
     def _repr_html_(self) -> str:
@@ -135,7 +137,7 @@ def _one(source: Any, task: EvalTask, default_file: str | Path | None, base_id: 
 
         texts = perplexity.load_texts(file, getattr(source, "tokenizer", None), task.max_samples)
         metrics, rows = perplexity.run(source, texts)
-        return [("perplexity", metrics, len(rows), rows, {})]
+        return [("perplexity", metrics, len(rows), rows, {"scored": perplexity.SCORED})]
     return [_judge(source, task, file, base_id)]
 
 

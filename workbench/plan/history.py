@@ -68,14 +68,20 @@ def record_run(rd: Any, final: dict[str, Any]) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     clock = plan.get("clock")
-    m = measured(plan, {**rd.status(), **final})
+    status = {**rd.status(), **final}
+    m = measured(plan, status)
     if not clock or m is None:
         return None
+    # A sweep trial shared the cores with the trials beside it (workbench.sweep.budget.sharing):
+    # the next plan learns the pace of the run alone, and a sweep multiplies it again.
+    alone = float((status.get("sweep") or {}).get("sharing") or 1.0)
+    finish = _finish_alone(rd, m["finish_s"])
     row = {k: clock.get(k) for k in ("target", "device", "shape", "method", "world_size")}
     row.update(run=rd.path.name, model_step_s=clock.get("model_step_s"),
                model_eval_s=clock.get("model_eval_s"), planned_steps=clock.get("steps"),
-               model_startup_s=clock.get("model_startup_s"), measured_step_s=m["step_s"],
-               measured_startup_s=m["startup_s"], finish_s=_finish_alone(rd, m["finish_s"]),
+               model_startup_s=clock.get("model_startup_s"), measured_step_s=m["step_s"] / alone,
+               measured_startup_s=m["startup_s"] / alone,
+               finish_s=finish / alone if finish is not None else None,
                planned_step_s=clock.get("step_s"),
                planned_startup_s=clock.get("startup_s"), steps=m["steps"])
     peak = peak_memory(rd)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from workbench.plan.memory import MemoryBreakdown, Strategy
 from workbench.plan.view import COLOURS, fmt_hours, plan_html
+from workbench.runs.money import amount, money, priced, unpriced
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -152,12 +153,18 @@ class Plan:
             lines.append(f"Start-up (every attempt, billed): ~{fmt_hours(sum(known.values()) / 3600)}"
                          " (" + ", ".join(f"{k} {fmt_hours(v / 3600)}" for k, v in known.items())
                          + ")")
-        if self.cost is not None:
-            lines.append(f"Cost: {self.cost:,.2f} {self.currency}"
-                         + (f" ({self.startup_cost:,.2f} of it start-up and release)"
+        unit = "GPU" if self.device == "gpu" else "core"
+        if not priced(self.price_per_hour):
+            setting = ("budget.price_per_gpu_hour" if self.device == "gpu"
+                       else "budget.price_per_cpu_core_hour")
+            lines.append(f"Cost: {unpriced(self.price_per_hour)} (the price per {unit}-hour is "
+                         f"{'unknown' if self.price_per_hour is None else '0'}; set {setting} "
+                         "to price this run)")
+        elif self.cost is not None:
+            lines.append(f"Cost: {money(self.cost, self.currency, self.price_per_hour)}"
+                         + (f" ({amount(self.startup_cost, None)} of it start-up and release)"
                             if self.startup_cost else "")
-                         + f" at {self.price_per_hour:g} {self.currency} per "
-                         f"{'GPU' if self.device == 'gpu' else 'core'}-hour")
+                         + f" at {self.price_per_hour:g} {self.currency} per {unit}-hour")
         lines.append(f"Budget: {self.budget_verdict}"
                      + (f" (limit {self.budget_limit:,.2f} {self.currency})"
                         if self.budget_limit else ""))
@@ -194,8 +201,9 @@ class Plan:
         title = f"{self.strategy.label}: {'fits' if self.fits else 'does NOT fit'}"
         if self.hours is not None:
             title += f" | {fmt_hours(self.hours)}"
-        if self.cost is not None:
-            title += f" | {self.cost:,.2f} {self.currency}"
+        text = money(self.cost, self.currency, self.price_per_hour)
+        if text is not None:
+            title += f" | {text}"
         ax.set_title(title)
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=4, fontsize="small",
                   frameon=False)

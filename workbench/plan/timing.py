@@ -109,9 +109,9 @@ def _local_tokenizer(spec: RunSpec) -> Any:
         return None
 
 
-def _token_sample(spec: RunSpec) -> Any:
-    """TokenStats of the first rows of each source, or None when the tokenizer or the data cannot
-    be read here (the planner then guesses from characters)."""
+def _token_sample(spec: RunSpec) -> tuple[Any, str | None]:
+    """(TokenStats of each source's first rows, or None when the tokenizer or the data cannot be
+    read here (the planner then guesses); the error's message when the data could not be read)."""
     from workbench.data.tokenized import cached_stats, files_key
     from workbench.errors import WorkbenchError
 
@@ -120,16 +120,16 @@ def _token_sample(spec: RunSpec) -> Any:
     except OSError:
         cached = None
     if cached is not None:
-        return cached
+        return cached, None
     tokenizer = _local_tokenizer(spec)
     if tokenizer is None:
-        return None
+        return None, None
     from workbench.data.tokenized import token_stats
 
     try:
-        return token_stats(spec, tokenizer=tokenizer, max_rows=_SAMPLE_ROWS)
-    except (OSError, ValueError, WorkbenchError):
-        return None
+        return token_stats(spec, tokenizer=tokenizer, max_rows=_SAMPLE_ROWS), None
+    except (OSError, ValueError, WorkbenchError) as err:  # planned without it, saying why
+        return None, (str(err).strip().splitlines() or [type(err).__name__])[0]
 
 
 def estimate_data(spec: RunSpec) -> DataEstimate:
@@ -151,7 +151,7 @@ def estimate_data(spec: RunSpec) -> DataEstimate:
     elif total is not None:
         total = max(1, int(total * (1 - spec.data.validation_fraction)))
     L = spec.data.max_length
-    sample_stats = _token_sample(spec)
+    sample_stats, unread = _token_sample(spec)
     train = sample_stats.splits.get("train") if sample_stats is not None else None
     measured = train is not None and train.kept > 0
     if train is not None and measured:
@@ -192,6 +192,8 @@ def estimate_data(spec: RunSpec) -> DataEstimate:
     else:
         per_example = L
         note = "not packed and the data could not be sampled: assumed max_length per example"
+    if unread:
+        note += f"; reading it failed: {unread}"
     if unknown:
         note += f"; row count unknown for {', '.join(unknown)} (set train.max_steps)"
     if packed_rows and total is not None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import html
 from typing import TYPE_CHECKING
 
+from workbench.runs.money import money
+
 if TYPE_CHECKING:
     from workbench.plan.result import Plan
 
@@ -30,16 +32,16 @@ def fmt_hours(hours: float) -> str:
 
 
 def headline(plan: Plan) -> str:
-    """'fits · LoRA, DDP · 3 min · 0.42 CNY (within budget)', rounded for reading."""
+    """'fits · LoRA, DDP · 3 min · 0.42 CNY (within budget)', rounded for reading; the money
+    as every view writes it (:func:`workbench.runs.money.money`): 'free', 'no price set'."""
     parts = ["fits" if plan.fits else "does not fit", plan.strategy.label]
     if plan.hours is not None:
         parts.append(fmt_hours(plan.hours))
-    if plan.cost is not None:
-        money = (f"< 0.01 {plan.currency}" if 0 < plan.cost < 0.005
-                 else f"{plan.cost:,.2f} {plan.currency}")
+    text = money(plan.cost, plan.currency, plan.price_per_hour)  # 'free' on an unpriced run
+    if text is not None:
         if plan.budget_verdict in ("within budget", "over budget"):
-            money += f" ({plan.budget_verdict})"
-        parts.append(money)
+            text += f" ({plan.budget_verdict})"
+        parts.append(text)
     return " · ".join(parts)
 
 
@@ -53,8 +55,8 @@ def main_reason(plan: Plan) -> str | None:
                f"{plan.capacity_gib:.0f} GiB (keeping {plan.safety_margin_gib:.1f} free)")
         return f"{why}; {plan.suggestions[0].text}" if plan.suggestions else why
     if plan.budget_verdict == "over budget" and plan.budget_limit is not None:
-        return (f"over budget: planned {plan.cost:,.2f} {plan.currency} against a limit of "
-                f"{plan.budget_limit:,.2f}")
+        return (f"over budget: planned {money(plan.cost, plan.currency, plan.price_per_hour)} "
+                f"against a limit of {plan.budget_limit:,.2f}")
     return plan.reasons[0] if plan.reasons else None
 
 

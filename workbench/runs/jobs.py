@@ -298,7 +298,7 @@ class Job:
 
         return loss_figure(self.metrics(), title=self.id, ax=ax)
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> Readable:
         """One flat dict of what a person asks first: state, progress, loss, speed, time (shown
         rounded and in units in a notebook; the values themselves are exact)."""
         status = self.status()
@@ -306,6 +306,9 @@ class Job:
         train = [m for m in rows if "loss" in m]
         evals = [m for m in rows if "eval_loss" in m]
         speeds = [m["tokens_per_s"] for m in train if m.get("tokens_per_s")]
+        planned = self.planned()
+        if "price_per_hour" not in planned:  # no plan.json: the supervisor's price (0 if unknown)
+            planned["price_per_hour"] = status.get("price_per_hour")
         return Readable({
             "id": self.id, "state": status.get("state"), "target": self.target,
             "queue_reason": status.get("queue_reason"),  # why a queued Slurm job waits
@@ -319,8 +322,8 @@ class Job:
             # The live projection at the measured pace (callbacks.project) against the plan.
             **{k: status.get(k) for k in ("projected_total_s", "projected_total_range_s",
                                           "projected_cost", "projected_cost_range")},
-            **self.planned(),
-            "cost": status.get("cost"), "currency": status.get("currency"),
+            **planned,
+            "cost": status.get("cost"), "currency": status.get("currency") or planned["currency"],
             "snapshot": (status.get("snapshot") or {}).get("path"),
             "upload": (status.get("upload") or {}).get("state"),
             "snapshot_error": _snapshot_error(status.get("snapshot_error")),
@@ -331,23 +334,28 @@ class Job:
         })
 
     def planned(self) -> dict[str, Any]:
-        """plan.json's total seconds and cost (None without a plan or before plans had a clock)."""
+        """plan.json's total seconds and cost (None without a plan or before plans had a clock),
+        and its price per billed unit-hour (None: no price known, 0: free), by which every view
+        writes the run's money (:mod:`workbench.runs.money`)."""
         import json
 
         try:
             plan = json.loads(self.run_dir.plan_file.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             plan = {}
-        return {"planned_total_s": (plan.get("clock") or {}).get("total_s"),
-                "planned_cost": plan.get("cost")}
+        out = {"planned_total_s": (plan.get("clock") or {}).get("total_s"),
+               "planned_cost": plan.get("cost"), "currency": plan.get("currency")}
+        if "price_per_hour" in plan:
+            out["price_per_hour"] = plan["price_per_hour"]
+        return out
 
     def _repr_html_(self) -> str:
         import html
 
         s = self.summary()
         cells = "".join(f"<tr><th style='text-align:left'>{html.escape(str(k))}</th>"
-                        f"<td style='text-align:left'>{html.escape(_fmt(v))}</td></tr>"
-                        for k, v in s.items() if v is not None)
+                        f"<td style='text-align:left'>{html.escape(v)}</td></tr>"
+                        for k, v in s.shown_items())
         return f"<table>{cells}</table>"
 
     def artefact(self) -> Path:
@@ -370,7 +378,3 @@ def _snapshot_error(err: dict[str, Any] | None) -> str | None:
     if not err:
         return None
     return f"step {err.get('step')} ({err.get('stage')}): {err.get('error')}"
-
-
-def _fmt(v: Any) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else str(v)

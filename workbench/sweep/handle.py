@@ -80,9 +80,10 @@ class Sweep:
                 for t in sorted(self.trials, key=lambda t: t["number"]) if t.get("run_id")]
 
     def trials_df(self) -> Any:
-        """One row per trial: number, state, each parameter, value, cost, limit, run id; a trial
-        stopped early (pruned) has no value but the objective it last reached, and at which
-        step (``OBJECTIVE (last seen)``), so the table agrees with its run's own curve."""
+        """One row per trial: number, state, each parameter, value, planned cost (priced for the
+        trials it ran beside), final cost, limit, run id; a trial stopped early (pruned) has no
+        value but the objective it last reached, and at which step (``OBJECTIVE (last seen)``),
+        so the table agrees with its run's own curve."""
         import pandas as pd
 
         data = self.data()
@@ -94,10 +95,10 @@ class Sweep:
                          objective: t.get("value"),
                          f"{objective} (last seen)": (f"{last['value']:.4g} at step {last['step']}"
                                                       if last else None),
-                         "cost": t.get("cost"), "limit": t.get("limit"),
-                         "run_id": t.get("run_id")})
+                         "planned": t.get("planned_cost"), "cost": t.get("cost"),
+                         "limit": t.get("limit"), "run_id": t.get("run_id")})
         columns = ["trial", "state", *data["space"], objective, f"{objective} (last seen)",
-                   "cost", "limit", "run_id"]
+                   "planned", "cost", "limit", "run_id"]
         return pd.DataFrame(rows, columns=columns)
 
     @property

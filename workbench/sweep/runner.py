@@ -41,7 +41,7 @@ from workbench.runs.rundir import (
 )
 from workbench.spec import RunSpec
 from workbench.sweep import record as rec
-from workbench.sweep.budget import PRICE_MARGIN, committed, trial_price
+from workbench.sweep.budget import PRICE_MARGIN, committed, sharing, trial_price
 from workbench.sweep.objective import Objective
 from workbench.sweep.space import parse_space, trial_spec
 from workbench.sweep.study import open_study, suggest, trial_of, trial_of_frozen
@@ -237,27 +237,29 @@ class Controller:
             if t is None:
                 return
             spec = trial_spec(self.base, t["params"]).updated(name=t["run_name"])
-            planned, need = trial_price(spec)
+            data = self.record.read()
+            started = sum(1 for x in data["trials"] if x.get("run_id") or x.get("released"))
+            to_start = max(1, data["trials_total"] - started)
+            # Priced for the trials it will run beside: they share this machine's cores.
+            at_once = min(data["concurrent"], len(self.active) + to_start)
+            planned, need = trial_price(spec, at_once)
             limit = data.get("budget")
             trial_limit = spec.budget.limit
             if limit is not None:
-                data = self.record.read()
                 left = float(limit) - committed(data)
                 if need > left:
                     if self.active:  # a running trial may end under its limit: wait for it
                         return
                     self._budget_spent(left, need)
                     return
-                started = sum(1 for x in data["trials"] if x.get("run_id") or x.get("released"))
-                to_start = max(1, data["trials_total"] - started)
                 free = max(1, min(data["concurrent"] - len(self.active), to_start))
                 trial_limit = min(left, max(need, left / free))
                 spec = spec.updated(**{"budget.limit": trial_limit})
-            if not self._launch(t, spec, planned, trial_limit):
+            if not self._launch(t, spec, planned, trial_limit, sharing(spec, at_once)):
                 return
 
     def _launch(self, t: dict[str, Any], spec: RunSpec, planned: float | None,
-                limit: float | None) -> bool:
+                limit: float | None, shared: float = 1.0) -> bool:
         """Start trial ``t``; False when the wallet cannot cover it (it waits for a running
         trial to settle, or, with none running, the sweep ends as when its budget is spent)."""
         from workbench.errors import CreditError
@@ -279,7 +281,7 @@ class Controller:
             self._tell(next(x for x in data["trials"] if x["number"] == n))
             print(f"controller: trial {n} could not start: {exc}", flush=True)
             return True
-        job.run_dir.write_status(sweep={"id": self.record.id, "trial": n})
+        job.run_dir.write_status(sweep={"id": self.record.id, "trial": n, "sharing": shared})
         self.record.update_trial(n, run_id=job.id, state=job.record.state)
         self.active[n] = job
         print(f"controller: trial {n} started as {job.id} {t['params']} limit {limit}", flush=True)

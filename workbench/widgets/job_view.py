@@ -18,6 +18,7 @@ from typing import Any
 import ipywidgets as W
 
 from workbench.evaluate import results
+from workbench.runs.money import money, priced, unpriced
 from workbench.runs.readable import clock
 from workbench.runs.rundir import TERMINAL
 from workbench.widgets.charts import SeriesChart
@@ -112,7 +113,7 @@ class JobView(W.VBox):
         prep = status.get("prepare") or {}
         if not self._plan:  # plan.json is written once, at launch
             self._plan = {k: v for k, v in getattr(self.job, "planned", dict)().items()
-                          if v is not None}
+                          if v is not None or k == "price_per_hour"}  # None: no price known
         planned = self._plan
         parts = [
             (f"preparing data: {prep.get('split', '')} {prep.get('done', 0):,}/"
@@ -124,11 +125,9 @@ class JobView(W.VBox):
             f"eval loss {eval_loss:.4f}" if eval_loss is not None else "",
             f"{speed:,.0f} tokens/s" if speed else "",
             f"elapsed {_duration(status.get('elapsed_s'))}",
-            (f"cost {status['cost']:.2f} {status.get('currency', '')}"
-             if status.get("cost") is not None else ""),
+            _cost(status, planned),
             (f"projected {_duration(status['projected_total_s'])}"
-             + (f", {status['projected_cost']:.2f} {status.get('currency', '')}"
-                if status.get("projected_cost") is not None else "")
+             + _projected_cost(status, planned)
              + _vs_plan(planned) if status.get("projected_total_s") is not None
              and state not in TERMINAL else ""),
             (f"snapshot {status['snapshot']['path']}" if status.get("snapshot") else ""),
@@ -187,9 +186,32 @@ class JobView(W.VBox):
         self._stop.set()
 
 
+def _price(status: dict[str, Any], planned: dict[str, Any]) -> float | None:
+    """The plan's price per unit-hour (None: unknown, 0: free), else the supervisor's."""
+    return planned["price_per_hour"] if "price_per_hour" in planned else status.get("price_per_hour")
+
+
+def _cost(status: dict[str, Any], planned: dict[str, Any]) -> str:
+    """'cost 0.42 CNY', 'cost: free', 'cost: no price set' (workbench.runs.money's one rule)."""
+    price = _price(status, planned)
+    if not priced(price):
+        return f"cost: {unpriced(price)}" if status.get("cost") is not None else ""
+    text = money(status.get("cost"), status.get("currency"), price)
+    return f"cost {text}" if text else ""
+
+
+def _projected_cost(status: dict[str, Any], planned: dict[str, Any]) -> str:
+    """', 0.61 CNY' after the projected time; nothing for a run that bills nothing."""
+    price = _price(status, planned)
+    if not priced(price) or status.get("projected_cost") is None:
+        return ""
+    return f", {money(status['projected_cost'], status.get('currency'), price)}"
+
+
 def _vs_plan(planned: dict[str, Any]) -> str:
     """' (plan 4m00s, 0.05 CNY)': the plan's figures beside the live projection."""
     parts = [_duration(planned["planned_total_s"])] if planned.get("planned_total_s") else []
-    if planned.get("planned_cost") is not None:
-        parts.append(f"{planned['planned_cost']:.2f}")
+    if planned.get("planned_cost") is not None and priced(planned.get("price_per_hour")):
+        parts.append(str(money(planned["planned_cost"], planned.get("currency"),
+                               planned["price_per_hour"])))
     return f" (plan {', '.join(parts)})" if parts else ""

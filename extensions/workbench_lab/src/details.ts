@@ -6,7 +6,7 @@
 import { Widget } from '@lumino/widgets';
 
 import { renderExport } from './export';
-import { duration, money, number, terms } from './format';
+import { duration, money, number, runMoney, terms } from './format';
 import { drawLossPlot } from './sparkline';
 import { IRunDetails, IScore, ISnapshot, TERMINAL_STATES, WorkbenchService } from './service';
 
@@ -131,7 +131,7 @@ export class RunDetails extends Widget {
       ['ETA', TERMINAL_STATES.has(d.state || '') ? '–' : duration(d.eta_s)],
       ['Folder', d.run_dir]
     ];
-    const cost = money(d.cost, d.currency);
+    const cost = runMoney(d);
     if (cost) {
       rows.push(['Cost', cost]);
     }
@@ -271,7 +271,13 @@ export function projection(d: IRunDetails): [string, string][] {
     r ? ` (${f(r[0])}–${f(r[1])})` : '';
   const planned = d.planned_total_s != null ? `; plan ${duration(d.planned_total_s)}` : '';
   out.push(['Projected time', duration(d.projected_total_s) + range(d.projected_total_range_s) + planned]);
-  if (d.projected_cost != null) {
+  const text = d.money;
+  if (text?.projected_cost) {
+    // Written by the server; a run that bills nothing has none (its Cost row says 'free').
+    const span = text.projected_cost_range ? ` (${text.projected_cost_range})` : '';
+    const plannedCost = text.planned_cost ? `; plan ${text.planned_cost}` : '';
+    out.push(['Projected cost', text.projected_cost + span + plannedCost]);
+  } else if (!text && d.projected_cost != null) {
     const m = (v: number): string => money(v, d.currency) || v.toFixed(2);
     const plannedCost = d.planned_cost != null ? `; plan ${m(d.planned_cost)}` : '';
     out.push(['Projected cost', m(d.projected_cost) + range(d.projected_cost_range, m) + plannedCost]);

@@ -24,6 +24,16 @@ export function money(value: number | null | undefined, currency: string | null)
   return `${text} ${currency || ''}`.trim();
 }
 
+/** A run's bill as the server wrote it (workbench.runs.money: '0.42 CNY', 'free', 'no price
+ * set'); from the raw figures only for an older server that sends no text. */
+export function runMoney(run: {
+  cost: number | null;
+  currency: string | null;
+  money?: { cost?: string };
+}): string {
+  return run.money ? run.money.cost || '' : money(run.cost, run.currency);
+}
+
 /** The <dt>/<dd> pairs of a definition list, one pair per [label, value] row. */
 export function terms(rows: [string, string][]): HTMLElement[] {
   return rows.flatMap(([k, v]) => {

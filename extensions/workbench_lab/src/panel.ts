@@ -10,7 +10,7 @@ import { Widget } from '@lumino/widgets';
 
 import { CourseSection } from './course';
 import { ExportChooser } from './export';
-import { duration, money, number } from './format';
+import { duration, money, number, runMoney } from './format';
 import { drawSparkline } from './sparkline';
 import {
   ICapabilities,
@@ -101,7 +101,7 @@ class RunCard {
     if (run.queue_reason) {
       parts.splice(1, 0, `waiting: ${run.queue_reason}`); // the scheduler's word for why
     }
-    const cost = money(run.cost, run.currency);
+    const cost = runMoney(run);
     if (cost) {
       parts.push(cost);
     }

@@ -49,6 +49,9 @@ export interface IRun {
   planned_cost?: number | null;
   budget_warning?: string | null;
   currency: string | null;
+  /** The money as the library writes it (workbench.runs.money), by summary key: '0.42 CNY', or
+   * only `cost`: 'free' / 'no price set' for a run that bills nothing (older servers: absent). */
+  money?: Partial<Record<'cost' | 'planned_cost' | 'projected_cost' | 'projected_cost_range', string>>;
   /** [step, loss] pairs, downsampled on the server. */
   curve: [number, number][];
   /** The run folder relative to the file browser's root; null when outside it. */

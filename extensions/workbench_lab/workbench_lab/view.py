@@ -20,6 +20,7 @@ from typing import Any
 import workbench
 from workbench.errors import RunNotFoundError, WorkbenchError
 from workbench.runs.jobs import Job
+from workbench.runs.money import summary_money
 from workbench_lab import exporting
 from workbench_lab.describe import comparison, distinguish, downsample, scores, settings
 
@@ -114,7 +115,10 @@ class RunsView:
             "name": job.name,
             "created": job.record.created,
             "cost": summary.get("cost", status.get("cost")),
-            "currency": status.get("currency"),
+            "currency": summary.get("currency") or status.get("currency"),
+            # The money as text, written by the library's one rule (workbench.runs.money): the
+            # panel shows these strings, so a free run reads "free" here as in the notebook.
+            "money": summary_money(summary) if "price_per_hour" in summary else {},
             "curve": downsample(losses, CURVE_POINTS),
             "browse_path": self.browse_path(job),
             "has_tensorboard": job.run_dir.tb_dir.is_dir(),
