@@ -303,6 +303,9 @@ def test_budget_sweep_survives_a_controller_restart_and_never_overspends(wb_home
     # held, with the machine's speed): one trial's cost, measured now, and what the controller
     # sets aside before starting one. It pays for the first trial and the reserve of a second,
     # never for the third's reserve on top of three trials, so the limit bites.
+    # Planned first: a fresh home's first plan builds the built-in model and measures the clock
+    # (seconds), which the measured run's bill would carry (its standby starts before planning).
+    workbench.plan({**SPEC, "name": "sw-alone"})
     alone = workbench.launch({**SPEC, "name": "sw-alone"})
     assert alone.wait(progress=False, timeout=400) == "succeeded"
     trial_cost = _run_cost(alone.run_dir.path)
