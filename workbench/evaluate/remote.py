@@ -17,7 +17,6 @@ its eval.jsonl needs no copying back.
 from __future__ import annotations
 
 import json
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -101,7 +100,7 @@ def placed_elsewhere(local_dir: Path) -> bool:
 
 def evaluate_there(job: Any, tasks: list[Any], endpoint: str | None) -> EvalReport:
     """An SSH run: on its first host, where rank 0 wrote the weights."""
-    from workbench.targets.backends.remote import SSHTransport, load_placement, shell_path
+    from workbench.targets.backends.remote import load_placement, on_first_host
 
     placement = load_placement(job.run_dir.path)
     if not placement.get("nodes"):
@@ -109,11 +108,7 @@ def evaluate_there(job: Any, tasks: list[Any], endpoint: str | None) -> EvalRepo
                         "score its weights where they are: `workbench eval --run-dir DIR` there")
     target = job.backend.target
     node0 = placement["nodes"][0]
-    transport = SSHTransport(target.hosts[node0["rank"]], target)
-    prefix = target.remote_shell_prefix(transport, node0["dir"])
-    q = shell_path(node0["dir"])
-    command = (f"{prefix}cd {q} && {shlex.quote(target.python)} -m workbench.evaluate.remote "
-               f"{q}")
+    transport, command = on_first_host(target, node0, "workbench.evaluate.remote")
     return _run(transport, command, _request(job, tasks, endpoint), job.run_dir.path,
                 fetch_from=(target.python, node0["dir"]))
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import shutil
 import time
 from collections.abc import Callable
@@ -90,18 +89,13 @@ def export_on_target(src: RunSource, request: dict[str, Any], root: Path,
 
 def _ssh_command(src: RunSource, backend: Any,
                  placement: dict[str, Any]) -> tuple[Any, str, str, Callable[[], None]]:
-    from workbench.targets.backends.remote import SSHTransport, shell_path
+    from workbench.targets.backends.remote import on_first_host
 
     if not placement.get("nodes"):
         raise ExportError(f"run {src.run_id} has no record of the host it ran on (remote.json); "
                           "export it where its weights are: `workbench export RUN` there")
-    target = backend.target
     node0 = placement["nodes"][0]
-    transport = SSHTransport(target.hosts[node0["rank"]], target)
-    prefix = target.remote_shell_prefix(transport, node0["dir"])
-    q = shell_path(node0["dir"])
-    command = (f"{prefix}cd {q} && {shlex.quote(target.python)} -m workbench.serve.export_host "
-               f"{q}")
+    transport, command = on_first_host(backend.target, node0, "workbench.serve.export_host")
     return transport, node0["dir"], command, lambda: None
 
 
@@ -115,13 +109,9 @@ def _slurm_command(src: RunSource, backend: Any, placement: dict[str, Any],
     where = cluster_dir or str(src.run_dir.resolve())
     spec_gpus = src.handle.spec.resources.gpus_per_node if hasattr(src.handle, "spec") else 0
     # The evaluation's allocation (partition, GPUs, memory, time, account), running this module.
-    srun = eval_srun_command(target, spec_gpus, where, f"wb-export-{src.run_dir.name}")
-    head, sep, _ = srun.rpartition(" -m workbench.evaluate.remote ")
-    if not sep:
-        raise ExportError("the Slurm command for the export could not be built from the "
-                          "evaluation's; export the run on the cluster: `workbench export RUN`")
-    command = (target.remote_shell_prefix(transport, where)
-               + f"{head} -m workbench.serve.export_host {shlex.quote(where)}")
+    command = target.remote_shell_prefix(transport, where) + eval_srun_command(
+        target, spec_gpus, where, f"wb-export-{src.run_dir.name}",
+        module="workbench.serve.export_host")
 
     def cleanup() -> None:
         if split_env(target.env)[1]:  # the secrets file the login shell read: gone once read

@@ -282,6 +282,16 @@ def load_placement(local_dir: Path) -> dict[str, Any]:
         return {}
 
 
+def on_first_host(target: Any, node0: dict[str, Any], module: str) -> tuple[SSHTransport, str]:
+    """(transport, command) that run ``python -m MODULE DIR`` in the run directory of a run's
+    first host (``node0``: remote.json's first node), where rank 0 wrote the weights, with the
+    target's environment and secrets (``job.evaluate``, ``job.export`` on an SSH run)."""
+    transport = SSHTransport(target.hosts[node0["rank"]], target)
+    q = shell_path(node0["dir"])
+    return transport, (f"{target.remote_shell_prefix(transport, node0['dir'])}cd {q} && "
+                       f"{shlex.quote(target.python)} -m {module} {q}")
+
+
 # -- what the SSH and Slurm backends share -----------------------------------------------------
 
 class MirroredRunDir:

@@ -99,17 +99,19 @@ def sbatch_script(spec: RunSpec, target: SlurmTarget, run_dir: str, job_name: st
     return "\n".join(lines)
 
 
-def eval_srun_command(target: SlurmTarget, gpus: int, run_dir: str, job_name: str) -> str:
-    """``srun`` of ``python -m workbench.evaluate.remote RUN_DIR`` (the request on its stdin)
-    as a job of its own: one task on one node of the run's partition, with the run's GPUs per
-    node, the target's memory, time limit, account, qos and extra options. It blocks while the
-    job waits in the queue and ends with the evaluation, so the allocation is held no longer."""
+def eval_srun_command(target: SlurmTarget, gpus: int, run_dir: str, job_name: str,
+                      module: str = "workbench.evaluate.remote") -> str:
+    """``srun`` of ``python -m MODULE RUN_DIR`` (the request on its stdin; an evaluation by
+    default, an export with ``workbench.serve.export_host``) as a job of its own: one task on
+    one node of the run's partition, with the run's GPUs per node, the target's memory, time
+    limit, account, qos and extra options. It blocks while the job waits in the queue and ends
+    with the work, so the allocation is held no longer."""
     cpus = target.cpus_per_task or (4 if gpus else 1)
     options = [line.removeprefix("#SBATCH ") for line in allocation_lines(target, gpus)]
     options += [*target.sbatch_options, f"--job-name={job_name[:64]}", f"--chdir={run_dir}"]
     return (f"srun --nodes=1 --ntasks=1 --cpus-per-task={cpus} "
             f"{' '.join(shlex.quote(o) for o in options)} {shlex.quote(target.python)} "
-            f"-m workbench.evaluate.remote {shlex.quote(run_dir)}")
+            f"-m {module} {shlex.quote(run_dir)}")
 
 
 def parse_scontrol(text: str) -> dict[str, str]:
