@@ -1,7 +1,7 @@
 """What an export will need before it starts: disk, memory and time (:func:`plan_export`).
 
     >>> job.export(["merged", "gguf"], quant=["f16", "q4_k_m"], plan_only=True)  # doctest: +SKIP
-    export of serve-test-... on this machine: needs about 4.2 MB disk, 1.35 GB memory, ~13 s (6.6 s to 39 s)
+    export of serve-test-... on this machine: needs about 4.2 MB disk, 1.35 GB memory, ~7.6 s (3.8 s to 23 s)
       merged/: 2.5 MB
       ...
 
@@ -49,14 +49,14 @@ _ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16":
 
 # Measured here (docs/export.md#the-plan): the built-in tiny model on 2 shared CPU cores, where the
 # weights are negligible, so these are each step's fixed cost and each process's resident base.
-FIXED_S = {"start": 2.0, "merge": 3.0, "cast": 1.0, "check merged": 0.8, "convert": 5.0,
-           "quantise": 0.3, "check gguf": 0.9, "cards": 0.1}
+FIXED_S = {"start": 1.8, "merge": 1.8, "cast": 0.6, "check merged": 0.2, "convert": 2.9,
+           "quantise": 0.2, "check gguf": 0.2, "cards": 0.1}
 MAIN_RSS = 0.9 * GB  # the export's process: python + torch + transformers + peft, two models
 CHILD_RSS = {"convert": 0.45 * GB, "quantise": 0.06 * GB, "check gguf": 0.12 * GB}
 # Throughputs for the weight-dependent part, assumed (not measurable on the tiny model): reading,
 # merging and writing float32 weights; converting to GGUF; quantising; and one greedy token, which
 # reads every weight once (memory bandwidth of a CPU). The range is half to three times the
-# estimate: the same export of the tiny model took from 14 s to 31 s here as the load changed.
+# estimate: the same export of the tiny model took from 6.5 s idle to 36 s under load here.
 RATE = {"merge": 0.25 * GB, "write": 0.3 * GB, "convert": 0.2 * GB, "quantise": 0.15 * GB,
         "token": 8 * GB}
 RANGE = (0.5, 3.0)
