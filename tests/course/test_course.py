@@ -234,8 +234,10 @@ def test_a_students_export_runs_as_them_into_their_run_and_is_charged_the_second
 
 
 def _sweeps_on_disk(hub: dict[str, Any]) -> list[str]:
-    sweeps = hub["state"] / "home" / "sweeps"
-    return sorted(p.name for p in sweeps.iterdir()) if sweeps.exists() else []
+    """Every sweep in the service's home and in each student's own space."""
+    folders = [hub["state"] / "home" / "sweeps",
+               *(hub["state"] / "students").glob("*/workbench/sweeps")]
+    return sorted(p.name for f in folders if f.exists() for p in f.iterdir())
 
 
 def test_a_run_or_sweep_over_credit_is_refused_before_it_starts(
@@ -274,20 +276,21 @@ def _running_trial(record: Path) -> dict[str, Any] | None:
 def _resumed(record: Path, old_pid: int) -> dict[str, Any] | None:
     data = json.loads(record.read_text())
     ident = data.get("controller") or {}
-    if data.get("service_resumes") and ident.get("pid") not in (None, old_pid):
-        return data
-    return None
+    return data if ident.get("pid") not in (None, old_pid) else None
 
 
-def test_a_students_sweep_is_held_whole_and_charged_per_trial(
+def test_a_students_sweep_runs_as_them_held_whole_and_charged_per_trial(
         hub: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    """A's kernel: workbench.sweep() over two learning rates runs through the service: one hold
-    for the sweep, one charge per trial (its run's final bill, in whole fen up), the rest of the
-    hold released at the end; B cannot see it, the instructor can. Its controller is killed
-    (SIGKILL) while a trial runs: the service resumes the sweep, and no trial is charged twice."""
+    """A's kernel: workbench.sweep() over two learning rates runs through the service, as A: the
+    sweep and its trials' runs are A's files in A's space, their processes A's; one hold for the
+    sweep, one charge per trial (what the service's meter saw of its supervisor, at least the
+    run's own bill), the rest of the hold released at the end; B cannot see it, the instructor
+    can. Its controller is killed (SIGKILL) while a trial runs: the service resumes the sweep as
+    A, and no trial is charged twice."""
     import workbench
 
     a, user_a = hub["client"]["a"], hub["users"]["a"]
+    uid_a = pwd.getpwnam(user_a).pw_uid
     monkeypatch.setenv("WORKBENCH_COURSE_URL", hub["service"])
     monkeypatch.setenv("JUPYTERHUB_API_TOKEN", hub["tokens"]["a"])
     ledger = Ledger(f"sqlite:///{hub['state'] / 'ledger.sqlite'}")
@@ -301,9 +304,9 @@ def test_a_students_sweep_is_held_whole_and_charged_per_trial(
     assert http("GET", f"{hub['service']}sweeps/{s.id}", hub["tokens"]["b"])[0] == 403
     assert hub["client"]["b"].sweeps() == []
     assert s.id in [x["sweep"] for x in hub["client"]["teacher"].sweeps()]
-    # Its controller dies mid-sweep (its trials launched, not ended): the service resumes it (a new
-    # controller process, against the same hold) and each trial is still charged once.
-    record = hub["state"] / "home" / "sweeps" / s.id / "sweep.json"
+    record = hub["state"] / "students" / user_a / "workbench" / "sweeps" / s.id / "sweep.json"
+    assert record.stat().st_uid == uid_a
+    assert not (hub["state"] / "home" / "sweeps" / s.id).exists()
 
     def running_trial_seen_stopped() -> dict[str, Any] | None:
         # Read with the controller stopped (SIGSTOP), and killed in that state: it cannot
@@ -314,21 +317,33 @@ def test_a_students_sweep_is_held_whole_and_charged_per_trial(
 
     first = wait_until("A's trials to start", running_trial_seen_stopped, 240, hub["log"])
     old = ProcessIdentity.from_dict(first["controller"])
+    assert psutil.Process(old.pid).uids().real == uid_a  # the controller is A's process
     assert old.signal(signal.SIGKILL), "the recorded controller is not running"
     wait_until("the killed controller to be gone", lambda: not old.alive(), 60, hub["log"])
     resumed = wait_until("the service to resume A's sweep", lambda: _resumed(record, old.pid),
                          180, hub["log"])
-    assert resumed["service_resumes"] == 1 and resumed["budget"] == first["budget"]
+    assert resumed["budget"] == first["budget"]
+    new = ProcessIdentity.from_dict(resumed["controller"])
     wait_until("A's sweep to end and settle", lambda: s.status()["settled"], 300, hub["log"])
     view = s.status()
     assert view["state"] == "succeeded", view
+    [meter] = [json.loads(p.read_text()) for p in (hub["state"] / "sweep-meters").glob("*.json")
+               if json.loads(p.read_text())["sweep"] == s.id]
+    assert meter["resumes"] == 1 and [r[0] for r in meter["roots"]] == [old.pid, new.pid]
     trials = view["trials"]
     assert sorted(t["params"]["train.lr"] for t in trials) == [1e-3, 2e-3]
+    seen = {t["run"]: t for t in meter["trials"].values()}
     for t in trials:
-        status = json.loads((hub["state"] / "home" / "runs" / t["run_id"] / "status.json")
-                            .read_text())
+        run_dir = _run_dir(hub, "a", t["run_id"])
+        status = json.loads((run_dir / "status.json").read_text())
         assert status["sweep"]["id"] == s.id and status["state"] == "succeeded"
-        assert status["cost"] * 100 <= t["charge"] < status["cost"] * 100 + 1, t
+        assert (run_dir / "status.json").stat().st_uid == uid_a
+        # The meter's own times (the supervisor's start, the tick that saw it gone) at 1 fen a
+        # second, rounded up: at least the run's own bill, at most a few ticks more.
+        m = seen[t["run_id"]]
+        assert meter["rate"] == 36  # one process at the course's 36 CNY a core-hour
+        assert t["charge"] == math.ceil(round((m["end"] - m["start"]) * 36 / 3600 * 100, 6))
+        assert status["cost"] * 100 <= t["charge"] <= status["cost"] * 100 + 10, (t, status)
     rows = ledger.entries(user_a)[rows_before:]
     assert [r["kind"] for r in rows] == ["hold", "charge", "charge", "charge", "release"], rows
     assert rows[0]["amount"] == rows[-1]["amount"] == hold

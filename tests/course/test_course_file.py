@@ -97,3 +97,13 @@ def test_specs_over_a_cap_are_refused(tmp_path: Path, spec: dict, words: str) ->
     course = load_course(_course(tmp_path, hardware={"local": "H100"}))
     with pytest.raises(CourseError, match=words):
         priced_spec(course, RunSpec.parse(spec))
+
+
+def test_a_run_on_a_target_the_service_cannot_meter_is_refused(tmp_path: Path) -> None:
+    """A course may serve endpoints on an SSH host or a Slurm partition, but its runs and sweeps
+    run on the hub machine, where the service sees their processes: a launch on the remote
+    target is refused by name instead of being billed the seconds its submission took."""
+    course = load_course(_course(tmp_path, targets=["local", "ssh:lab"], serve_target="ssh:lab"))
+    with pytest.raises(CourseError, match="target 'ssh:lab': a course's runs and sweeps run on"):
+        priced_spec(course, RunSpec.parse({"target": "ssh:lab"}))
+    assert priced_spec(course, RunSpec.parse({})).target == "local"

@@ -99,7 +99,8 @@ def _ledger(rt: dict[str, Any]) -> Ledger:
 def _books(rt: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
     """Every ledger row, and every run and sweep folder on disk (the service's and students')."""
     folders = [rt["state"] / "home" / "runs", rt["state"] / "home" / "sweeps",
-               *(rt["state"] / "students").glob("*/workbench/runs")]
+               *(rt["state"] / "students").glob("*/workbench/runs"),
+               *(rt["state"] / "students").glob("*/workbench/sweeps")]
     return _ledger(rt).entries(), sorted(str(p) for f in folders if f.exists()
                                          for p in f.iterdir())
 
@@ -213,26 +214,11 @@ def test_a_launch_that_reaches_past_the_student_is_refused_by_name(
     _refused(rt, "a", "POST", "launch", _fill(spec, _names(rt)), 400, field)
 
 
-SWEEP_ATTACKS = [
-    ("an eval file of the student's, linked to another student's data",
-     {"eval": {"tasks": [{"kind": "heldout", "file": "{a}/q.jsonl"}]}}, "eval.tasks.0.file"),
-    ("an lm-eval task file of the student's whose !function is code",
-     {"eval": {"tasks": [{"kind": "lm_eval", "tasks": ["{a}/evil.yaml"]}]}},
-     "eval.tasks.0.tasks"),
-    ("snapshots into a folder of the student's linked to the service's home",
-     {"checkpoint": {"storage": "{a}/snaps", "every_steps": 1}}, "checkpoint.storage"),
-    ("a model folder of the student's", {"model": {"id": "{a}/evil-model"}}, "model.id"),
-    ("data of the student's linked to the ledger",
-     {"data": {"sources": [{"path": "{a}/ledger.jsonl"}]}}, "data.sources.0.path"),
-]
-
-
-@pytest.mark.parametrize("attack, spec, field", SWEEP_ATTACKS,
-                         ids=[a[0] for a in SWEEP_ATTACKS])
-def test_a_sweep_which_runs_as_the_service_names_no_file_of_the_student(
+@pytest.mark.parametrize("attack, spec, field", SPEC_ATTACKS, ids=[a[0] for a in SPEC_ATTACKS])
+def test_a_sweep_that_reaches_past_the_student_is_refused_by_name(
         rt: dict[str, Any], attack: str, spec: dict[str, Any], field: str) -> None:
-    """A sweep's trials run in the service's home with its rights: a file of the student's
-    (a link the service would follow anywhere) is refused by name before anything is held."""
+    """A sweep's trials run as the student, admitted like a launch: the same spec is refused by
+    the same field before anything is held."""
     body = {"spec": {**SMALL_RUN, **_fill(spec, _names(rt))},
             "space": {"train.lr": [1e-3, 2e-3]}, "options": {"budget": 1}}
     _refused(rt, "a", "POST", "sweep", body, 400, field)

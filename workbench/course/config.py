@@ -11,7 +11,7 @@ A course file names the people, the money and the limits of one class::
     prices: {cpu_core_hour: 0.5, gpu_hour: {A100-80G: 7.5}}
     caps: {concurrent_runs: 1, gpus_per_run: 1, hours_per_run: 2, endpoints: 1}
     idle_minutes: 30                  # idle endpoints and students' servers are stopped
-    targets: [local]                  # what students may launch on
+    targets: [local]                  # runs on local; others may serve endpoints
     serve_target: local               # where endpoints are served: local (the hub) or a target
     state_dir: /srv/workbench-course  # only the service's user reads it: ledger, runs, prices
 

@@ -124,14 +124,15 @@ class CourseDesk:
     def _check_concurrent(self, student: str, more: int = 1) -> None:
         """Refuse ``more`` runs when the student's runs going, an open sweep counting as its
         ``concurrent`` trials, would pass the course's cap."""
-        from workbench.sweep.record import SweepRecord
+        from workbench.course.sweep_meter import SweepMeter
 
         going = 0
         for h in self.ledger.holds(student, open_only=True):
             if h.kind in (None, "launch", "resume"):
                 going += 1
-            elif h.kind == "sweep" and h.run_dir:
-                going += int(SweepRecord(h.run_dir).read().get("concurrent") or 1)
+            elif h.kind == "sweep":  # as many as it was admitted with (the service's record)
+                a = SweepMeter(self.course).get(h.hold_id)
+                going += a.concurrent if a is not None else 1
         cap = self.course.caps.concurrent_runs
         if going + more > cap:
             raise CourseError(f"{student} already has {going} run(s) going and asks for {more} "

@@ -23,16 +23,14 @@ and never more than the hold.
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import psutil
 
+from workbench.course.records import Records
 from workbench.errors import CourseError
 
 if TYPE_CHECKING:
@@ -61,21 +59,14 @@ class Attempt:
 class Meter:
     def __init__(self, course: Course) -> None:
         self.course = course
-        self.folder = course.state / "meters"
-
-    def _file(self, hold_id: int) -> Path:
-        return self.folder / f"{hold_id}.json"
+        self.records = Records(course.state / "meters")
 
     def _save(self, a: Attempt) -> None:
-        self.folder.mkdir(mode=0o700, exist_ok=True)
-        tmp = self._file(a.hold_id).with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(a)))
-        os.replace(tmp, self._file(a.hold_id))
+        self.records.write(a.hold_id, asdict(a))
 
     def get(self, hold_id: int) -> Attempt | None:
-        try:
-            data = json.loads(self._file(hold_id).read_text())
-        except FileNotFoundError:
+        data = self.records.read(hold_id)
+        if data is None:
             return None
         data["procs"] = [tuple(p) for p in data["procs"]]
         return Attempt(**data)
@@ -107,11 +98,9 @@ class Meter:
         return min(a.hold, self.course.minor(a.rate * max(0.0, end - a.start) / 3600))
 
     def open(self) -> list[Attempt]:
-        if not self.folder.is_dir():
-            return []
         out = []
-        for path in sorted(self.folder.glob("*.json")):
-            a = self.get(int(path.stem))
+        for key in self.records.names():
+            a = self.get(int(key))
             if a is not None and a.end is None:
                 out.append(a)
         return out

@@ -27,12 +27,10 @@ from workbench.spec import BUILTIN_DATASET, BUILTIN_MODEL, RunSpec
 BUILTIN_REWARDS = ("exact_match", "contains", "regex", "length")
 
 
-def admit(course: Course, space: str | None, data: Any) -> RunSpec:
+def admit(course: Course, space: str, data: Any) -> RunSpec:
     """The student's spec (a mapping) as the course runs it: refused by field where it names
     code, a URL, a key or a file outside ``space`` (the student's own folder) that the course
-    does not list; then capped and priced (:func:`priced_spec`). ``space`` None: the spec runs
-    in the service's own processes (a sweep's trials), so it may name no file of the student's
-    at all, only what the course file lists."""
+    does not list; then capped and priced (:func:`priced_spec`)."""
     if not isinstance(data, dict):
         raise CourseError("give the spec as a mapping (a dict, or YAML read in your notebook); "
                           "the course service does not read paths or text from its own disk")
@@ -43,22 +41,18 @@ def admit(course: Course, space: str | None, data: Any) -> RunSpec:
     return priced_spec(course, spec)
 
 
-def _inside(space: str | None, path: str) -> bool:
+def _inside(space: str, path: str) -> bool:
     """Whether ``path`` is an absolute path under ``space`` (a relative one could as well be a
     hub id), judged on the text alone: the student's own processes open it, with their own
-    rights, so a link inside leads only where the student may go anyway. Nothing is inside
-    ``None`` (work the service runs itself opens no file of a student's: a link there would
-    lead wherever the service may go)."""
-    if space is None or not path.startswith("/"):
+    rights, so a link inside leads only where the student may go anyway."""
+    if not path.startswith("/"):
         return False
     p = PurePosixPath(os.path.normpath(path))
     return PurePosixPath(space) in p.parents
 
 
-def _refusals(course: Course, space: str | None, spec: RunSpec) -> Any:
-    where = (f"your folder {space} (an absolute path in it)" if space is not None else
-             "the course's lists (a course sweep runs in the service, which opens no file of "
-             "yours)")
+def _refusals(course: Course, space: str, spec: RunSpec) -> Any:
+    where = f"your folder {space} (an absolute path in it)"
     if spec.model.trust_remote_code:
         yield ("model.trust_remote_code", "a course runs no model code from a model folder; "
                "use a model of the course's list or a standard architecture")
@@ -127,6 +121,12 @@ def priced_spec(course: Course, spec: RunSpec) -> RunSpec:
     if spec.target not in course.targets:
         raise CourseError(f"target {spec.target!r} is not one of this course's targets "
                           f"({', '.join(course.targets)}); set target to one of them")
+    if spec.target != "local":
+        # The service meters a run from the processes it sees on the hub machine; a run on an
+        # SSH host or a Slurm partition would be billed only the seconds its submission took.
+        raise CourseError(f"target {spec.target!r}: a course's runs and sweeps run on the hub "
+                          "machine (target: local), where the service meters them; other targets "
+                          "serve endpoints (serve_target)")
     r, caps = spec.resources, course.caps
     held = cards(spec)
     if held > caps.gpus_per_run:

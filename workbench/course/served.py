@@ -14,17 +14,16 @@ through the worker, by the recorded processes. Nothing in the student's folder i
 from __future__ import annotations
 
 import json
-import os
 import pwd
 import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import psutil
 
 from workbench.course.meter import follow
+from workbench.course.records import Records
 from workbench.course.students import Worker
 from workbench.errors import CourseError, DeployError, WorkbenchError
 from workbench.serve.metering import RegistryWatch, read_requests
@@ -59,21 +58,14 @@ class ServedEndpoints:
 
     def __init__(self, course: Course) -> None:
         self.course = course
-        self.folder = course.state / "served"
-
-    def _file(self, name: str) -> Path:
-        return self.folder / f"{name}.json"
+        self.records = Records(course.state / "served")
 
     def save(self, s: Served) -> None:
-        self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        tmp = self._file(s.name).with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(s)))
-        os.replace(tmp, self._file(s.name))
+        self.records.write(s.name, asdict(s))
 
     def get(self, name: str) -> Served | None:
-        try:
-            data = json.loads(self._file(name).read_text())
-        except (FileNotFoundError, ValueError):
+        data = self.records.read(name)
+        if data is None:
             return None
         data["procs"] = [tuple(p) for p in data["procs"]]
         return Served(**data)

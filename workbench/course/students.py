@@ -82,9 +82,9 @@ class Worker:
     """One request run as a student; the answer is the worker's last stdout line (JSON)."""
 
     def __init__(self, course: Course, student: str, request: dict[str, Any],
-                 gpus: bool = False) -> None:
+                 gpus: bool = False, env: dict[str, str] | None = None) -> None:
         home = ensure_space(course, student)
-        env = {"CUDA_VISIBLE_DEVICES": ""} if not gpus else {}
+        env = {**({"CUDA_VISIBLE_DEVICES": ""} if not gpus else {}), **(env or {})}
         self.request = {**request, "space": str(home), "env": env}
         self.argv = command(course, student)
         self.student = student

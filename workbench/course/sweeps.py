@@ -1,45 +1,46 @@
-"""Course sweeps: a student's sweep held against their credit as a whole, trial by trial charged.
+"""Course sweeps: a student's sweep, run as the student, held against their credit as a whole and
+charged trial by trial from the service's own meter.
 
-The service starts the ordinary sweep (:func:`workbench.sweep.start.sweep`, its detached
-controller and runs, in the service's WORKBENCH_HOME); this module only owns the money around it:
+1. The space is checked (a course sets ``budget.*`` and ``resources.*`` itself; a sweep varies
+   ``train.*``, ``method.*`` but not rewards, ``data.*`` but not sources or cleaning), the spec is
+   admitted like a launch's (:func:`~workbench.course.policy.admit`, the student's own space),
+   every discrete trial is quoted like a launch (caps included), and the sweep's whole budget is
+   held: the ``budget`` asked, or the quoted total of the trials. A hold the credit cannot take is
+   refused (402) before anything is written.
+2. The worker starts the ordinary sweep (:func:`workbench.sweep.start.sweep`) as the student, in
+   their space, with its ``budget`` equal to the hold, so its controller starts a trial only when
+   the trial's price fits what is left; its trials start without a standby. The service meters
+   the controller it started and every trial it spawns (:mod:`workbench.course.sweep_meter`).
+3. :meth:`CourseSweeps.settle` (when the service starts and every few seconds) ticks each open
+   sweep's meter and charges each ended trial its metered bill against the hold
+   (:meth:`Ledger.charge_trial`, once per trial process). Once none of the sweep's processes is
+   left, a sweep whose controller died (the student's sweep.json says neither ended nor stopped)
+   is resumed as the student, at most ``SERVICE_RESUMES`` times; otherwise the rest of the hold is
+   released. The sweep's files are the student's: they name trials and show progress, and decide
+   nothing about money.
 
-1. the space is checked (a course sets ``budget.*`` and ``resources.*`` itself), every discrete
-   trial is quoted like a launch (caps included), and the sweep's whole budget is held: the
-   ``budget`` asked, or the quoted total of the trials. A hold the credit cannot take is refused
-   (402) before anything is written;
-2. the sweep runs with its ``budget`` equal to the hold, so its controller starts a trial only when
-   the trial's price fits what is left of it and gives each trial a ``budget.limit`` within it;
-3. :meth:`CourseSweeps.settle` (run by the service when it starts and every few seconds) charges
-   each trial's final bill against the hold as the trial ends (:meth:`Ledger.charge_trial`), and
-   releases the rest once the sweep has ended or was stopped;
-4. a sweep not ended whose controller is gone (killed, the machine restarted) is resumed by that
-   same pass, against the same hold (the sweep's own resume: charged trials are kept, its budget
-   is still the hold); one that cannot go on (its spec or space no longer valid, or its controller
-   died again after ``SERVICE_RESUMES`` resumes) is ended ``failed`` with the reason in its
-   ``error``, its running trials cancelled and charged their runs' bills, and the rest released.
-   A sweep whose folder is gone is ended the same way, its trials found by their runs' sweep tag
-   and the reason in the ledger's release row.
-
-Students see and stop only their own sweeps; instructors any.
+Students see and stop only their own sweeps; instructors any. A stop is final: the student's
+controller is asked to cancel, and whatever of the sweep still runs ``STOP_KILL_S`` later is killed.
 """
 
 from __future__ import annotations
 
 import logging
+import pwd
+import signal
 import time
 from typing import Any
 
 from workbench.course.desk import (
     SERVICE_ACTOR,
     SWEEP_QUOTES,
-    UNRELEASED_SETTLE_S,
     CourseDesk,
     Forbidden,
 )
-from workbench.errors import CourseError, WorkbenchError
+from workbench.course.students import Worker, read_json, space
+from workbench.course.sweep_meter import SweepAttempt, SweepMeter, attempt_view
+from workbench.errors import CourseError
 from workbench.runs.ledger import RunHold
-from workbench.sweep.handle import Sweep
-from workbench.sweep.record import CANCELLED, ENDED, FAILED, SweepRecord, controller_alive
 
 # sweep()'s keyword arguments a student may give (target goes in the spec).
 OPTIONS = ("strategy", "trials", "objective", "direction", "budget", "concurrent", "seed",
@@ -50,43 +51,53 @@ NOT_SWEEPABLE = ("method.rewards", "data.sources", "data.clean")
 # Times the service resumes one sweep whose controller died before it ends it instead (a
 # controller that dies at every start must not be restarted forever).
 SERVICE_RESUMES = 3
+STOP_KILL_S = 60.0  # a stopped sweep's processes still running this long after are killed
+ENDED = ("succeeded", "failed", "cancelled", "budget_stopped")  # workbench.sweep.record's
 log = logging.getLogger("workbench.course")
 
 
 class CourseSweeps:
     def __init__(self, desk: CourseDesk) -> None:
         self.desk, self.course, self.ledger = desk, desk.course, desk.ledger
+        self.meter = SweepMeter(self.course)
 
     # -- starting --------------------------------------------------------------------------------
-    def start(self, user: str, spec: Any, space: Any, options: dict[str, Any]) -> dict[str, Any]:
-        """Hold the sweep's budget, then start the sweep with that budget; a refused hold starts
-        nothing and writes no sweep directory."""
-        from workbench.course.policy import admit
+    def start(self, user: str, spec: Any, sweep_space: Any, options: dict[str, Any]) -> dict[str, Any]:
+        """Hold the sweep's budget, then start it as the student with that budget; a refused hold
+        starts nothing and writes no sweep directory."""
+        from workbench.course.policy import admit, cards, hourly_rate
 
         student = self.desk._student(user)
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
             raise CourseError(f"a course sweep takes {', '.join(OPTIONS)}, not {unknown}")
+        concurrent = options.get("concurrent", 1)
+        if isinstance(concurrent, bool) or not isinstance(concurrent, int) or concurrent < 1:
+            raise CourseError(f"concurrent must be a whole number of trials at once, not "
+                              f"{concurrent!r}")
         with self.desk._lock(student):
-            # The trials run in the service's own home, with its rights: their spec may name
-            # nothing of the student's space (model, data, eval files, lm-eval task files,
-            # snapshot storage), only what the course file lists.
-            base = admit(self.course, None, spec)
-            concurrent = options.get("concurrent", 1)
-            if isinstance(concurrent, int) and not isinstance(concurrent, bool):
-                self.desk._check_concurrent(student, more=concurrent)
-            amount = self._amount(student, base, space, options)
+            base = admit(self.course, str(space(self.course, student)), spec)
+            self.desk._check_concurrent(student, more=concurrent)
+            amount = self._amount(student, base, sweep_space, options)
             hold_id = self.desk._hold(student, amount, f"sweep {base.name}")
+            request = {"verb": "sweep", "spec": base.model_dump(mode="json"),
+                       "sweep_space": sweep_space,
+                       "options": {**options, "budget": amount / self.course.minor_per_unit}}
             try:
-                from workbench.sweep.start import sweep
-
-                s = sweep(base, space=space, **{**options,
-                                                "budget": amount / self.course.minor_per_unit})
+                answer = Worker(self.course, student, request, gpus=cards(base) > 0,
+                                env={"WORKBENCH_STANDBY": "0"}).answer()
             except BaseException:
                 self.ledger.settle(hold_id, 0, actor=SERVICE_ACTOR, note="sweep refused")
                 raise
-            self.ledger.attach_run(hold_id, s.id, str(s.record.path), kind="sweep")
-        return {"sweep": s.id, "student": student, "hold": amount,
+            self.ledger.attach_run(hold_id, answer["sweep"], answer["record"], kind="sweep")
+            a = SweepAttempt(hold_id, student, pwd.getpwnam(student).pw_uid, answer["sweep"],
+                             hourly_rate(base), amount, concurrent, cards(base) > 0,
+                             {"spec": request["spec"], "space": sweep_space})
+            if answer.get("controller"):
+                self.meter.add_controller(a, tuple(answer["controller"]))  # type: ignore[arg-type]
+            else:
+                self.meter.save(a)
+        return {"sweep": answer["sweep"], "student": student, "hold": amount,
                 "hold_text": self.course.money(amount), "currency": self.course.currency}
 
     def _amount(self, student: str, base: Any, space: Any, options: dict[str, Any]) -> int:
@@ -142,188 +153,123 @@ class CourseSweeps:
         return [self._view(h) for h in self.ledger.holds(who) if h.kind == "sweep"]
 
     def _view(self, h: RunHold) -> dict[str, Any]:
+        """The sweep as its (student-written) record shows it, with what the meter billed."""
+        data = self._record(h)
+        a = self.meter.get(h.hold_id)
+        billed = attempt_view(self.meter, a)
+        trials = [{**{k: t.get(k) for k in ("number", "params", "state", "run_id", "value",
+                                            "limit")},
+                   "charge": billed.get(str(t.get("run_id")))}
+                  for t in data.get("trials") or [] if isinstance(t, dict)]
         charged = self.ledger.charged_trials(h.hold_id)
-        try:
-            data = SweepRecord(h.run_dir or "").read()
-        except (WorkbenchError, OSError, ValueError):  # its folder is gone: the ledger says why
-            data = {"trials": [], "note": next(
-                (e["note"] for e in self.ledger.entries(h.student)
-                 if e["hold_id"] == h.hold_id and e["kind"] == "release"), None)}
-        trials = [{**{k: t.get(k) for k in ("number", "params", "state", "run_id", "cost",
-                                            "value", "limit")},
-                   "charge": charged.get(t.get("run_id") or "")} for t in data["trials"]]
         return {"sweep": h.run_id, "student": h.student, "state": data.get("state"),
-                "note": data.get("note"), "error": data.get("error"), "hold": h.amount,
+                "note": data.get("note"), "error": data.get("error") or (a.why if a else None),
+                "hold": h.amount,
                 "left": None if h.charge is not None else self.ledger.hold_left(h.hold_id),
                 "charged": sum(charged.values()), "settled": h.charge is not None,
                 "trials": trials, "currency": self.course.currency}
 
+    def _record(self, h: RunHold) -> dict[str, Any]:
+        """The student's sweep.json, read only if it is the student's own file."""
+        return read_json(f"{h.run_dir}/sweep.json", h.student) if h.run_dir else {}
+
     def stop(self, user: str, sweep_id: str) -> dict[str, Any]:
-        """Cancel the sweep (its running trials too); settle() charges them and releases the
-        rest once they have ended."""
+        """Cancel the sweep as its student; the meter bills its trials until their processes
+        ended, and kills what still runs ``STOP_KILL_S`` later."""
         h = self._visible(user, sweep_id)
-        state = Sweep(SweepRecord(h.run_dir or "")).cancel()
+        a = self.meter.get(h.hold_id)
+        if a is not None and a.stopping is None:
+            a.stopping, a.why = time.time(), f"stopped by {user}"
+            self.meter.save(a)
+        state = "cancelled"
+        try:
+            state = str(Worker(self.course, h.student, {"verb": "sweep_cancel", "sweep": sweep_id,
+                                                        "wait_s": 30}).answer()["state"])
+        except CourseError as exc:  # its files are gone or broken: the meter stops it
+            log.warning("sweep %s: the student's cancel failed (%s); stopping it", sweep_id, exc)
+            if a is not None:
+                self.meter.stop(a, signal.SIGTERM)
         return {"sweep": sweep_id, "state": state}
 
     # -- settling ---------------------------------------------------------------------------------
     def settle(self) -> list[str]:
-        """Charge every ended trial of every open sweep hold; resume a sweep whose controller
-        died, or end it when it cannot go on; release a hold whose sweep ended with every trial's
-        bill in. The ids charged, resumed or released."""
+        """Meter every open sweep, charge its ended trials; resume a sweep whose controller died,
+        or release the rest of a hold whose sweep has nothing left running. The ids charged,
+        resumed or released."""
         done: list[str] = []
         for h in self.ledger.holds(open_only=True):
-            if h.kind != "sweep" or not h.run_dir:
+            if h.kind != "sweep" or not h.run_id:
                 continue
             try:
-                done += self._settle_one(h, SweepRecord(h.run_dir))
+                done += self._settle_one(h)
             except Exception:  # one broken sweep must not stop the others' settling
                 log.exception("settling sweep %s failed; the next pass retries", h.run_id)
         return done
 
-    def _settle_one(self, h: RunHold, record: SweepRecord) -> list[str]:
-        if not record.path.exists():
-            return self._end_without_folder(h)
-        try:
-            data = record.read()
-        except (OSError, ValueError):  # half-written: the next pass
+    def _settle_one(self, h: RunHold) -> list[str]:
+        a = self.meter.get(h.hold_id)
+        if a is None:  # started moments ago (its meter is written next), or never started
+            if time.time() - h.at > 60:
+                self.ledger.settle(h.hold_id, 0, actor=SERVICE_ACTOR,
+                                   note=f"sweep {h.run_id}: nothing of it ran")
+                return [str(h.run_id)]
             return []
-        done = self._charge_released(h, data)
-        if data.get("state") not in ENDED:
-            if controller_alive(record):
-                return done
-            why = self._cannot_resume(data)
-            if data.get("stop_request") == "cancel":  # being stopped, or its stop died
-                data = self._end(record, data, "it was stopped", state=CANCELLED)
-            elif why is None:
-                record.write(service_resumes=int(data.get("service_resumes") or 0) + 1)
-                Sweep(record).resume()  # its own budget is the hold: it stays within it
-                log.info("sweep %s: its controller was gone; resumed", h.run_id)
-                return [*done, f"{h.run_id} resumed"]
-            else:
-                data = self._end(record, data, why)
-        return done + self._release_if_over(h, record, data)
-
-    def _charge_released(self, h: RunHold, data: dict[str, Any]) -> list[str]:
-        done = []
-        for t in data["trials"]:
-            # released: the trial's bill is final (or, its supervisor dead, its whole limit).
-            if t.get("released") and t.get("run_id") and self._charge(
-                    h, t["run_id"], float(t.get("cost") or 0.0),
-                    f"trial {t['number']} run {t['run_id']} {t.get('state')}"):
-                done.append(t["run_id"])
-        return done
-
-    def _charge(self, h: RunHold, run_id: str, cost: float, what: str) -> bool:
-        return self.ledger.charge_trial(h.hold_id, run_id, self.course.minor(cost),
-                                        actor=SERVICE_ACTOR,
-                                        note=f"sweep {h.run_id} {what}") is not None
-
-    @staticmethod
-    def _cannot_resume(data: dict[str, Any]) -> str | None:
-        """Why a sweep whose controller is gone cannot be resumed, or None when it can."""
-        from workbench.spec import RunSpec
-        from workbench.sweep.space import parse_space
-
-        resumes = int(data.get("service_resumes") or 0)
-        if resumes >= SERVICE_RESUMES:
-            return (f"its controller died again after {resumes} resumes by the course service "
-                    "(see its controller.log)")
-        try:
-            parse_space(data["space"], RunSpec.parse(data["spec"]))
-        except (WorkbenchError, KeyError, TypeError, ValueError) as exc:
-            return f"its spec or space is no longer valid ({exc})"
-        return None
-
-    def _end(self, record: Any, data: dict[str, Any], why: str,
-             state: str = FAILED) -> dict[str, Any]:
-        """End a sweep the service cannot resume: its running trials are cancelled (their bills
-        are then charged from their runs) and its record says why."""
-        from workbench.runs.jobs import get_job
-
-        for t in data["trials"]:
-            if t.get("run_id") and not t.get("released"):
-                try:
-                    job = get_job(t["run_id"])
-                    if not job.done:
-                        job.cancel()
-                except WorkbenchError:  # never registered: nothing ran under it
-                    pass
-        if state == CANCELLED:
-            return record.write(state=CANCELLED, ended=time.time())
-        error = (f"ended by the course service: {why}; the trials that ran are charged and the "
-                 "rest of the hold is released")
-        log.warning("sweep %s %s", record.id, error)
-        return record.write(state=state, ended=time.time(), error=error)
-
-    def _release_if_over(self, h: RunHold, record: Any, data: dict[str, Any]) -> list[str]:
-        """Once the sweep has ended and every trial's bill is in, release the rest of its hold.
-        A trial its (dead) controller never released is charged its run's own final bill."""
-        if data.get("state") not in ENDED:
-            return []
-        done: list[str] = []
-        charged = self.ledger.charged_trials(h.hold_id)
-        unbilled = [t for t in data["trials"] if t.get("run_id") and not t.get("released")
-                    and t["run_id"] not in charged]
-        if unbilled:
-            if controller_alive(record):  # it releases them itself
-                return []
-            for t in unbilled:
-                cost = _final_cost(t["run_id"])
-                if cost is None:
-                    return done  # still stopping: the next pass
-                if self._charge(h, t["run_id"], cost, f"trial {t['number']} run "
-                                                      f"{t['run_id']} (its controller gone)"):
-                    done.append(t["run_id"])
-        note = f"sweep {h.run_id} {data.get('state')}: the rest of the hold released"
-        if data.get("error"):
-            note += f" ({data['error']})"
+        now = time.time()
+        trials, controllers = self.meter.tick(a, now)
+        if (trials or controllers) and a.stopping is not None and now - a.stopping >= STOP_KILL_S:
+            self.meter.stop(a, signal.SIGKILL)  # a stop is final
+        done = self._charge_ended(h, a)
+        if controllers:
+            return done
+        data = self._record(h)
+        ended = data.get("state") in ENDED or data.get("stop_request") == "cancel"
+        if a.stopping is None and not a.why and not ended and a.resumes < SERVICE_RESUMES:
+            return done + self._resume(h, a)
+        if trials:
+            if a.stopping is None and not ended:  # no controller will ever end them: stop them
+                a.stopping, a.why = now, (a.why or f"its controller died again after {a.resumes} "
+                                          "resumes by the course service")
+                self.meter.stop(a, signal.SIGTERM)
+                self.meter.save(a)
+            return done
+        note = f"sweep {h.run_id} {data.get('state') or 'ended'}: the rest of the hold released"
+        if a.why:
+            note += f" ({a.why})"
         if self.ledger.settle(h.hold_id, 0, actor=SERVICE_ACTOR, note=note):
             done.append(str(h.run_id))
+        a.ended = now
+        self.meter.save(a)
         return done
 
-    def _end_without_folder(self, h: RunHold) -> list[str]:
-        """The sweep's folder is gone: its trials are found by their runs' sweep tag, stopped and
-        charged their final bills; then the rest of the hold is released, the ledger saying why."""
-        from workbench.runs.jobs import get_job
-        from workbench.runs.registry import Registry
-
-        done: list[str] = []
-        pending = False
-        for r in Registry().list_runs():
-            try:
-                job = get_job(r.id)
-                if (job.status().get("sweep") or {}).get("id") != h.run_id:
-                    continue
-                if not job.done:
-                    job.cancel()
-            except WorkbenchError:
+    def _charge_ended(self, h: RunHold, a: SweepAttempt) -> list[str]:
+        done = []
+        for key, t in a.trials.items():
+            if t.end is None or t.charged:
                 continue
-            cost = _final_cost(r.id)
-            if cost is None:
-                pending = True
-            elif self._charge(h, r.id, cost, f"run {r.id} (its sweep's folder gone)"):
-                done.append(r.id)
-        note = (f"sweep {h.run_id} ended by the course service: its folder {h.run_dir} is gone, so "
-                "it cannot be resumed; its trials' runs are charged and the rest released")
-        if not pending and self.ledger.settle(h.hold_id, 0, actor=SERVICE_ACTOR, note=note):
-            log.warning("%s", note)
-            done.append(str(h.run_id))
+            note = (f"sweep {h.run_id} trial {t.run or key}: {t.end - t.start:.0f} s metered at "
+                    f"{a.rate:g} {self.course.currency}/h")
+            if self.ledger.charge_trial(h.hold_id, key, self.meter.trial_bill(a, t),
+                                        actor=SERVICE_ACTOR, note=note) is not None:
+                done.append(t.run or key)
+            t.charged = True
+            self.meter.save(a)
         return done
 
-
-def _final_cost(run_id: str) -> float | None:
-    """A trial run's final bill; 0 for a run never registered (nothing ran); None while it has
-    not ended and released its resources yet (a run whose supervisor died before releasing them:
-    what it last billed, once it has been over for UNRELEASED_SETTLE_S, as a launch's)."""
-    from workbench.runs.jobs import get_job
-    from workbench.runs.rundir import TERMINAL
-
-    try:
-        status = get_job(run_id).status()
-    except WorkbenchError:
-        return 0.0
-    ended = status.get("state") in TERMINAL
-    stale = ended and time.time() - float(status.get("ended") or time.time()) > UNRELEASED_SETTLE_S
-    if ended and (status.get("released") or stale):
-        return float(status.get("cost") or 0.0)
-    return None
+    def _resume(self, h: RunHold, a: SweepAttempt) -> list[str]:
+        """The sweep's controller died with its sweep not ended: resume it as the student."""
+        a.resumes += 1
+        self.meter.save(a)
+        try:
+            # The worker resumes only the spec and space the course admitted (sweep.json is the
+            # student's file).
+            answer = Worker(self.course, a.student, {"verb": "sweep_resume", "sweep": h.run_id,
+                                                     "admitted": a.admitted},
+                            gpus=a.gpus, env={"WORKBENCH_STANDBY": "0"}).answer()
+        except CourseError as exc:
+            a.why = f"it could not be resumed ({exc})"
+            self.meter.save(a)
+            return []
+        if answer.get("controller"):
+            self.meter.add_controller(a, tuple(answer["controller"]))  # type: ignore[arg-type]
+        log.info("sweep %s: its controller was gone; resumed as %s", h.run_id, a.student)
+        return [f"{h.run_id} resumed"]

@@ -18,7 +18,9 @@ folder), ``serve_plan`` (runs, or adapter folders: what an endpoint of them woul
 serve, read with the student's rights), ``serve`` (runs, name, api_key, max_model_len, python: an
 endpoint of them started on this machine, its vLLM run as the student; answers its guard's
 identity at once, the service waits for it to answer), ``unserve`` (name, why, procs: that
-endpoint stopped, and every process the service recorded for it ended), ``whoami``.
+endpoint stopped, and every process the service recorded for it ended), ``sweep`` (a priced
+spec, its space, sweep()'s options: the sweep started, its controller's identity, which the
+service meters from then on), ``sweep_resume`` and ``sweep_cancel`` (a sweep), ``whoami``.
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ def handle(request: dict[str, Any]) -> dict[str, Any]:
 
         sources = [Path(s) if s.startswith("/") else get_job(s) for s in map(str, request["runs"])]
         return {"plan": plan_to_data(plan_serving(sources))}
+    if verb in ("sweep", "sweep_resume", "sweep_cancel"):
+        return _sweep(verb, request)
     if verb == "serve":
         return _serve(request)
     if verb == "unserve":
@@ -114,6 +118,39 @@ def handle(request: dict[str, Any]) -> dict[str, Any]:
             return {"error": "EvaluationError", "message": f"workbench eval exited {rc}"}
         return {"run": job.id}
     return {"error": "BadRequest", "message": f"unknown request {verb!r}"}
+
+
+def _sweep(verb: str, request: dict[str, Any]) -> dict[str, Any]:
+    """Start, resume or cancel a sweep. A started controller is named (pid, start time) from this
+    process's own children, not from the sweep's files, which the student can write."""
+    import psutil
+
+    from workbench.spec import RunSpec
+    from workbench.sweep.handle import get_sweep
+    from workbench.sweep.start import sweep
+
+    before = {c.pid for c in psutil.Process().children()}
+    if verb == "sweep":
+        s = sweep(RunSpec.parse(request["spec"]), space=request["sweep_space"],
+                  **request.get("options", {}))
+    else:
+        s = get_sweep(str(request["sweep"]))
+        if verb == "sweep_cancel":
+            return {"sweep": s.id, "state": s.cancel(timeout=float(request.get("wait_s", 30)))}
+        from workbench.sweep.space import parse_space
+
+        data, admitted = s.data(), request.get("admitted") or {}
+        spec = RunSpec.parse(admitted.get("spec") or {})
+        space = {p.path: p.to_dict() for p in parse_space(admitted.get("space"), spec)}
+        if data["spec"] != spec.model_dump(mode="json") or data["space"] != space:
+            return {"error": "CourseError",
+                    "message": f"sweep {s.id}'s sweep.json changed after the course admitted it; "
+                               "it is not resumed (start a new sweep)"}
+        s = s.resume()
+    started = [(c.pid, c.create_time()) for c in psutil.Process().children()
+               if c.pid not in before]
+    return {"sweep": s.id, "record": str(s.record.path), "state": s.state,
+            "controller": list(started[0]) if started else None}
 
 
 def _serve(request: dict[str, Any]) -> dict[str, Any]:
