@@ -244,6 +244,25 @@ def published_rows(smoke: bool, folder: Path | None) -> dict[str, Any]:
             "stderr_tail": done.stderr[-2000:] if done.returncode else ""}
 
 
+def launched_run(on_gpu: bool) -> dict[str, Any]:
+    """The built-in tiny run launched the ordinary way (a standby start, then the go) on one
+    card: it must succeed, and its bill must start no earlier than its run directory (the cards
+    are leased at the go, after launch planned and prepared the data)."""
+    import workbench
+
+    with tempfile.TemporaryDirectory() as home:
+        os.environ["WORKBENCH_HOME"] = home
+        resources = {"gpus_per_node": 1} if on_gpu else {"processes_per_node": 1}
+        job = workbench.launch({"name": "gpu-check", "resources": resources,
+                                "train": {"max_steps": 20}})
+        state = job.wait(timeout=900)
+        status = job.status()
+    ok = state == "succeeded" and status["attempt_started"] >= status["created"] - 0.01
+    return {"state": state, "created": status["created"],
+            "attempt_started": status["attempt_started"], "billed_s": status.get("billed_s"),
+            "bill_from_the_lease": ok if on_gpu else None}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny model; runs on CPU in seconds")
@@ -308,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     result["liger"] = liger_side_by_side(cfg["model"], device,
                                          getattr(torch, precision.load_dtype), data, cfg,
                                          precision.amp)
+    result["launched"] = launched_run(on_gpu)
     if not args.no_published:
         if on_gpu:  # the card as free as this process can leave it for the other one
             torch.cuda.empty_cache()

@@ -36,6 +36,8 @@ def test_smoke_mode_measures_everything_on_cpu(tmp_path, wb_home):
     assert snap["stall_s"] >= 0
     assert snap["async_equals_sync"]  # the background writer wrote the same weights
     assert "wrote" in done.stdout
+    # The ordinary launch path ran the built-in run to the end (on a GPU: billed from the lease).
+    assert r["launched"]["state"] == "succeeded", r["launched"]
     # Liger's side by side needs CUDA: on CPU it says why it was skipped instead of a figure.
     assert "CUDA" in r["liger"]["skipped"] and "liger_over_plain" not in r["liger"]
     # The published rows ran in their own process, in their dry run, beside this JSON.

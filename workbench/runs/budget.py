@@ -4,9 +4,12 @@ GPU runs are priced per card-hour from ``budget.price_per_gpu_hour`` or else the
 (:mod:`workbench.targets.gpus`, editable in WORKBENCH_HOME/gpus.yaml); CPU runs per process-core-hour from
 ``budget.price_per_cpu_core_hour`` (default 0).
 
-An attempt is billed from the moment its supervisor starts (it then holds the resources: on Slurm
-the allocation starts it) to the moment it exits: start-up, training, every automatic restart,
-saving and the reproduce bundle. The status-writing supervisor owns the bill (:class:`AttemptBill`):
+An attempt is billed from the moment its resources are held to the moment its supervisor exits:
+start-up, training, every automatic restart, saving and the reproduce bundle. The resources are
+held from the supervisor's start (on Slurm the allocation starts it; a CPU run's ranks use their
+cores from then on), except for a GPU run started on a standby (:mod:`workbench.runs.standby`),
+whose ranks wait on the CPU while launch plans and prepares the data: its cards are leased at
+the go, and it is billed from then. The status-writing supervisor owns the bill (:class:`AttemptBill`):
 it records ``attempt_started`` and ``billed_before_s`` (what earlier attempts billed) in
 status.json, rewrites ``billed_s``/``cost`` every few seconds and writes the final bill just before
 it exits. The ranks compute the same running cost from that baseline (:class:`Billing`), so their
@@ -168,7 +171,8 @@ class AttemptBill:
     ``close`` just before it exits. A supervisor that does not write status.json (nodes other
     than 0) bills nothing: node 0's price covers every node."""
 
-    def __init__(self, rd: Any, spec: RunSpec, writes_status: bool = True) -> None:
+    def __init__(self, rd: Any, spec: RunSpec, writes_status: bool = True,
+                 since: float | None = None) -> None:
         self.rd, self.active = rd, writes_status
         self.price_per_hour, self.currency = hourly_price(spec)
         self.limit = spec.budget.limit
@@ -176,8 +180,9 @@ class AttemptBill:
         self._written = 0.0
         import psutil
 
-        # From the process's own start: its interpreter and imports hold the resources too.
-        self.start = psutil.Process().create_time()
+        # From the process's own start (its interpreter and imports hold the resources too), or
+        # from ``since``: when a standby's cards were leased.
+        self.start = since or psutil.Process().create_time()
         self.before = 0.0
         if self.active:
             status = rd.status() if rd.status_file.exists() else {}

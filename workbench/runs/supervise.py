@@ -132,7 +132,10 @@ def supervise(run_dir: str, role: NodeRole | None = None, standby: Ranks | None 
         if role.writes_status:
             rd.update_status(_ended_on_request)
         return 0
-    bill = AttemptBill(rd, spec, role.writes_status)  # the resources are held from now on
+    # The resources are held from now on: a CPU run's since the supervisor started, a standby's
+    # cards from the go (its ranks waited on the CPU while launch planned and prepared the data).
+    since = time.time() if standby is not None and spec.resources.gpus_per_node else None
+    bill = AttemptBill(rd, spec, role.writes_status, since=since)
     try:
         gpus = _lease_gpus(rd, spec, me)
     except ResourceError as exc:  # other local runs hold the cards: nothing started, say who
