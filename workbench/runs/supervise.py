@@ -134,8 +134,8 @@ def supervise(run_dir: str, role: NodeRole | None = None, standby: Ranks | None 
         return 0
     # The resources are held from now on: a CPU run's since the supervisor started, a standby's
     # cards from the go (its ranks waited on the CPU while launch planned and prepared the data).
-    since = time.time() if standby is not None and spec.resources.gpus_per_node else None
-    bill = AttemptBill(rd, spec, role.writes_status, since=since)
+    leased_at = time.time() if standby is not None and spec.resources.gpus_per_node else None
+    bill = AttemptBill(rd, spec, role.writes_status, since=leased_at)
     try:
         gpus = _lease_gpus(rd, spec, me)
     except ResourceError as exc:  # other local runs hold the cards: nothing started, say who
