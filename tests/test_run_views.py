@@ -103,12 +103,15 @@ def test_rank_logs_and_the_kernel_side_carry_no_known_library_noise(finished_run
     code = ("import workbench, deepspeed\n"
             "from workbench.serve.infer import load_chat_model\n"
             f"load_chat_model(workbench.get_job({finished_run.id!r}))\n"
+            "load_chat_model('builtin:tiny-llama')\n"
             "print('loaded')\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={**os.environ, "PYTHONWARNINGS": "default"}, timeout=300)
     assert proc.returncode == 0 and "loaded" in proc.stdout, proc.stderr[-3000:]
     output = proc.stdout + proc.stderr
     assert not [n for n in NOISE if n in output], output[-3000:]
+    # A small model loads in a second: no progress bar above the notebook's next output.
+    assert "Loading weights" not in output, output[-3000:]
 
 
 def test_eval_every_zero_means_only_at_the_end_and_negative_is_refused() -> None:

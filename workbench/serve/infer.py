@@ -46,6 +46,18 @@ class ChatModel:
     __call__ = generate
 
 
+def _loading(model: str) -> Any:
+    """Around loading ``model``: a small one (under 1 GB of weights, a second or so) shows no
+    progress bar above a notebook's output; a large one keeps transformers' bar."""
+    import contextlib
+
+    from workbench.train.quiet import no_progress_bars
+
+    folder = Path(model)
+    size = sum(f.stat().st_size for f in folder.glob("*.safetensors")) if folder.is_dir() else 0
+    return no_progress_bars() if folder.is_dir() and size < 1e9 else contextlib.nullcontext()
+
+
 def load_chat_model(source: Any) -> ChatModel:
     """Load a base model id/folder, a run's artefact folder (adapter or full model), or a Job."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -75,12 +87,15 @@ def load_chat_model(source: Any) -> ChatModel:
             path / "workbench.json").is_file() else {}
         cfg = json.loads((path / "adapter_config.json").read_text())
         base = meta.get("base_model") or cfg["base_model_name_or_path"]
-        model: Any = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(path))
+        with _loading(resolve_model(str(base))):
+            model: Any = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base),
+                                                   str(path))
         tok = AutoTokenizer.from_pretrained(str(path))
         name = str(path)
     else:
         resolved = resolve_model(str(source))
-        model = AutoModelForCausalLM.from_pretrained(resolved)
+        with _loading(resolved):
+            model = AutoModelForCausalLM.from_pretrained(resolved)
         tok = AutoTokenizer.from_pretrained(resolved)
         name = str(source)
     ensure_chat_template(tok)
