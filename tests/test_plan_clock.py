@@ -254,8 +254,11 @@ def test_the_measured_step_is_fed_the_batch_the_runs_collator_builds(monkeypatch
     # forward calls (warm-up left out), the optimizer, loader and callbacks in it. Its forward +
     # backward share is less. (The step measured forward + backward alone for a while, the two
     # swapped on their way to the plan, and planned the run's step 20-30 % short: issue 21.)
+    # The two medians cover the same steps but the last (it has no next forward), over 4 to 6
+    # steps: on a loaded machine one slow step moves either by up to ~20 %. Forward + backward
+    # alone was 20-30 % short of the step, and must be shorter than it.
     gaps = [b - a for a, b in zip(starts[3:], starts[4:], strict=False)]
-    assert step == pytest.approx(statistics.median(gaps), rel=0.15), (step, gaps)
+    assert step == pytest.approx(statistics.median(gaps), rel=0.25), (step, gaps)
     assert 0 < fwd_bwd < step
     # Every step of the Trainer's (warm-up and timed) got the run's micro-batch: built here from
     # three 20-token rows by the run's own pack (packed) or plain rows (unpacked) and Collator.
