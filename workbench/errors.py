@@ -43,6 +43,11 @@ class DatasetFormatError(DatasetError):
     """A row of a dataset does not have the fields its format needs."""
 
 
+class ImageDataError(DatasetFormatError):
+    """An image a row names is missing, unreadable or not an image, or a row's images and its
+    image marks do not match; the message names the row and the file and says what to do."""
+
+
 class EmptyDatasetError(DatasetError):
     """A dataset (or what is left of it after cleaning or splitting) has no rows."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 TINY_LLAMA_CONFIG: dict = {
@@ -48,15 +49,21 @@ def builtin_model_path(name: str = "builtin:tiny-llama") -> Path:
         raise ModelNotFoundError(
             f"unknown built-in model {name!r}; the built-in is 'builtin:tiny-llama'"
         )
+    return built_once("tiny-llama", _VERSION, build_tiny_model)
+
+
+def built_once(name: str, version: str, build: Callable[[Path], None]) -> Path:
+    """WORKBENCH_HOME/assets/NAME, written by ``build`` into a folder of its own the first time
+    (or when ``version`` changed), then renamed into place."""
     from workbench.runs.home import assets_dir
 
-    path = assets_dir() / "tiny-llama"
-    if (path / f".built-v{_VERSION}").is_file():
+    path = assets_dir() / name
+    if (path / f".built-v{version}").is_file():
         return path
-    tmp = path.with_name(f"tiny-llama.tmp{os.getpid()}")
+    tmp = path.with_name(f"{name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    build_tiny_model(tmp)
-    (tmp / f".built-v{_VERSION}").write_text("ok\n")
+    build(tmp)
+    (tmp / f".built-v{version}").write_text("ok\n")
     # Another process may have built it meanwhile; either copy is identical (fixed seed).
     if path.exists():
         shutil.rmtree(tmp, ignore_errors=True)
