@@ -303,3 +303,27 @@ def test_a_sweep_whose_controller_dies_and_cannot_be_resumed_is_ended_and_charge
         assert release["kind"] == "release" and "could not be resumed" in release["note"]
     finally:
         ctl.close()
+
+
+def test_a_trial_whose_controller_died_before_the_meter_saw_it_is_still_billed(
+        sweeps: CourseSweeps, tmp_path: Path) -> None:
+    """A supervisor the controller started and then lost (killed before a settle pass saw the
+    child) is found among the student's processes by the run it names, a trial of the sweep, and
+    billed from its own start time."""
+    a = _sweep(sweeps, tmp_path, 600, 36.0, None, trials=[{"number": 0, "run_id": "run-0"}])
+    orphan = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()",
+                               "workbench.runs.supervise", str(tmp_path / "runs" / "run-0")],
+                              stdin=subprocess.PIPE, start_new_session=True)
+    try:
+        started = psutil.Process(orphan.pid).create_time()
+        sweeps.settle()
+        got = sweeps.meter.get(a.hold_id)
+        assert got is not None and [t.run for t in got.trials.values()] == ["run-0"]
+        assert [t.start for t in got.trials.values()] == [started]
+    finally:
+        assert orphan.stdin is not None
+        orphan.stdin.close()
+        orphan.wait(timeout=30)
+    wait_until("the orphan's trial to be settled", lambda: _settled(sweeps), 60)
+    [fen] = sweeps.ledger.charged_trials(a.hold_id).values()
+    assert fen >= 1

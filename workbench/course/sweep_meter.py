@@ -121,10 +121,15 @@ class SweepMeter:
         return min(a.hold, sum(self.trial_bill(a, t, until) for t in a.trials.values()))
 
     # -- watching --------------------------------------------------------------------------------
-    def tick(self, a: SweepAttempt, now: float | None = None) -> tuple[bool, bool]:
+    def tick(self, a: SweepAttempt, now: float | None = None,
+             runs: set[str] | None = None) -> tuple[bool, bool]:
         """Look at the sweep's processes once: whether any trial, and whether any of its
-        controllers' processes, still runs."""
+        controllers' processes, still runs. ``runs``: the sweep's trial runs by name; a
+        supervisor of one of them that the walk missed (its controller died before the meter saw
+        it start) is adopted, billed from its own start time."""
         now = now or time.time()
+        if runs:
+            adopt_orphans(a, runs)
         trials = False
         for t in a.trials.values():
             if t.end is not None:
@@ -201,6 +206,24 @@ def follow_controllers(a: SweepAttempt) -> list[Ident]:
             a.controllers.append(ident)
         alive.append(ident)
     return alive
+
+
+def adopt_orphans(a: SweepAttempt, runs: set[str]) -> None:
+    """Add as trials the student's run supervisors (session leaders running
+    ``workbench.runs.supervise`` on a run named in ``runs``) the meter does not follow yet."""
+    known = {p for t in a.trials.values() for p in t.procs}
+    for p in psutil.process_iter(["uids", "cmdline", "create_time"]):
+        try:
+            if p.info["uids"] is None or p.info["uids"].real != a.uid:
+                continue
+            argv = p.info["cmdline"] or []
+            ident = (p.pid, float(p.info["create_time"]))
+            if (ident in known or _run_label(argv) not in runs
+                    or os.getsid(p.pid) != p.pid):
+                continue
+        except (psutil.Error, OSError):
+            continue
+        a.trials[f"{ident[0]}@{ident[1]:.3f}"] = Trial(ident[1], [ident], _run_label(argv))
 
 
 def _trial_of(a: SweepAttempt, parent: int) -> Trial | None:
