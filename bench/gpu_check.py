@@ -250,13 +250,20 @@ def launched_run(on_gpu: bool) -> dict[str, Any]:
     are leased at the go, after launch planned and prepared the data)."""
     import workbench
 
+    before = os.environ.get("WORKBENCH_HOME")
     with tempfile.TemporaryDirectory() as home:
         os.environ["WORKBENCH_HOME"] = home
-        resources = {"gpus_per_node": 1} if on_gpu else {"processes_per_node": 1}
-        job = workbench.launch({"name": "gpu-check", "resources": resources,
-                                "train": {"max_steps": 20}})
-        state = job.wait(timeout=900)
-        status = job.status()
+        try:
+            resources = {"gpus_per_node": 1} if on_gpu else {"processes_per_node": 1}
+            job = workbench.launch({"name": "gpu-check", "resources": resources,
+                                    "train": {"max_steps": 20}})
+            state = job.wait(timeout=900)
+            status = job.status()
+        finally:  # the checks after this one use the home they were given
+            if before is None:
+                os.environ.pop("WORKBENCH_HOME", None)
+            else:
+                os.environ["WORKBENCH_HOME"] = before
     ok = state == "succeeded" and status["attempt_started"] >= status["created"] - 0.01
     return {"state": state, "created": status["created"],
             "attempt_started": status["attempt_started"], "billed_s": status.get("billed_s"),

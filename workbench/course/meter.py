@@ -115,7 +115,7 @@ class Meter:
                 self._stop_at_hold(a, alive, now_)
                 holder_gone = not a.procs or a.procs[0] not in alive
                 if holder_gone:
-                    self._signal(alive, signal.SIGKILL)
+                    send(alive, signal.SIGKILL)
                 a.last_seen = now_
             else:
                 a.end = now_
@@ -132,19 +132,20 @@ class Meter:
         deadline = a.start + (a.hold / self.course.minor_per_unit) / a.rate * 3600 - KILL_MARGIN_S
         if a.stopping is None and now >= deadline:
             a.stopping, a.why = now, "stopped by the course at its hold"
-            self._signal(alive, signal.SIGTERM)
+            send(alive, signal.SIGTERM)
         elif a.stopping is not None and now - a.stopping >= GRACE_S:
-            self._signal(alive, signal.SIGKILL)
+            send(alive, signal.SIGKILL)
 
-    @staticmethod
-    def _signal(procs: list[tuple[int, float]], sig: int) -> None:
-        for pid, started in procs:
-            try:
-                p = psutil.Process(pid)
-                if abs(p.create_time() - started) <= 0.05:
-                    p.send_signal(sig)
-            except psutil.Error:
-                continue
+
+def send(procs: list[tuple[int, float]], sig: int) -> None:
+    """Signal each of ``procs`` (pid, start time) that is still that process."""
+    for pid, started in procs:
+        try:
+            p = psutil.Process(pid)
+            if abs(p.create_time() - started) <= 0.05:
+                p.send_signal(sig)
+        except psutil.Error:
+            continue
 
 
 def follow(procs: list[tuple[int, float]]) -> list[tuple[int, float]]:

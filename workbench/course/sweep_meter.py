@@ -18,7 +18,7 @@ meter follows the controller by identity (pid and start time) and, each tick
 - when the ended trials' bills plus the running ones' (``KILL_MARGIN_S`` ahead) would reach the
   hold, every process of the sweep is stopped (TERM, then KILL ``GRACE_S`` later).
 
-What a trial is charged is :meth:`SweepMeter.bill` of it, whole minor units rounded up; the
+What a trial is charged is :meth:`SweepMeter.trial_bill` of it, whole minor units rounded up; the
 ledger caps the sweep's charges at its hold. The records live in the service's state folder
 (``sweep-meters/HOLD.json``), so a restarted service goes on where it was; a trial that ended
 while the service was down is billed until the service came back, as a launch is
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from workbench.course.meter import GRACE_S, KILL_MARGIN_S, Meter, follow
+from workbench.course.meter import GRACE_S, KILL_MARGIN_S, follow, send
 from workbench.course.records import Records
 
 if TYPE_CHECKING:
@@ -92,12 +92,6 @@ class SweepMeter:
                           for k, t in data["trials"].items()}
         return SweepAttempt(**data)
 
-    def begin(self, hold_id: int, student: str, uid: int, sweep: str, controller: Ident,
-              rate: float, hold: int, concurrent: int) -> SweepAttempt:
-        a = SweepAttempt(hold_id, student, uid, sweep, rate, hold, concurrent)
-        self.add_controller(a, controller)
-        return a
-
     def add_controller(self, a: SweepAttempt, controller: Ident) -> None:
         """Follow ``controller`` (the student's: checked) from now on."""
         pid, started = int(controller[0]), float(controller[1])
@@ -116,10 +110,6 @@ class SweepMeter:
         end = until or t.end or time.time()
         return self.course.minor(a.rate * max(0.0, end - t.start) / 3600)
 
-    def bill(self, a: SweepAttempt, until: float | None = None) -> int:
-        """The whole sweep's bill so far (minor units), never past its hold."""
-        return min(a.hold, sum(self.trial_bill(a, t, until) for t in a.trials.values()))
-
     # -- watching --------------------------------------------------------------------------------
     def tick(self, a: SweepAttempt, now: float | None = None,
              runs: set[str] | None = None) -> tuple[bool, bool]:
@@ -136,7 +126,7 @@ class SweepMeter:
                 continue
             alive = follow(t.procs)
             if alive and t.procs[0] not in alive:  # its supervisor is gone: so is the run
-                _signal(alive, signal.SIGKILL)
+                send(alive, signal.SIGKILL)
             if alive:
                 trials = True
             else:
@@ -163,7 +153,7 @@ class SweepMeter:
         """Signal every process of the sweep still running (its controllers and trials)."""
         procs = list(a.controllers) + [p for t in a.trials.values() if t.end is None
                                        for p in t.procs]
-        _signal(procs, sig)
+        send(procs, sig)
 
 
 def follow_controllers(a: SweepAttempt) -> list[Ident]:
@@ -201,7 +191,7 @@ def follow_controllers(a: SweepAttempt) -> list[Ident]:
         if owner is not None:
             owner.procs.append(ident)
         elif parent in root_pids and leader:
-            a.trials[f"{ident[0]}@{ident[1]:.3f}"] = Trial(ident[1], [ident], _run_label(argv))
+            _add_trial(a, ident, argv)
         else:
             a.controllers.append(ident)
         alive.append(ident)
@@ -223,7 +213,13 @@ def adopt_orphans(a: SweepAttempt, runs: set[str]) -> None:
                 continue
         except (psutil.Error, OSError):
             continue
-        a.trials[f"{ident[0]}@{ident[1]:.3f}"] = Trial(ident[1], [ident], _run_label(argv))
+        _add_trial(a, ident, argv)
+
+
+def _add_trial(a: SweepAttempt, supervisor: Ident, argv: list[str]) -> None:
+    """A new trial, held by ``supervisor`` from its start time; keyed by its identity."""
+    a.trials[f"{supervisor[0]}@{supervisor[1]:.3f}"] = Trial(supervisor[1], [supervisor],
+                                                             _run_label(argv))
 
 
 def _trial_of(a: SweepAttempt, parent: int) -> Trial | None:
@@ -238,10 +234,6 @@ def _run_label(argv: list[str]) -> str:
     if "workbench.runs.supervise" in argv and argv[-1] != "workbench.runs.supervise":
         return Path(argv[-1]).name
     return ""
-
-
-def _signal(procs: list[Ident], sig: int) -> None:
-    Meter._signal(procs, sig)
 
 
 def attempt_view(meter: SweepMeter, a: SweepAttempt | None) -> dict[str, Any]:

@@ -41,6 +41,7 @@ from workbench.course.students import Worker, read_json, space
 from workbench.course.sweep_meter import SweepAttempt, SweepMeter, attempt_view
 from workbench.errors import CourseError
 from workbench.runs.ledger import RunHold
+from workbench.sweep.record import ENDED
 
 # sweep()'s keyword arguments a student may give (target goes in the spec).
 OPTIONS = ("strategy", "trials", "objective", "direction", "budget", "concurrent", "seed",
@@ -52,7 +53,6 @@ NOT_SWEEPABLE = ("method.rewards", "data.sources", "data.clean")
 # controller that dies at every start must not be restarted forever).
 SERVICE_RESUMES = 3
 STOP_KILL_S = 60.0  # a stopped sweep's processes still running this long after are killed
-ENDED = ("succeeded", "failed", "cancelled", "budget_stopped")  # workbench.sweep.record's
 log = logging.getLogger("workbench.course")
 
 
