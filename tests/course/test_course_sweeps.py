@@ -26,6 +26,7 @@ from workbench.course.desk import CourseDesk
 from workbench.course.sweep_meter import SweepAttempt
 from workbench.course.sweeps import CourseSweeps
 from workbench.errors import CourseError, InsufficientCreditError, RunNotFoundError
+from workbench.runs.launching import _new_run_id
 from workbench.runs.ledger import Ledger
 
 ME = pwd.getpwuid(os.getuid()).pw_name  # the "student" whose processes these are
@@ -305,25 +306,43 @@ def test_a_sweep_whose_controller_dies_and_cannot_be_resumed_is_ended_and_charge
         ctl.close()
 
 
+def _supervisor(run_dir: Path) -> subprocess.Popen:
+    """A stand-in run supervisor: a session leader whose command line names ``run_dir`` as
+    ``python -m workbench.runs.supervise RUN_DIR`` does; it ends when its stdin is closed."""
+    return subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()",
+                             "workbench.runs.supervise", str(run_dir)],
+                            stdin=subprocess.PIPE, start_new_session=True)
+
+
+def _end(proc: subprocess.Popen) -> None:
+    assert proc.stdin is not None
+    proc.stdin.close()
+    proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("recorded", ["run_id", "run_name only"])
 def test_a_trial_whose_controller_died_before_the_meter_saw_it_is_still_billed(
-        sweeps: CourseSweeps, tmp_path: Path) -> None:
+        sweeps: CourseSweeps, tmp_path: Path, recorded: str) -> None:
     """A supervisor the controller started and then lost (killed before a settle pass saw the
     child) is found among the student's processes by the run it names, a trial of the sweep, and
-    billed from its own start time."""
-    a = _sweep(sweeps, tmp_path, 600, 36.0, None, trials=[{"number": 0, "run_id": "run-0"}])
-    orphan = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()",
-                               "workbench.runs.supervise", str(tmp_path / "runs" / "run-0")],
-                              stdin=subprocess.PIPE, start_new_session=True)
+    billed from its own start time: by the run's id, or, killed before the record got the id, by
+    the name the trial was given before its launch (the run's directory is that name, a launch
+    time and 4 hex digits, as launch() makes it). Another run's supervisor is not adopted."""
+    run_id = _new_run_id("sw-ab12-t0")
+    trial = ({"number": 0, "run_name": "sw-ab12-t0", "run_id": run_id} if recorded == "run_id"
+             else {"number": 0, "run_name": "sw-ab12-t0", "state": "waiting"})
+    a = _sweep(sweeps, tmp_path, 600, 36.0, None, trials=[trial])
+    orphan = _supervisor(tmp_path / "runs" / run_id)
+    other = _supervisor(tmp_path / "runs" / _new_run_id("sw-ab12-t01"))
     try:
         started = psutil.Process(orphan.pid).create_time()
         sweeps.settle()
         got = sweeps.meter.get(a.hold_id)
-        assert got is not None and [t.run for t in got.trials.values()] == ["run-0"]
+        assert got is not None and [t.run for t in got.trials.values()] == [run_id]
         assert [t.start for t in got.trials.values()] == [started]
     finally:
-        assert orphan.stdin is not None
-        orphan.stdin.close()
-        orphan.wait(timeout=30)
+        _end(orphan)
+        _end(other)
     wait_until("the orphan's trial to be settled", lambda: _settled(sweeps), 60)
     [fen] = sweeps.ledger.charged_trials(a.hold_id).values()
     assert fen >= 1

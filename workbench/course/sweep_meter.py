@@ -28,6 +28,7 @@ while the service was down is billed until the service came back, as a launch is
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from dataclasses import asdict, dataclass, field
@@ -200,7 +201,10 @@ def follow_controllers(a: SweepAttempt) -> list[Ident]:
 
 def adopt_orphans(a: SweepAttempt, runs: set[str]) -> None:
     """Add as trials the student's run supervisors (session leaders running
-    ``workbench.runs.supervise`` on a run named in ``runs``) the meter does not follow yet."""
+    ``workbench.runs.supervise`` on a run of ``runs``) the meter does not follow yet. ``runs``
+    holds run ids, and the names the sweep gives a trial's run before launching it: a run's
+    directory is its name, a launch time and 4 hex digits (workbench.runs.launching), so a
+    supervisor started before the record got its run id is still found."""
     known = {p for t in a.trials.values() for p in t.procs}
     for p in psutil.process_iter(["uids", "cmdline", "create_time"]):
         try:
@@ -208,12 +212,23 @@ def adopt_orphans(a: SweepAttempt, runs: set[str]) -> None:
                 continue
             argv = p.info["cmdline"] or []
             ident = (p.pid, float(p.info["create_time"]))
-            if (ident in known or _run_label(argv) not in runs
+            if (ident in known or not _names_one_of(_run_label(argv), runs)
                     or os.getsid(p.pid) != p.pid):
                 continue
         except (psutil.Error, OSError):
             continue
         _add_trial(a, ident, argv)
+
+
+_LAUNCHED = re.compile(r"(.+)-\d{8}-\d{6}-[0-9a-f]{4}")  # NAME-YYYYmmdd-HHMMSS-hhhh
+
+
+def _names_one_of(label: str, runs: set[str]) -> bool:
+    """Whether the run directory ``label`` is one of ``runs``, by id or by its launch name."""
+    if not label:
+        return False
+    named = _LAUNCHED.fullmatch(label)
+    return label in runs or (named is not None and named.group(1) in runs)
 
 
 def _add_trial(a: SweepAttempt, supervisor: Ident, argv: list[str]) -> None:

@@ -215,10 +215,10 @@ class CourseSweeps:
                 return [str(h.run_id)]
             return []
         now = time.time()
-        # The trials' run names, from the student's record (a label: naming more only adds
-        # processes of theirs to their own bill).
-        runs = {str(t.get("run_id")) for t in self._record(h).get("trials") or []
-                if isinstance(t, dict) and t.get("run_id")}
+        # The trials' run ids and the names given them before their launch, from the student's
+        # record (a label: naming more only adds processes of theirs to their own bill).
+        runs = {str(t.get(key)) for t in self._record(h).get("trials") or []
+                if isinstance(t, dict) for key in ("run_id", "run_name") if t.get(key)}
         trials, controllers = self.meter.tick(a, now, runs)
         if (trials or controllers) and a.stopping is not None and now - a.stopping >= STOP_KILL_S:
             self.meter.stop(a, signal.SIGKILL)  # a stop is final
