@@ -5,7 +5,9 @@ model with LoRA and full fine-tuning, 1 and 2 processes, two packed sequence len
 ~0.5B-parameter Qwen2-shaped model (Qwen2.5-0.5B's config, random weights, built locally with
 ``save_pretrained``: nothing is downloaded) for a few LoRA and full steps. Every case is planned
 twice before any run, in a WORKBENCH_HOME of its own (no earlier runs to learn from): from the
-GPU table ("table") and after ``calibrate("local", spec=...)`` ("calibrated"). Each run then
+first plan of a fresh home ("table": a model under 30 M parameters has its bare step timed
+and gets a range, ``step_in_range`` below; a larger one is planned from the GPU table) and
+after ``calibrate("local", spec=...)`` ("calibrated"). Each run then
 gives the measured figures:
 
   step_s     median interval between consecutive training steps in metrics.jsonl (the first
@@ -105,7 +107,8 @@ def planned(p: Any) -> dict[str, Any]:
     return {"step_s": c.get("step_s"), "startup_s": c.get("startup_s"),
             "total_s": c.get("total_s"), "scoring_s": c.get("scoring_s"), "cost": p.cost,
             "memory_gib": p.memory.total,
-            "tokens_per_step": p.tokens_per_step, "basis": c.get("basis")}
+            "tokens_per_step": p.tokens_per_step, "basis": c.get("basis"),
+            "step_range_s": c.get("step_range_s")}  # a first plan's guess gives a range
 
 
 def measure(job: Any) -> dict[str, Any]:
@@ -144,12 +147,14 @@ def _eval_rows(rd: Any) -> list[dict[str, Any]]:
     return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
 
 
-def errors(plan_: dict[str, Any], meas: dict[str, Any]) -> dict[str, float | None]:
+def errors(plan_: dict[str, Any], meas: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for k in ("step_s", "startup_s", "total_s", "scoring_s", "cost", "memory_gib",
               "tokens_per_step"):
         p, m = plan_.get(k), meas.get(k)
         out[k] = round(p / m - 1, 4) if p and m else None
+    low_high, step = plan_.get("step_range_s"), meas.get("step_s")
+    out["step_in_range"] = (low_high[0] <= step <= low_high[1]) if low_high and step else None
     return out
 
 

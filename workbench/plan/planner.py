@@ -109,6 +109,14 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
     time_gpu, device_key = tb.gpu, tb.device_key
     measured, step_m, step_line = measured_step(spec, shape, on_gpu, precision.compute_dtype,
                                                 device_key, data.tokens_per_example)
+    step_range = None  # (low, high) seconds when the step is a first guess
+    if step_m is None and not on_gpu:  # a small model's first plan: its bare step timed here
+        from workbench.plan.firststep import first_step
+        from workbench.plan.stepclock import rank_threads, run_key
+
+        step_m, step_range, step_line = first_step(
+            spec, shape, run_key(spec, shape, on_gpu, precision.compute_dtype, device_key),
+            data.tokens_per_example, rank_threads(spec, on_gpu), spec.resources.procs_per_node)
     assumptions.append(tb.line + step_line + (
         f"; memory per process from the same step's peak ({measured.peak_gib:.2f} GiB at "
         f"{measured.seq} tokens per example)" if measured and measured.peak_gib and not on_gpu
@@ -308,6 +316,8 @@ def _evaluate(spec: RunSpec, gpu: GpuType, on_gpu: bool, shape: ModelShape,
                                                                 if v),
              "model_eval_s": eval_s, "steps": steps,
              "step_s": model_step * time_scale, "eval_s": eval_s * time_scale,
+             "step_range_s": [model_step * x / step_m for x in step_range]
+             if step_range and step_m and not corr else None,
              "startup_s": startup_total, "finish_s": finish,
              "scoring_s": sc.seconds, "scoring": sc.line,
              "total_s": startup_total + (model_step * steps + eval_s) * time_scale + sc.seconds
