@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import re
 import shutil
@@ -25,8 +26,12 @@ SPEC = {"name": "clock", "train": {"max_steps": 12},
 
 @pytest.fixture
 def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A WORKBENCH_HOME of the test's own: no calibration or run history from other tests."""
+    """A WORKBENCH_HOME of the test's own: no calibration or run history from other tests. The
+    built-in model is planned here as a model over ``SMALL_PARAMS`` is (from the calibration's
+    throughputs, which these tests are about), not from its own bare step
+    (workbench.plan.firststep, tests/test_first_plan.py)."""
     monkeypatch.setenv("WORKBENCH_HOME", str(tmp_path))
+    monkeypatch.setattr(importlib.import_module("workbench.plan.firststep"), "SMALL_PARAMS", 0)
     from workbench.assets import builtin_model_path
 
     builtin_model_path()

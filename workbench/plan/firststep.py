@@ -20,6 +20,7 @@ example, so later plans reuse it.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from typing import Any
@@ -84,7 +85,9 @@ def bare_step(spec: Any, seq: int, threads: int, ranks: int = 1) -> tuple[float,
         torch.set_num_threads(before)
 
 
-def _rank(step: Any, barrier: Any, out: Any) -> None:
+def _rank(step: Any, barrier: Any, out: Any, own_session: bool = False) -> None:
+    if own_session:  # as a run's ranks are: CPU time is shared between sessions first
+        os.setsid()
     for _ in range(_WARMUP):
         step()
         barrier.wait()
@@ -118,7 +121,7 @@ def _timed(step: Any, ranks: int) -> float:
         return box.value
     ctx = mp.get_context("fork")
     barrier, out = ctx.Barrier(ranks, timeout=60), ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(step, barrier, out), daemon=True)
+    procs = [ctx.Process(target=_rank, args=(step, barrier, out, True), daemon=True)
              for _ in range(ranks)]
     for p in procs:
         p.start()
