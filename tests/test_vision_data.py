@@ -16,6 +16,7 @@ import csv
 import hashlib
 import io
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -397,3 +398,167 @@ def test_lora_on_the_decoders_attention_learns_teaching_rows(vlm):
     assert losses[-1] < 0.5 * losses[0], losses
     assert torch.equal(model.base_model.model.model.visual.blocks[0].attn.qkv.weight,
                        vision_before), "the vision tower changed"
+
+
+# -- what the plan counts ------------------------------------------------------------------------
+
+
+def _wide_vlm(vlm: Path, folder: Path) -> Path:
+    """The tiny VLM with a real Qwen2-VL's kind of pixel cap: up to 64 tokens an image (28x28
+    pixels each, 14-pixel patches merged 2x2) instead of the built-in's nine."""
+    shutil.copytree(vlm, folder)
+    config = json.loads((folder / "preprocessor_config.json").read_text())
+    config["size"]["longest_edge"] = 64 * 28 * 28
+    (folder / "preprocessor_config.json").write_text(json.dumps(config))
+    return folder
+
+
+# (width, height): one token, two, nine, 32 both ways round, and a photo the processor shrinks.
+_SIZES = [(28, 28), (56, 28), (84, 84), (224, 112), (112, 224), (640, 480)]
+
+
+def _sized_rows(folder: Path) -> Path:
+    rows = []
+    for i, size in enumerate(_SIZES):
+        _png(folder / f"{i}.png", "green", size)
+        rows.append({"messages": [
+            {"role": "user", "content": [_image(f"{i}.png"), _text("What colour is it?")]},
+            {"role": "assistant", "content": [_text("green " * (i + 1))]}]})
+    return _jsonl(folder / "sized.jsonl", rows)
+
+
+def _processed(model: Path, path: Path) -> tuple[list[int], list[int]]:
+    """Each row's ids as the model's processor really makes them, with its real pixels:
+    (lengths, image tokens among them, the model config's image token)."""
+    from transformers import AutoConfig
+
+    processor = load_processor(model)
+    image_id = AutoConfig.from_pretrained(model).image_token_id
+    lengths, image_tokens = [], []
+    for _, example in _read(path):
+        messages, images = split_images(example)
+        ids = processor(text=[processor.apply_chat_template(messages, tokenize=False)],
+                        images=images, return_tensors="pt")["input_ids"][0].tolist()
+        lengths.append(len(ids))
+        image_tokens.append(ids.count(image_id))
+    return lengths, image_tokens
+
+
+def test_the_plan_counts_each_rows_image_tokens_as_the_processor_makes_them(vlm, tmp_path):
+    """The oracle is the processor itself: each row is processed with its real pixels and the
+    image tokens counted in the ids it makes (trained tokens: the training collator's labels);
+    the plan counts from the image sizes and the processor's settings, without the pixels."""
+    import workbench
+    from workbench.data.vision import example_tokens
+    from workbench.spec import RunSpec
+    from workbench.train.vision import VisionCollator
+
+    model = _wide_vlm(vlm, tmp_path / "wide-vlm")
+    path = _sized_rows(tmp_path)
+    processor = load_processor(model)
+    lengths, image_tokens = _processed(model, path)
+    # Qwen2-VL's rule: one token per 28x28 pixels; the photo is shrunk under the 64-token cap.
+    assert image_tokens[:5] == [1, 2, 9, 32, 32] and 32 < image_tokens[5] <= 64, image_tokens
+    for (where, example), n in zip(_read(path), lengths, strict=True):
+        trained = int((VisionCollator(processor).example(example)["labels"] != -100).sum())
+        assert example_tokens(processor, example)[1:] == (trained, n), where
+
+    spec = RunSpec(model={"id": str(model)}, train={"batch_size": 1},
+                   resources={"processes_per_node": 1},
+                   data={"sources": [{"path": str(path)}], "validation_fraction": 0,
+                         "max_length": 512})
+    plan = workbench.plan(spec)
+    train = plan.data_tokens["splits"]["train"]
+    assert train["examples"] == len(_SIZES) and train["truncated"] == 0
+    assert (train["tokens"]["min"], train["tokens"]["max"]) == (min(lengths), max(lengths))
+    assert plan.memory_seq_len == max(lengths)  # activations sized by the longest, images in it
+    # One example a step (batch_size 1, one process): the step's tokens are the rows' average.
+    assert plan.tokens_per_step == round(sum(lengths) / len(lengths)), plan.data_note
+
+
+def test_an_image_row_longer_than_max_length_is_refused_naming_the_length_it_needs(
+        vlm, tmp_path):
+    """max_length is set between the longest row and the next (lengths from the processor): the
+    longest row is refused by its line, and the max_length the message names prepares it."""
+    from workbench.data.vision import prepare_vision_data
+    from workbench.errors import DataTruncationError
+    from workbench.spec import RunSpec
+
+    model = _wide_vlm(vlm, tmp_path / "wide-vlm")
+    path = _sized_rows(tmp_path)
+    lengths, _ = _processed(model, path)
+    longest = max(lengths)
+    data = {"sources": [{"path": str(path)}], "validation_fraction": 0}
+    short = RunSpec(model={"id": str(model)}, data={**data, "max_length": longest - 1})
+    assert sorted(lengths)[-2] < longest, lengths  # one row alone over the limit
+    with pytest.raises(DataTruncationError) as err:
+        prepare_vision_data(short, tmp_path / "out")
+    message = str(err.value)
+    assert "\n" not in message, message
+    assert message.startswith(f"line {lengths.index(longest) + 1} of sized.jsonl: "), message
+    assert f"data.max_length: {longest} or more" in message, message
+    enough = RunSpec(model={"id": str(model)}, data={**data, "max_length": longest})
+    assert prepare_vision_data(enough, tmp_path / "out").counts["train"] == len(_SIZES)
+
+
+@pytest.mark.parametrize("row", [
+    {"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"},
+                                               {"type": "text", "text": "Colour?"}]},
+                  {"role": "assistant", "content": "red"}]},
+    {"image": "a.png", "conversations": [{"from": "human", "value": "<image>\nColour?"},
+                                         {"from": "gpt", "value": "red"}]},
+    {"images": ["a.png"], "messages": [{"role": "user", "content": "Colour?"},
+                                       {"role": "assistant", "content": "red"}]},
+], ids=["messages", "llava", "trl-images"])
+def test_an_image_row_read_as_text_is_refused_rather_than_its_image_dropped(row):
+    from workbench.data.formats import to_example
+
+    with pytest.raises(DatasetFormatError) as err:
+        to_example(row, "auto", "line 3 of train.jsonl")
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("line 3 of train.jsonl: ")
+    assert "vision-language model" in message and "model.id" in message
+
+
+def test_a_rows_side_of_the_split_is_the_same_wherever_the_data_lives(tmp_path):
+    """The built-in set copied to two folders (so every image path differs) is prepared from
+    each: the same rows, named by picture file and text, land on each side."""
+    from workbench.data.vision import prepare_vision_data
+    from workbench.spec import RunSpec
+
+    built = builtin_image_dataset_path(split="train").parent
+    sides = []
+    for where in ("a", "b/deeper"):
+        shutil.copytree(built, tmp_path / where / "set")
+        spec = RunSpec(model={"id": "builtin:tiny-qwen2-vl"}, data={
+            "sources": [{"path": str(tmp_path / where / "set" / "train.jsonl")}],
+            "validation_fraction": 0.2})
+        prepare_vision_data(spec, tmp_path / where / "out")
+        named = {}
+        for side in ("train", "validation"):
+            lines = (tmp_path / where / "out" / f"{side}.jsonl").read_text().splitlines()
+            named[side] = sorted(
+                tuple(Path(p["image"]).name if p["type"] == "image" else p["text"]
+                      for m in json.loads(line)["messages"] for p in m["content"])
+                for line in lines)
+        sides.append(named)
+    assert sides[0]["validation"] and sides[0]["train"]
+    assert sides[0] == sides[1]
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+@pytest.mark.parametrize("targets", ["all-linear", ["k_proj", "v_proj"]])
+def test_the_plan_counts_the_adapter_peft_builds_on_a_vlm(targets):
+    """The oracle is the adapter itself: the run's own model loading (peft on the tiny VLM),
+    its trainable parameters counted; "all-linear" means the decoder's attention for a VLM."""
+    import workbench
+    from workbench.spec import RunSpec
+    from workbench.spec.models import resolve_model
+    from workbench.train.vision import load_model
+
+    spec = RunSpec(model={"id": "builtin:tiny-qwen2-vl"}, method={"target_modules": targets},
+                   data={"sources": [{"path": "builtin:teaching-images"}]})
+    model = load_model(spec, resolve_model(spec.model.id))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert trainable > 0
+    assert workbench.plan(spec).trainable_params == trainable

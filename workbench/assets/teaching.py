@@ -93,6 +93,10 @@ def teaching_rows(split: str = "train") -> Iterator[dict[str, str]]:
 
 def builtin_dataset_path(name: str = "builtin:teaching", split: str = "train") -> Path:
     """Write (once) and return the jsonl file of a built-in dataset split."""
+    from workbench.assets.teaching_images import BUILTIN_IMAGE_DATASET, builtin_image_dataset_path
+
+    if name == BUILTIN_IMAGE_DATASET:  # its PNGs are in images/ beside the jsonl
+        return builtin_image_dataset_path(name, split)
     if name != "builtin:teaching":
         from workbench.errors import DatasetError
 

@@ -113,7 +113,27 @@ def _str(row: dict[str, Any], field: str, where: str, fmt: str, required: bool =
     return value
 
 
+def row_has_image(row: dict[str, Any]) -> bool:
+    """Whether a row carries an image: LLaVA's or TRL's ``image``/``images``, or an image part
+    in a turn's content (:mod:`workbench.data.images` reads such rows)."""
+    if row.get("image") or row.get("images"):
+        return True
+    for key in ("messages", "conversations"):
+        turns = row.get(key)
+        for turn in turns if isinstance(turns, list) else []:
+            content = turn.get("content") if isinstance(turn, dict) else None
+            if isinstance(content, list) and any(
+                    isinstance(p, dict) and p.get("type") in ("image", "image_url")
+                    for p in content):
+                return True
+    return False
+
+
 def to_example(row: dict[str, Any], fmt: str, where: str) -> dict[str, Any]:
+    if row_has_image(row):  # read as text, its picture would be dropped without a word
+        raise DatasetFormatError(
+            f"{where}: the row holds an image, which a text model cannot read; train a "
+            "vision-language model (model.id: builtin:tiny-qwen2-vl, or a hub VLM)")
     if fmt == "auto":
         fmt = detect_format(row, where)
     if fmt == "alpaca":

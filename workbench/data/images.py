@@ -322,6 +322,12 @@ def load_processor(model_path: str | Path) -> Any:
                 return None
             return super().check_argument_for_proper_class(name, argument)
 
+        def save_pretrained(self, save_directory: Any, **kwargs: Any) -> list[str]:
+            # The base saves every attribute, the missing video processor too; the tokenizer
+            # (chat template included) and the image processor are what loading it back needs.
+            return [*self.tokenizer.save_pretrained(save_directory, **kwargs),
+                    *self.image_processor.save_pretrained(save_directory, **kwargs)]
+
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     return ImageOnlyProcessor(image_processor=AutoImageProcessor.from_pretrained(model_path),
                               tokenizer=tokenizer, video_processor=None,

@@ -30,8 +30,8 @@ from typing import Any
 from workbench.data.formats import FIELDS as SFT_FIELDS
 from workbench.data.formats import detect_format, to_example
 from workbench.data.sources import read_rows
-from workbench.data.split import assign_split
-from workbench.errors import DatasetError, EmptyDatasetError, PreferenceDataError
+from workbench.data.split import SplitWriter
+from workbench.errors import DatasetError, PreferenceDataError
 from workbench.spec import RunSpec
 
 FIELDS = {
@@ -187,42 +187,25 @@ def prepare_preference_data(spec: RunSpec, out_dir: str | Path) -> Any:
                            "data first (workbench.data) and set data.clean.enabled: false")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    counts = {"train": 0, "validation": 0}
-    per_source: list[dict[str, Any]] = []
-    preview: list[dict[str, Any]] = []
     columns: set[str] | None = None
-    files = {s: (out / f"{s}.jsonl").open("w", encoding="utf-8") for s in counts}
-    try:
+    with SplitWriter(out, spec.data.validation_fraction, spec.train.seed) as writer:
         for source in spec.data.sources:
             n, fmt = 0, str(source.format)
             for where, row in read_rows(source):
                 if fmt == "auto":  # decided on the first row, as for SFT data
                     fmt = detect(row, where)
                 for ex in normalise(row, stage, where, fmt):
-                    key = json.dumps(ex["prompt"], sort_keys=True)
-                    side = assign_split(key, spec.data.validation_fraction, spec.train.seed)
-                    files[side].write(json.dumps(ex, ensure_ascii=False) + "\n")
-                    counts[side] += 1
+                    writer.write(json.dumps(ex["prompt"], sort_keys=True), ex)
                     columns = set(ex) if columns is None else columns & set(ex)
-                    if len(preview) < 5:
-                        preview.append(ex)
                 n += 1
-            if n == 0:
-                raise EmptyDatasetError(f"dataset {source.path!r} has no rows; give a non-empty "
-                                        "file or remove the source")
-            per_source.append({"path": source.path, "rows": n})
-    finally:
-        for fh in files.values():
-            fh.close()
-    if counts["train"] == 0:
-        raise EmptyDatasetError(f"no training rows ({counts['validation']} went to validation); "
-                                "add data or lower data.validation_fraction")
+            writer.end_source(source.path, n)
     if stage == "grpo":
         from workbench.train.rewards import SHIPPED_DIR, check_rewards, ship_rewards
 
         check_rewards(spec.method.rewards, columns or set())
         ship_rewards(spec.method.rewards, out / SHIPPED_DIR)  # travels with the run directory
-    summary = DataSummary(counts=counts, per_source=per_source, preview=preview)
+    summary = DataSummary(counts=writer.counts, per_source=writer.per_source,
+                          preview=writer.preview)
     (out / "summary.json").write_text(json.dumps({**summary.to_dict(), "stage": stage},
                                                  indent=1), encoding="utf-8")
     return summary

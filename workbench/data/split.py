@@ -10,8 +10,11 @@ data never moves an existing example from validation to train or back.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+
+from workbench.errors import EmptyDatasetError
 
 
 def assign_split(content: str, fraction: float, seed: int = 0) -> str:
@@ -38,8 +41,6 @@ def split_file(in_path: str | Path, out_dir: str | Path, fraction: float = 0.1,
     A row's side depends only on its text and ``seed``: appending rows to the input never moves
     an existing row to the other side.
     """
-    import json
-
     from workbench.data.clean.reading import read_records
 
     out = Path(out_dir)
@@ -53,3 +54,47 @@ def split_file(in_path: str | Path, out_dir: str | Path, fraction: float = 0.1,
             files[side].write(json.dumps(row, ensure_ascii=False) + "\n")
             counts[side] += 1
     return counts
+
+
+class SplitWriter:
+    """Rows written to ``out_dir``/train.jsonl and validation.jsonl by :func:`assign_split` of a
+    key, counted per side and per source, the first five kept for a preview. An empty source and
+    a data set that leaves no training row are errors saying what to do.
+
+        >>> with SplitWriter(out, fraction=0.1, seed=42) as w:  # doctest: +SKIP
+        ...     w.write(key, row); w.end_source("train.jsonl", rows=1)
+        >>> w.counts
+        {'train': 1, 'validation': 0}
+    """
+
+    def __init__(self, out_dir: str | Path, fraction: float, seed: int) -> None:
+        self.fraction, self.seed = fraction, seed
+        self.counts = {"train": 0, "validation": 0}
+        self.per_source: list[dict] = []
+        self.preview: list[dict] = []
+        out = Path(out_dir)
+        self._files = {s: (out / f"{s}.jsonl").open("w", encoding="utf-8") for s in self.counts}
+
+    def write(self, key: str, row: dict) -> None:
+        side = assign_split(key, self.fraction, self.seed)
+        self._files[side].write(json.dumps(row, ensure_ascii=False) + "\n")
+        self.counts[side] += 1
+        if len(self.preview) < 5:
+            self.preview.append(row)
+
+    def end_source(self, path: str, rows: int) -> None:
+        """Record a source's row count; a source without rows is refused."""
+        if rows == 0:
+            raise EmptyDatasetError(f"dataset {path!r} has no rows; give a non-empty file or "
+                                    "remove the source")
+        self.per_source.append({"path": path, "rows": rows})
+
+    def __enter__(self) -> SplitWriter:
+        return self
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        for fh in self._files.values():
+            fh.close()
+        if exc_type is None and self.counts["train"] == 0:
+            raise EmptyDatasetError(f"no training rows are left ({self.counts['validation']} went "
+                                    "to validation); add data or lower data.validation_fraction")

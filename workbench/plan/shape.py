@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,14 +110,20 @@ class ModelShape:
     intermediate: int
     vocab: int
     source: str  # "config" or "offline table"
+    # What "all-linear" adapts when it is not every linear: for a vision-language model the
+    # language model's attention (workbench.train.vision.lora_targets), as a regex.
+    all_linear: str | None = None
 
     def lora_params(self, r: int, targets: list[str] | str) -> int:
-        """Adapter parameters: r x (in + out) per targeted linear, matched like peft does."""
+        """Adapter parameters: r x (in + out) per targeted linear, matched like peft does (a
+        string other than "all-linear" is a regex the whole module name must match)."""
+        if targets == "all-linear" and self.all_linear is not None:
+            targets = self.all_linear
         total = 0
         for name, fan_in, fan_out in self.linears:
-            if targets == "all-linear" or any(
-                name == t or name.endswith("." + t) for t in targets
-            ):
+            if targets == "all-linear" or (
+                    re.fullmatch(targets, name) if isinstance(targets, str)
+                    else any(name == t or name.endswith("." + t) for t in targets)):
                 total += r * (fan_in + fan_out)
         return total
 
@@ -284,11 +291,16 @@ def meta_shape(model_id: str, revision: str | None = None,
     for what :func:`counted_shape` does not know, and the reference it is tested against."""
     import torch
     from torch import nn
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from workbench.assets.tiny_vlm import LANGUAGE_ATTENTION
 
     cfg, source = _config_for(model_id, revision, trust_remote_code)
+    # A vision-language model counts its vision tower too (its weights are loaded and held).
+    vision = getattr(cfg, "vision_config", None) is not None
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=trust_remote_code)
+        model = auto.from_config(cfg, trust_remote_code=trust_remote_code)
     out_emb = model.get_output_embeddings()
     linears: list[tuple[str, int, int]] = []
     linear_weights = 0
@@ -317,4 +329,5 @@ def meta_shape(model_id: str, revision: str | None = None,
         intermediate=int(getattr(text_cfg, "intermediate_size", 4 * hidden)),
         vocab=int(getattr(text_cfg, "vocab_size", 0)),
         source=source,
+        all_linear=LANGUAGE_ATTENTION if vision else None,
     )

@@ -2,74 +2,31 @@
 
 :func:`estimate_data` counts the data sources and measures tokens per example on a sample with
 the model's own tokenizer and chat template (the same code that tokenises the run, so truncation
-and dropped examples show before launch); where that tokenizer cannot be loaded here it falls back
-to a characters-per-token guess. :func:`step_seconds` turns a strategy's FLOPs, gradient
-communication and offload copies into seconds per step at the GPU type's assumed utilisation. The
-plan prices these hours.
+and dropped examples show before launch; what it reads: :mod:`workbench.plan.data_sample`);
+where that tokenizer cannot be loaded here it falls back to a characters-per-token guess.
+:func:`step_seconds` turns a strategy's FLOPs, gradient communication and offload copies into
+seconds per step at the GPU type's assumed utilisation. The plan prices these hours.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from workbench.plan.data_sample import (
+    CHARS_PER_TOKEN,
+    TEMPLATE_TOKENS,
+    source_rows,
+    text_chars,
+    token_sample,
+)
 from workbench.plan.memory import Strategy, _Setup
 from workbench.plan.shape import ModelShape
 from workbench.spec import RunSpec
 from workbench.targets.gpus import GpuType
 
-_CHARS_PER_TOKEN = 3.6  # English BPE average (OpenAI's rule of thumb: ~4 chars per token)
-_TEMPLATE_TOKENS = 12  # chat template / role markers around each example
-
-
-def _text_chars(row: dict[str, Any]) -> int:
-    total = 0
-    for value in row.values():
-        if isinstance(value, str):
-            total += len(value)
-        elif isinstance(value, list):  # messages / conversations
-            total += sum(len(str(m.get("content", m.get("value", ""))))
-                         if isinstance(m, dict) else len(str(m)) for m in value)
-    return total
-
-
-def _source_rows(path: str) -> tuple[int | None, list[dict[str, Any]]]:
-    """(row count, a sample of rows) of one data source; count None when not cheaply known."""
-    if path == "builtin:teaching":
-        from workbench.assets.teaching import teaching_rows
-
-        rows = list(teaching_rows("train"))
-        return len(rows), rows[:512]
-    p = Path(os.path.expanduser(path))
-    if p.is_file() and p.suffix == ".jsonl":
-        sample: list[dict[str, Any]] = []
-        count = 0
-        with p.open("rb") as fh:
-            for line in fh:
-                if not line.strip():
-                    continue
-                count += 1
-                if len(sample) < 512:
-                    try:
-                        obj = json.loads(line)
-                    except ValueError:
-                        continue
-                    if isinstance(obj, dict):
-                        sample.append(obj)
-        return count, sample
-    if p.is_file() and p.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return pq.ParquetFile(p).metadata.num_rows, []
-    return None, []
-
-
 _GUESS_ROOM = 1.5  # a character-based length guess, scaled up for sizing memory by it
-_SAMPLE_ROWS = 512  # rows per source tokenised for the estimate: quick, and enough for a p95
 
 
 @dataclass
@@ -86,58 +43,12 @@ class DataEstimate:
     validation_examples: int | None = None
 
 
-def _local_tokenizer(spec: RunSpec) -> Any:
-    """The run's tokenizer if it can be loaded without the network (built-in, a local folder, or
-    a hub id already in the local cache); None otherwise."""
-    from workbench.errors import WorkbenchError
-    from workbench.spec.models import resolve_model
-
-    try:
-        source = resolve_model(spec.model.id)
-        if not Path(source).exists():
-            from huggingface_hub import try_to_load_from_cache
-
-            cached = try_to_load_from_cache(source, "tokenizer_config.json",
-                                            revision=spec.model.revision)
-            if not isinstance(cached, str):
-                return None
-            source = str(Path(cached).parent)
-        from workbench.data.tokenize import load_tokenizer
-
-        return load_tokenizer(spec, source)
-    except (OSError, ValueError, ImportError, WorkbenchError):
-        return None
-
-
-def _token_sample(spec: RunSpec) -> tuple[Any, str | None]:
-    """(TokenStats of each source's first rows, or None when the tokenizer or the data cannot be
-    read here (the planner then guesses); the error's message when the data could not be read)."""
-    from workbench.data.tokenized import cached_stats, files_key
-    from workbench.errors import WorkbenchError
-
-    try:  # the same data tokenised before, known from its files: every row, no tokenizer
-        cached = cached_stats(files_key(spec))
-    except OSError:
-        cached = None
-    if cached is not None:
-        return cached, None
-    tokenizer = _local_tokenizer(spec)
-    if tokenizer is None:
-        return None, None
-    from workbench.data.tokenized import token_stats
-
-    try:
-        return token_stats(spec, tokenizer=tokenizer, max_rows=_SAMPLE_ROWS), None
-    except (OSError, ValueError, WorkbenchError) as err:  # planned without it, saying why
-        return None, (str(err).strip().splitlines() or [type(err).__name__])[0]
-
-
 def estimate_data(spec: RunSpec) -> DataEstimate:
     total: int | None = 0
     sample: list[dict[str, Any]] = []
     unknown = []
     for src in spec.data.sources:
-        count, rows = _source_rows(src.path)
+        count, rows = source_rows(src.path)
         if count is None:
             unknown.append(src.path)
         else:
@@ -151,7 +62,7 @@ def estimate_data(spec: RunSpec) -> DataEstimate:
     elif total is not None:
         total = max(1, int(total * (1 - spec.data.validation_fraction)))
     L = spec.data.max_length
-    sample_stats, unread = _token_sample(spec)
+    sample_stats, unread = token_sample(spec)
     train = sample_stats.splits.get("train") if sample_stats is not None else None
     measured = train is not None and train.kept > 0
     if train is not None and measured:
@@ -169,8 +80,8 @@ def estimate_data(spec: RunSpec) -> DataEstimate:
         if total is not None and train.dropped:
             total = max(1, int(total * train.kept / train.examples))
     else:
-        lengths = [min(L, _text_chars(r) / _CHARS_PER_TOKEN + _TEMPLATE_TOKENS) for r in sample]
-        how = f"estimated from {len(lengths)} sampled rows at {_CHARS_PER_TOKEN} characters per token"
+        lengths = [min(L, text_chars(r) / CHARS_PER_TOKEN + TEMPLATE_TOKENS) for r in sample]
+        how = f"estimated from {len(lengths)} sampled rows at {CHARS_PER_TOKEN} characters per token"
     per_example: float
     packed_rows = _packed_rows(lengths, L) if spec.data.packing and lengths else []
     if packed_rows:
@@ -215,7 +126,7 @@ def estimate_data(spec: RunSpec) -> DataEstimate:
         # Lengths guessed from characters: a tokenizer that splits finer (code, other scripts)
         # makes more tokens, so the guess gets room for half as many again.
         longest = min(L, math.ceil(max(lengths) * _GUESS_ROOM))
-        longest_of = (f"{len(lengths)} sampled rows estimated at {_CHARS_PER_TOKEN} characters per "
+        longest_of = (f"{len(lengths)} sampled rows estimated at {CHARS_PER_TOKEN} characters per "
                       f"token, x{_GUESS_ROOM}")
     return DataEstimate(total, per_example, note, tokens, longest, longest_of,
                         _validation_examples(spec, raw, sample_stats))

@@ -100,6 +100,13 @@ def _prepare_data(spec: RunSpec, rd: RunDir, force: bool = False,
 
         rd.write_status(data=prepare_preference_data(spec, rd.data_dir).counts)
         return
+    from workbench.spec.models import is_vision_model
+
+    if is_vision_model(spec.model.id, spec.model.revision, spec.model.trust_remote_code):
+        from workbench.data.vision import prepare_vision_data  # the ranks batch with the processor
+
+        rd.write_status(data=prepare_vision_data(spec, rd.data_dir).counts)
+        return
     key = files_key(spec)  # before reading the sources, as prepare_data's own key is
     summary = prepare_data(spec, rd.data_dir, cache=True)
     if rd.write_status(data=summary.counts).get(CANCEL_REQUESTED) is not None:
@@ -243,6 +250,12 @@ def _accept(spec: RunSpec, force: bool, registry: Registry, backend: Backend,
     directory and prepare its data: the accepted run's directory, registered, and its spec
     (limited to its hold); nothing is left behind, and nothing held, when any of it is refused."""
     on_target = _model_on_target(spec, backend)
+    if (spec.data.packing or spec.method.kind == "qlora") and on_target is None:
+        from workbench.data.vision import check_vision_spec
+        from workbench.spec.models import is_vision_model
+
+        if is_vision_model(spec.model.id, spec.model.revision, spec.model.trust_remote_code):
+            check_vision_spec(spec)  # before planning: the plan would pack the rows
     if on_target is None:
         plan = _plan(spec, force)
         _validate_model(spec)

@@ -27,7 +27,10 @@ def resolve_model(model_id: str) -> str:
     """
     if is_builtin(model_id):
         from workbench.assets import builtin_model_path
+        from workbench.assets.tiny_vlm import BUILTIN_VLM, builtin_vlm_path
 
+        if model_id == BUILTIN_VLM:
+            return str(builtin_vlm_path(model_id))
         return str(builtin_model_path(model_id))
     path = Path(os.path.expanduser(model_id))
     if path.exists():
@@ -59,6 +62,24 @@ def load_config(model_id: str, revision: str | None = None, trust_remote_code: b
             f"could not load the config of {model_id!r}: {exc}. If this is a hub id, check the "
             "spelling and that the hub is reachable (or download it and use the local folder)"
         ) from None
+
+
+def is_vision_model(model_id: str, revision: str | None = None,
+                    trust_remote_code: bool = False, local_only: bool = False) -> bool:
+    """Whether the model reads images (its config has a vision config): such a run takes the
+    vision path (workbench.data.vision, workbench.train.vision). A local folder's config.json is
+    read as JSON, so a text run does not import transformers for the question; ``local_only``
+    answers False for a hub id rather than asking the hub (for a planner's quick look)."""
+    import json
+
+    source = resolve_model(model_id)
+    config_file = Path(source) / "config.json"
+    if config_file.is_file():
+        return "vision_config" in json.loads(config_file.read_text(encoding="utf-8"))
+    if local_only:
+        return False
+    return getattr(load_config(model_id, revision, trust_remote_code), "vision_config",
+                   None) is not None
 
 
 def is_absolute_folder_id(model_id: str) -> bool:

@@ -105,7 +105,7 @@ def main(run_dir: str) -> int:
     from workbench.evaluate.callback import EvalCallback
     from workbench.runs.budget import Billing
     from workbench.runs.snapshots import Uploader, agreed_resume_point, newest_verified, storage_prefix
-    from workbench.spec.models import resolve_model
+    from workbench.spec.models import is_vision_model, resolve_model
     from workbench.train.callbacks import BudgetSpentAtStart, RunDirCallback, SnapshotCallback, hold_callbacks
     from workbench.train.preload import import_training_libraries, imports_done
 
@@ -117,14 +117,18 @@ def main(run_dir: str) -> int:
         for stale in (rd.path / "checkpoints").glob("checkpoint-*"):
             shutil.rmtree(stale, ignore_errors=True)  # a snapshot a crash left half-written
     source = resolve_model(spec.model.id)
-    tokenizer = load_tokenizer(spec, source)
+    stage: Any = None  # workbench.train.preference (a non-SFT stage) or .vision (an image model)
+    if spec.method.stage != "sft":  # dpo/orpo/kto/grpo: TRL's trainers, the same path otherwise
+        from workbench.train import preference as stage
+    elif is_vision_model(spec.model.id, spec.model.revision, spec.model.trust_remote_code):
+        from workbench.train import vision as stage
+    # A vision run's "tokenizer" is its processor: it batches, and is saved beside the adapter.
+    tokenizer = (stage.load_processor(spec, source) if hasattr(stage, "load_processor")
+                 else load_tokenizer(spec, source))
     _startup("tokenizer")
     from transformers import set_seed
 
     set_seed(spec.train.seed)  # before the LoRA init, so the same spec trains the same way
-    stage: Any = None  # the module workbench.train.preference for a non-SFT stage
-    if spec.method.stage != "sft":  # dpo/orpo/kto/grpo: TRL's trainers, the same path otherwise
-        from workbench.train import preference as stage
     train_rows = stage.load_rows(rd, "train") if stage else load_split(rd, "train", tokenizer, spec)
     eval_rows = (stage.load_rows(rd, "validation") if stage
                  else load_split(rd, "validation", tokenizer, spec))
@@ -143,7 +147,7 @@ def main(run_dir: str) -> int:
         deepspeed.init_distributed()
     from workbench.train.strategy import resolved_in_backward, run_precision
 
-    model = load_model(spec, source, run_precision(spec, rd))
+    model = getattr(stage, "load_model", load_model)(spec, source, run_precision(spec, rd))
     _startup("model")
     loaded_at = _storage(model)  # to tell whether the Trainer's set-up copies the weights
     fast_line = applied_line(args, model)  # what the Trainer really got, for logs and status
