@@ -102,7 +102,9 @@ def _prepare_data(spec: RunSpec, rd: RunDir, force: bool = False,
         return
     from workbench.spec.models import is_vision_model
 
-    if is_vision_model(spec.model.id, spec.model.revision, spec.model.trust_remote_code):
+    # A folder only the target has is not read here (its tokenizer is there too).
+    if on_target is None and is_vision_model(spec.model.id, spec.model.revision,
+                                             spec.model.trust_remote_code):
         from workbench.data.vision import prepare_vision_data  # the ranks batch with the processor
 
         rd.write_status(data=prepare_vision_data(spec, rd.data_dir).counts)
