@@ -180,27 +180,14 @@ def test_a_limit_spent_during_start_up_stops_before_the_first_step():
     assert f"workbench resume {job.id} --budget N" in status["note"]
 
 
-def _stopped_run(name: str):
+@pytest.fixture(scope="module")
+def stopped():
     """A run the budget stopped mid-training (120 units: 60 s, start-up included, which took
-    25 s on a loaded 2-core machine), and its supervisor's start."""
-    job = workbench.launch(_spec(name, 120.0))
+    25 s on a loaded 2-core machine)."""
+    job = workbench.launch(_spec("budget-stop", 120.0))
     held_from = _supervisor_started(job)
     assert job.wait(timeout=600, progress=False) == "budget_stopped", job.logs(tail=30)
     return job, held_from
-
-
-@pytest.fixture(scope="module")
-def stopped():
-    """One budget-stopped run for the tests that only read it or are refused on it: none of
-    them changes it, so they pass in any order, alone or together."""
-    return _stopped_run("budget-stop")
-
-
-@pytest.fixture
-def own_stopped():
-    """A budget-stopped run of the test's own, for a test that starts another attempt of it
-    (a requeue, a resume): the shared run stays as the budget stopped it."""
-    return _stopped_run("budget-stop-own")
 
 
 def test_a_budget_stop_bills_start_up_and_stays_within_the_limit(stopped):
@@ -246,9 +233,9 @@ def test_a_budget_stopped_run_is_not_resumed_into_spending(stopped):
     assert not job.run_dir.resume_file.exists()  # nothing recorded for a refused resume
 
 
-def test_a_requeued_attempt_of_a_spent_run_stops_before_starting_the_ranks(own_stopped):
+def test_a_requeued_attempt_of_a_spent_run_stops_before_starting_the_ranks(stopped):
     """What a Slurm requeue does: the batch script runs the supervisor again, no resume() check."""
-    job, _ = own_stopped
+    job, _ = stopped
     before = job.status()
     launcher = job.run_dir.logs_dir / "launcher.log"
     size = launcher.stat().st_size
@@ -265,8 +252,9 @@ def test_a_requeued_attempt_of_a_spent_run_stops_before_starting_the_ranks(own_s
     assert status["billed_before_s"] == pytest.approx(before["billed_s"])  # continues the bill
 
 
-def test_a_budget_stopped_run_resumes_with_a_larger_budget_and_the_bill_carries_over(own_stopped):
-    job, _ = own_stopped
+# Resumes the shared stopped run into success: keep it after the other tests of `stopped`.
+def test_a_budget_stopped_run_resumes_with_a_larger_budget_and_the_bill_carries_over(stopped):
+    job, _ = stopped
     status = job.status()
     stopped_at = status["step"]
     with pytest.raises(workbench.WorkbenchError, match="would stop it again at once"):

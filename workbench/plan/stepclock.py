@@ -8,9 +8,8 @@ few steps of it through the run's own Trainer (:mod:`workbench.train.steprank`: 
 arguments, Trainer class, collator and per-step callbacks, so the Trainer's logging, collectives
 and callbacks are in the time) at the run's micro-batch x tokens per example, with the run's
 attention kernel, dtype and threads per rank, in as many fresh processes as the run has ranks on a
-node, all at once, started as a local run's ranks are (the run's launcher, in a session of their
-own: so the host's cores and memory are shared as in the run, and DDP's gradient all-reduce is in
-the time). Seconds = a + b x layers, fitted on the two, extrapolated
+node, all at once (so the host's cores and memory are shared as in the run, and DDP's gradient
+all-reduce is in the time). Seconds = a + b x layers, fitted on the two, extrapolated
 to the model's layer count. The workers' own start (a fresh interpreter importing what a rank
 imports) is timed too: the start-up the plan counts. So is the scoring the run's ``eval:`` does
 (greedy ``generate`` of a batch of prompts, as :class:`~workbench.evaluate.sources.TransformersSource`
@@ -162,50 +161,48 @@ def measure_step(spec: Any, shape: Any, seq: int, dtype: str, load_dtype: str, t
     ``ranks`` worker processes at once."""
     import os
     import shutil
-    import signal
+    import socket
     import tempfile
     from pathlib import Path
 
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     scratch = Path(tempfile.mkdtemp(prefix="wb-stepclock-"))  # the ranks' scratch run dirs
     job = json.dumps({"spec": spec.model_dump(mode="json"), "vocab": shape.vocab,
                       "layers": shape.layers, "fit_layers": fit_layers(shape), "seq": seq, "dtype": dtype,
                       "load_dtype": load_dtype, "on_gpu": on_gpu, "scratch": str(scratch)})
-    # The ranks start as a local run's do: by the run's launcher (the rank environment torchrun
-    # gives; every rank sees the node's GPUs and takes LOCAL_RANK's), in a session of its own.
-    # Linux with autogroups on (its default) shares the CPU between sessions first and then among
-    # a session's processes, so ranks started in the caller's session would share its part of the machine
-    # with whatever else runs there (a notebook server's other kernels, a test session's load)
-    # and time a step the run, in its own session, does not take.
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, threads)),
-           "WB_STEPCLOCK_T0": repr(time.time()), "WB_STEPCLOCK_JOB": job}
-    # A file, not a pipe: the Trainer logs every step, and a full pipe would stall a rank (and
-    # with it the other's collectives).
-    log = scratch / "ranks.out"
+    procs, logs = [], []
+    t0 = time.time()
     try:
-        with log.open("w") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "workbench.runs.launcher", str(ranks),
-                                     "-m", "workbench.train.steprank"],
-                                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    env=env, start_new_session=True)
-        try:
-            proc.wait(timeout=600)
-        except subprocess.TimeoutExpired as exc:
-            raise CalibrationError("the step measurement took over 10 minutes: the machine "
-                                   "is too busy to measure; try again later") from exc
-        finally:
-            if proc.poll() is None:  # the launcher and its ranks (they die with it)
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        lines = log.read_text(errors="replace").strip().splitlines()
-        try:
-            outs = [json.loads((scratch / f"result-{rank}.json").read_text())
-                    for rank in range(ranks)]
-        except (OSError, ValueError) as exc:
-            raise CalibrationError(f"the step measurement failed: {' | '.join(lines[-3:])}"
-                                   ) from exc
-        if proc.returncode != 0:
-            raise CalibrationError(f"the step measurement failed: {' | '.join(lines[-3:])}")
+        for rank in range(ranks):
+            # Every rank sees the node's GPUs and takes LOCAL_RANK's, as under torchrun.
+            env = {**os.environ, "OMP_NUM_THREADS": str(max(1, threads)), "RANK": str(rank),
+                   "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE":
+                   str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                   "WB_STEPCLOCK_T0": repr(t0), "WB_STEPCLOCK_JOB": job}
+            # Files, not pipes: the Trainer logs every step, and a full pipe would stall a rank
+            # (and with it the other's collectives) while this reads the first.
+            logs.append(scratch / f"rank-{rank}.out")
+            with logs[-1].open("w") as out:
+                procs.append(subprocess.Popen([sys.executable, "-m", "workbench.train.steprank"],
+                                              stdin=subprocess.DEVNULL, stdout=out,
+                                              stderr=subprocess.STDOUT, text=True, env=env))
+        outs = []
+        for p, log in zip(procs, logs, strict=True):
+            try:
+                p.wait(timeout=600)
+            except subprocess.TimeoutExpired as exc:
+                raise CalibrationError("the step measurement took over 10 minutes: the machine "
+                                       "is too busy to measure; try again later") from exc
+            lines = log.read_text(errors="replace").strip().splitlines()
+            if p.returncode != 0:
+                raise CalibrationError(f"the step measurement failed: {' | '.join(lines[-3:])}")
+            outs.append(json.loads(lines[-1]))
     finally:
+        for q in procs:
+            if q.poll() is None:
+                q.kill()
         shutil.rmtree(scratch, ignore_errors=True)
     # The slowest rank sets the pace of a synchronous step; rank 0 alone scores in the run; the
     # plan's memory is per process, the largest.

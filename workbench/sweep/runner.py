@@ -41,15 +41,7 @@ from workbench.runs.rundir import (
 )
 from workbench.spec import RunSpec
 from workbench.sweep import record as rec
-from workbench.sweep.budget import (
-    LOAD_FRESH_S,
-    PRICE_MARGIN,
-    MachineLoad,
-    committed,
-    machine_load,
-    sharing,
-    trial_price,
-)
+from workbench.sweep.budget import PRICE_MARGIN, committed, sharing, trial_price
 from workbench.sweep.objective import Objective
 from workbench.sweep.space import parse_space, trial_spec
 from workbench.sweep.study import open_study, suggest, trial_of, trial_of_frozen
@@ -91,7 +83,6 @@ class Controller:
         self.active: dict[int, Job] = {}
         self.seen_ended: dict[int, float] = {}  # trial -> when its run was first seen ended
         self.stop_launching: str | None = None  # why no more trials start (budget, a fatal error)
-        self._load: tuple[float, MachineLoad] | None = None  # (when, what) the load was measured
 
     # -- the loop ---------------------------------------------------------------------------------
     def run(self) -> int:
@@ -249,11 +240,9 @@ class Controller:
             data = self.record.read()
             started = sum(1 for x in data["trials"] if x.get("run_id") or x.get("released"))
             to_start = max(1, data["trials_total"] - started)
-            # Priced for the trials it will run beside: they share this machine's cores, with
-            # whatever else keeps them busy.
+            # Priced for the trials it will run beside: they share this machine's cores.
             at_once = min(data["concurrent"], len(self.active) + to_start)
-            load = self._load_beside() if sharing(spec, at_once) > 1.0 else None
-            planned, need = trial_price(spec, at_once, load)
+            planned, need = trial_price(spec, at_once)
             limit = data.get("budget")
             trial_limit = spec.budget.limit
             if limit is not None:
@@ -266,17 +255,8 @@ class Controller:
                 free = max(1, min(data["concurrent"] - len(self.active), to_start))
                 trial_limit = min(left, max(need, left / free))
                 spec = spec.updated(**{"budget.limit": trial_limit})
-            if not self._launch(t, spec, planned, trial_limit, sharing(spec, at_once, load)):
+            if not self._launch(t, spec, planned, trial_limit, sharing(spec, at_once)):
                 return
-
-    def _load_beside(self) -> MachineLoad:
-        """The other load on this machine, for a trial about to start beside others: measured
-        (a second's sampling), or the measurement of the last LOAD_FRESH_S seconds, so trials
-        started one after the other are not held apart by it."""
-        now = time.time()
-        if self._load is None or now - self._load[0] > LOAD_FRESH_S:
-            self._load = (now, machine_load())
-        return self._load[1]
 
     def _launch(self, t: dict[str, Any], spec: RunSpec, planned: float | None,
                 limit: float | None, shared: float = 1.0) -> bool:

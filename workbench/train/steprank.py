@@ -40,7 +40,7 @@ _GEN_TOKENS = (2, 16)  # forced new tokens of the two timed generate calls (pref
 
 def main() -> None:
     """One rank of the measurement (``python -m workbench.train.steprank``, its job in the
-    environment): one JSON line of its figures, in ``SCRATCH/result-RANK.json`` and on stdout."""
+    environment): one JSON line of its figures, last on stdout."""
     import os
 
     from workbench.train.preload import collector_off, import_training_libraries, imports_done
@@ -78,22 +78,18 @@ def main() -> None:
     scores(["an answer of a few words"] * spec.train.batch_size,
            ["a reference"] * spec.train.batch_size)
     metrics_s = time.perf_counter() - t0
-    result = json.dumps({"step_s": whole, "fwd_bwd_s": fwd_bwd, "import_s": import_s,
-                        "gen_prefill_s": at_n(p1, p2),
-                        # A decode step reads every weight once: a layer costs at least its share
-                        # of the 1-layer model's bytes. Two layers' decode differ by a few ms on a
-                        # big vocabulary, under the noise, and a clamped 0 would leave out every
-                        # layer.
-                        "gen_token_s": at_n(d1, d2, d1 * max(0, n2 - n1) / max(1, n1)),
-                        "metrics_s": metrics_s,
-                        # None where the peak cannot be read (a GPU rank's is its allocator's;
-                        # not Linux)
-                        "peak_gib": base + at_n(m1, m2) if base and m1 and m2 else None})
-    # Every rank shares the launcher's output: the caller reads each rank's figures from its file.
-    out = Path(job["scratch"]) / f"result-{os.environ['RANK']}.json"
-    out.with_suffix(".tmp").write_text(result)
-    out.with_suffix(".tmp").replace(out)
-    print(result, flush=True)
+    print(json.dumps({"step_s": whole, "fwd_bwd_s": fwd_bwd, "import_s": import_s,
+                      "gen_prefill_s": at_n(p1, p2),
+                      # A decode step reads every weight once: a layer costs at least its share
+                      # of the 1-layer model's bytes. Two layers' decode differ by a few ms on a
+                      # big vocabulary, under the noise, and a clamped 0 would leave out every
+                      # layer.
+                      "gen_token_s": at_n(d1, d2, d1 * max(0, n2 - n1) / max(1, n1)),
+                      "metrics_s": metrics_s,
+                      # None where the peak cannot be read (a GPU rank's is its allocator's;
+                      # not Linux)
+                      "peak_gib": base + at_n(m1, m2) if base and m1 and m2 else None}),
+          flush=True)
 
 
 def _measure_layers(spec: Any, job: dict[str, Any], layers: int, run_dir: Path
