@@ -85,19 +85,23 @@ def bare_step(spec: Any, seq: int, threads: int, ranks: int = 1) -> tuple[float,
         torch.set_num_threads(before)
 
 
-def _rank(step: Any, barrier: Any, out: Any, own_session: bool = False) -> None:
-    if own_session:  # as a run's ranks are: CPU time is shared between sessions first
-        os.setsid()
+def _median_step(step: Any, wait: Any) -> float:
+    """Median seconds of ``step`` then ``wait()``, after the warm-up steps."""
     for _ in range(_WARMUP):
         step()
-        barrier.wait()
+        wait()
     taken = []
     for _ in range(_READINGS):
         t0 = time.perf_counter()
         step()
-        barrier.wait()
+        wait()
         taken.append(time.perf_counter() - t0)
-    out.put(statistics.median(taken))
+    return statistics.median(taken)
+
+
+def _rank(step: Any, barrier: Any, out: Any) -> None:
+    os.setsid()  # as a run's ranks are: CPU time is shared between sessions first
+    out.put(_median_step(step, barrier.wait))
 
 
 def _timed(step: Any, ranks: int) -> float:
@@ -106,22 +110,10 @@ def _timed(step: Any, ranks: int) -> float:
     import multiprocessing as mp
 
     if ranks <= 1 or "fork" not in mp.get_all_start_methods():
-        class _Alone:
-            def wait(self) -> None:
-                pass
-
-        class _Box:
-            value = 0.0
-
-            def put(self, v: float) -> None:
-                self.value = v
-
-        box = _Box()
-        _rank(step, _Alone(), box)
-        return box.value
+        return _median_step(step, lambda: None)
     ctx = mp.get_context("fork")
     barrier, out = ctx.Barrier(ranks, timeout=60), ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(step, barrier, out, True), daemon=True)
+    procs = [ctx.Process(target=_rank, args=(step, barrier, out), daemon=True)
              for _ in range(ranks)]
     for p in procs:
         p.start()
@@ -157,10 +149,10 @@ def first_step(spec: Any, shape: Any, key: str, seq: float, threads: int, ranks:
             return None, None, ""
         raw[f"{key}:{n}"] = kept
         try:
+            from workbench.runs.rundir import write_json_atomic
+
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(raw, indent=1))
-            tmp.replace(path)
+            write_json_atomic(path, raw)  # two plans at once each replace the whole file
         except OSError:
             pass
     alone, together = kept
