@@ -20,7 +20,9 @@ MFU counts 4·N FLOPs per trained token (forward 2N + input gradients 2N; the fr
 weight gradients) against the card's dense bf16 peak from the GPU table; attention's own FLOPs are
 left out, so it is a lower bound. Peak memory on a GPU is what the device reports in use (torch's
 reserved memory plus the CUDA context), against the planner's per-GPU total; on CPU it is the
-process's peak RSS against the planner's per-process host RAM.
+process's peak RSS while it trains (the peak is reset after planning: the planner's own work, a
+fresh home's calibration and first step, is not a training process's) against the planner's
+per-process host RAM.
 """
 
 from __future__ import annotations
@@ -244,6 +246,26 @@ def published_rows(smoke: bool, folder: Path | None) -> dict[str, Any]:
             "stderr_tail": done.stderr[-2000:] if done.returncode else ""}
 
 
+def _peak_rss_gib() -> float:
+    """This process's peak resident memory since start or the last :func:`_reset_peak_rss`."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024 / GiB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB
+
+
+def _reset_peak_rss() -> bool:
+    """Start the peak over from the memory in use now (Linux: "5" to /proc/self/clear_refs)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
 def launched_run(on_gpu: bool) -> dict[str, Any]:
     """The built-in tiny run launched the ordinary way (a standby start, then the go) on one
     card: it must succeed, and its bill must start no earlier than its run directory (the cards
@@ -290,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     peak_tflops = card.bf16_tflops * (1 if on_gpu else torch.get_num_threads())
     precision = resolve_precision("auto", "lora", local_device_kind())
     predicted = plan(_spec(cfg, on_gpu, gpu_type if on_gpu else None))
+    planner_peak = _peak_rss_gib()
+    peak_reset = _reset_peak_rss()
 
     from peft import LoraConfig, get_peft_model
 
@@ -322,9 +346,10 @@ def main(argv: list[str] | None = None) -> int:
         measured = (total - free) / GiB
         what = "device memory in use (reserved + CUDA context)"
     else:
-        measured = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB
-        what = "process peak RSS"
+        measured = _peak_rss_gib()
+        what = "process peak RSS while training" if peak_reset else "process peak RSS"
     result["memory"] = {"measured_gib": measured, "measured": what,
+                        "planner_peak_rss_gib": planner_peak,
                         "planned_gib": predicted.memory.total,
                         "planned_over_measured": predicted.memory.total / measured}
     with tempfile.TemporaryDirectory() as tmp:
