@@ -32,7 +32,9 @@ SMALL_PARAMS = 30e6  # models up to this many parameters have their first step t
 # (docs/planning.md).
 TRAINER_EXTRA = 1.1
 TOLERANCE = 0.25  # how far the real step may be from the guess (tests/test_first_plan.py)
-_WARMUP, _READINGS = 2, 9  # a median of 9 steps: the first plan stays about a second longer
+_WARMUP, _READINGS = 2, 9  # a median of up to 9 steps: the first plan stays about a second longer
+_READING_S = 1.0  # a slow step is read at least 3 times, and then only until this many seconds
+MAX_TOKENS = 8192  # a micro-batch of more tokens is timed smaller and extended (bare_step)
 
 
 def _file(target: str) -> Any:
@@ -48,7 +50,9 @@ def bare_step(spec: Any, seq: int, threads: int, ranks: int = 1) -> tuple[float,
     in this process alone, and taken by ``ranks`` forked copies of this process at once, each
     waiting for the others after every step (as a synchronous data-parallel step waits for its
     slowest rank), so the ranks' share of the host's cores, and what else runs on it now, are in
-    the time."""
+    the time. A micro-batch of more than ``MAX_TOKENS`` tokens is timed at the largest batch
+    under it and scaled to the run's batch (the tiny model at 1000 x 18 tokens: 13 % under its
+    own step, docs/planning.md)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -70,8 +74,12 @@ def bare_step(spec: Any, seq: int, threads: int, ranks: int = 1) -> tuple[float,
                 task_type="CAUSAL_LM"))
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=1e-4)
-        vocab = int(getattr(cfg, "vocab_size", 0) or 2)
-        ids = torch.randint(0, max(2, vocab), (spec.train.batch_size, max(1, seq)))
+        vocab = max(2, int(getattr(cfg, "vocab_size", 0) or 2))
+        seq = max(1, seq)
+
+        batch = spec.train.batch_size
+        timed = min(batch, max(1, MAX_TOKENS // seq))
+        ids = torch.randint(0, vocab, (timed, seq))
 
         def step() -> None:
             model(input_ids=ids, labels=ids).loss.backward()
@@ -79,41 +87,50 @@ def bare_step(spec: Any, seq: int, threads: int, ranks: int = 1) -> tuple[float,
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        alone = _timed(step, 1)
-        return alone, (_timed(step, ranks) if ranks > 1 else alone)
+        alone, readings = _median_step(step, lambda: None, _READINGS, adaptive=True)
+        together = _timed(step, ranks, readings) if ranks > 1 else alone
+        scale = batch / timed  # a larger micro-batch: its step grows with its examples
+        return alone * scale, together * scale
     finally:
         torch.set_num_threads(before)
 
 
-def _median_step(step: Any, wait: Any) -> float:
-    """Median seconds of ``step`` then ``wait()``, after the warm-up steps."""
+def _median_step(step: Any, wait: Any, readings: int, adaptive: bool = False
+                 ) -> tuple[float, int]:
+    """(median seconds of ``step`` then ``wait()`` after the warm-up steps, readings taken); when
+    ``adaptive``, readings stop at three once they have taken ``_READING_S`` seconds."""
     for _ in range(_WARMUP):
+        t0 = time.perf_counter()
         step()
         wait()
-    taken = []
-    for _ in range(_READINGS):
+        if adaptive and time.perf_counter() - t0 > _READING_S / 4:
+            break  # a slow step is warm after one
+    taken: list[float] = []
+    for _ in range(readings):
         t0 = time.perf_counter()
         step()
         wait()
         taken.append(time.perf_counter() - t0)
-    return statistics.median(taken)
+        if adaptive and len(taken) >= 3 and sum(taken) > _READING_S:
+            break
+    return statistics.median(taken), len(taken)
 
 
-def _rank(step: Any, barrier: Any, out: Any) -> None:
+def _rank(step: Any, barrier: Any, out: Any, readings: int) -> None:
     os.setsid()  # as a run's ranks are: CPU time is shared between sessions first
-    out.put(_median_step(step, barrier.wait))
+    out.put(_median_step(step, barrier.wait, readings)[0])
 
 
-def _timed(step: Any, ranks: int) -> float:
-    """Median seconds of ``step`` then a barrier, in ``ranks`` forked processes at once (the
-    slowest rank's figure); in this process when fork is not available or there is one rank."""
+def _timed(step: Any, ranks: int, readings: int) -> float:
+    """Median seconds of ``step`` then a barrier, ``readings`` times in ``ranks`` forked processes
+    at once (the slowest rank's figure); in this process when fork is not available."""
     import multiprocessing as mp
 
-    if ranks <= 1 or "fork" not in mp.get_all_start_methods():
-        return _median_step(step, lambda: None)
+    if "fork" not in mp.get_all_start_methods():
+        return _median_step(step, lambda: None, readings)[0]
     ctx = mp.get_context("fork")
     barrier, out = ctx.Barrier(ranks, timeout=60), ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(step, barrier, out), daemon=True)
+    procs = [ctx.Process(target=_rank, args=(step, barrier, out, readings), daemon=True)
              for _ in range(ranks)]
     for p in procs:
         p.start()
