@@ -55,6 +55,15 @@ def test_dpo_in_two_processes_logs_reward_margins_and_accuracies(dpo_job):
     df = dpo_job.metrics_df()
     assert {"loss", "rewards/margins", "rewards/accuracies"} <= set(df.columns)
     assert "reference: implicit" in dpo_job.logs(tail=None, name="rank-0.log")
+    # The default eval: (heldout after training) answers SFT prompts: a DPO run scores none of
+    # it, its log says so, and its plan prices none of it and says why.
+    from workbench.evaluate import results
+    from workbench.plan import plan
+
+    assert not (dpo_job.run_dir.path / results.FILE).exists()
+    assert "not scored in this run" in dpo_job.logs(tail=None, name="rank-0.log")
+    planned = plan(dpo_job.spec)
+    assert planned.clock["scoring_s"] == 0 and "a dpo run" in planned.clock["scoring"]
     # Its live view opens on what shows a preference being learnt, not on the loss.
     from workbench.widgets.job_view import JobView
 

@@ -20,6 +20,7 @@ from PIL import Image
 
 import workbench
 from workbench.errors import DatasetError, DatasetFormatError, ImageDataError
+from workbench.evaluate import results
 from workbench.runs.home import runs_dir
 from workbench.runs.registry import Registry
 
@@ -36,6 +37,7 @@ def _lines(run_dir, key: str) -> list[float]:
 
 @pytest.mark.slow
 def test_a_vlm_trains_a_language_lora_in_two_processes_and_its_loss_falls():
+    planned = workbench.plan(VISION)  # before the run, as a user sees it
     job = workbench.launch(VISION)
     state = job.wait(timeout=240, progress=False)
     status = job.status()
@@ -59,6 +61,16 @@ def test_a_vlm_trains_a_language_lora_in_two_processes_and_its_loss_falls():
     assert (adapter / "preprocessor_config.json").is_file()  # the processor, to load it back
     targets = json.loads((adapter / "adapter_config.json").read_text())["target_modules"]
     assert "language_model" in targets and "visual" not in targets, targets
+    # The default eval: (heldout after training) is not scored by an image model's run, and
+    # its plan prices no scoring and says why; the log says so too.
+    assert not (run_dir / results.FILE).exists()
+    assert planned.clock["scoring_s"] == 0 and "none in the run" in planned.clock["scoring"]
+    assert "not scored in this run" in job.logs(tail=None)
+    # The plan's memory per process against each rank's measured peak RSS (issue 39: 15 %).
+    peaks = [json.loads(f.read_text())["peak_gib"]
+             for f in job.run_dir.logs_dir.glob("memory-rank-*.json")]
+    assert len(peaks) == 2 and abs(planned.memory.total / max(peaks) - 1) <= 0.15, (
+        planned.memory.total, peaks)
 
 
 def _picture_rows(folder: Path, second: str) -> Path:

@@ -68,7 +68,8 @@ def _read_all(source: DataSource) -> Iterator[tuple[str, dict[str, Any]]]:
 
 
 def _check_text(path: Path) -> None:
-    head = path.open("rb").read(4096)
+    with path.open("rb") as fh:
+        head = fh.read(4096)
     if b"\x00" in head:
         raise DatasetError(f"{path} looks like a binary file, not text; give a jsonl/csv file")
 

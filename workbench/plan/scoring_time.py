@@ -74,6 +74,22 @@ def _count(task: Any, validation_rows: int | None) -> int | None:
     return rows if task.max_samples is None else min(rows, task.max_samples)
 
 
+def _not_scored_in_run(spec: Any) -> str:
+    """Why the run's trainer scores no ``eval:`` task in the run (workbench.train.run: only an
+    SFT run of a text model has the scoring callback), or "" when it does."""
+    if spec.method.stage != "sft":
+        return (f"a {spec.method.stage} run reports TRL's own validation metrics; its eval: "
+                "tasks answer SFT prompts")
+    from workbench.spec.models import is_vision_model
+
+    try:
+        vision = is_vision_model(spec.model.id, spec.model.revision,
+                                 spec.model.trust_remote_code, local_only=True)
+    except Exception:  # noqa: BLE001 - a model this machine cannot read: the text path's plan
+        vision = False
+    return "an image model's run reports its validation loss only" if vision else ""
+
+
 def scoring_seconds(spec: Any, shape: Any, m: Any, *, on_gpu: bool, gpu: Any,
                     prompt_tokens: float, validation_rows: int | None, steps: int | None,
                     example_tokens: float) -> Scoring:
@@ -89,6 +105,10 @@ def scoring_seconds(spec: Any, shape: Any, m: Any, *, on_gpu: bool, gpu: Any,
     n_pass, known = passes(spec, steps)
     if not ev.tasks or (n_pass == 0 and known):
         return Scoring(line="the run's own evaluation (eval:): none")
+    unscored = _not_scored_in_run(spec)
+    if unscored:
+        return Scoring(line=f"the run's own evaluation (eval:): none in the run ({unscored}; "
+                            "score it afterwards with job.evaluate())")
     if spec.parallel.strategy == "zero3":
         return Scoring(line="the run's own evaluation (eval:): none in the run (ZeRO-3 partitions "
                             "the weights; score afterwards with job.evaluate())")

@@ -154,6 +154,9 @@ def main(run_dir: str) -> int:
     print(fast_line, flush=True)
     if rank == 0:
         rd.write_status(fast_paths=fast_line)
+        if stage and spec.eval.tasks:  # the plan said so too (workbench.plan.scoring_time)
+            print("eval: tasks are not scored in this run (its trainer reports validation "
+                  "metrics); score it afterwards with job.evaluate()", flush=True)
     status = rd.status()
     billing = Billing(spec, status)  # the supervisor's baseline: the same bill as its own
     uploader = None
