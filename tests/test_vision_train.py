@@ -149,3 +149,25 @@ def test_qlora_of_a_vlm_is_refused_before_planning():
         check_vision_spec(RunSpec(**{**VISION, "method": {"kind": "qlora"}}))
     message = str(info.value)
     assert "\n" not in message and "method.kind: lora" in message, message
+
+
+@pytest.mark.slow
+def test_a_vlm_run_killed_mid_way_resumes_step_for_step(tmp_path):
+    """Rank 1 of a 2-process VLM run is killed -9 once a step past its snapshot is logged (the run
+    holds there); the automatic restart resumes from the snapshot, and the steps trained twice,
+    before the kill and after the resume, come out the same."""
+    from tests.preference_runs import ONE_SNAPSHOT, kill_rank_1_and_resume, launch_held
+
+    steps, every = 8, ONE_SNAPSHOT["every_steps"]
+    spec = {**VISION, "name": "vision-kill", "checkpoint": ONE_SNAPSHOT,
+            "train": {"max_steps": steps, "lr": 3e-3}, "eval": {"after": False}}
+    job, hold = launch_held(spec, every + 1, tmp_path)
+    at = kill_rank_1_and_resume(job, hold, steps, every, past=True)
+    raw = [m for m in job.run_dir.metrics() if "loss" in m or m.get("event") == "resume"]
+    cut = next(i for i, m in enumerate(raw) if m.get("event") == "resume")
+    first = {m["step"]: m["loss"] for m in raw[:cut] if "loss" in m}
+    again = {m["step"]: m["loss"] for m in raw[cut + 1:]}
+    twice = [s for s in first if s > at]
+    assert twice, (at, sorted(first))
+    for s in twice:
+        assert again[s] == pytest.approx(first[s], rel=1e-4, abs=1e-5), (s, first, again)
