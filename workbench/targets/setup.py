@@ -131,8 +131,11 @@ env = dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1")
 if source == "wheels":
     env["PIP_CONFIG_FILE"] = os.devnull
 print("WB: pip install (" + source + ")", flush=True)
-r = subprocess.run([py, "-m", "pip", "install", "--progress-bar", "off", "--find-links", staged,
-                    "-c", os.path.join(staged, "constraints.txt")] + pip_args, env=env)
+# --no-compile: pip would byte-compile every module of every package (tens of thousands of files,
+# most never imported); the import check below compiles what a run imports.
+r = subprocess.run([py, "-m", "pip", "install", "--progress-bar", "off", "--no-compile",
+                    "--find-links", staged, "-c", os.path.join(staged, "constraints.txt")]
+                   + pip_args, env=env)
 if r.returncode:
     fail("pip install failed (its output is above)")
 r = subprocess.run([py, "-c", "import json, workbench.runs.supervise, torch, transformers, peft; "
