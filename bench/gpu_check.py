@@ -48,6 +48,7 @@ from workbench.plan import GiB, plan  # noqa: E402
 from workbench.spec import RunSpec  # noqa: E402
 from workbench.spec.precision import local_device_kind, resolve_precision  # noqa: E402
 from workbench.targets.gpus import detect_gpu_type, get_gpu  # noqa: E402
+from workbench.train.steprank import _reset_peak, _status_gib  # noqa: E402
 
 FULL = {"model": "meta-llama/Llama-2-7b-hf", "batch": 4, "seq": 1024, "steps": 8, "warmup": 2,
         "examples": 256, "min_len": 64, "rounds": 4}
@@ -246,26 +247,6 @@ def published_rows(smoke: bool, folder: Path | None) -> dict[str, Any]:
             "stderr_tail": done.stderr[-2000:] if done.returncode else ""}
 
 
-def _peak_rss_gib() -> float:
-    """This process's peak resident memory since start or the last :func:`_reset_peak_rss`."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024 / GiB
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB
-
-
-def _reset_peak_rss() -> bool:
-    """Start the peak over from the memory in use now (Linux: "5" to /proc/self/clear_refs)."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
 def launched_run(on_gpu: bool) -> dict[str, Any]:
     """The built-in tiny run launched the ordinary way (a standby start, then the go) on one
     card: it must succeed, and its bill must start no earlier than its run directory (the cards
@@ -312,8 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     peak_tflops = card.bf16_tflops * (1 if on_gpu else torch.get_num_threads())
     precision = resolve_precision("auto", "lora", local_device_kind())
     predicted = plan(_spec(cfg, on_gpu, gpu_type if on_gpu else None))
-    planner_peak = _peak_rss_gib()
-    peak_reset = _reset_peak_rss()
+    planner_peak = _status_gib("VmHWM")
+    peak_reset = _reset_peak() is not None  # what follows is the training's own peak
 
     from peft import LoraConfig, get_peft_model
 
@@ -346,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         measured = (total - free) / GiB
         what = "device memory in use (reserved + CUDA context)"
     else:
-        measured = _peak_rss_gib()
+        measured = (_status_gib("VmHWM") if peak_reset else None) or (
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB)
         what = "process peak RSS while training" if peak_reset else "process peak RSS"
     result["memory"] = {"measured_gib": measured, "measured": what,
                         "planner_peak_rss_gib": planner_peak,
