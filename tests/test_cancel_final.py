@@ -113,7 +113,9 @@ def _cancelled_while_preparing(registry: Registry, name: str) -> dict[str, Any]:
                            "the launch to register its run")
             state = rd.status()["state"]
             markers = [str(path), *_standby_folders(since)]
-            answer = job.cancel()
+            # The test holds the attempt lock, so the cancel's wait for the hand-over can only
+            # run out: a short one.
+            answer = job.cancel(timeout=1)
     finally:
         gate.close()
     return {"state": state, "answer": answer, "job": launch.result(300), "markers": markers,
@@ -168,7 +170,9 @@ def test_a_cancel_while_a_resume_starts_the_run_keeps_it_ended(registry):
             wait_for(lambda: _held_here(rd.path / ".attempt.lock"), 60,
                      "the resume to hold the run's attempt lock")
             other = workbench.get_job(job.id, registry=registry)
-            assert other.cancel() == ended
+            # The resume holds the lock until the straggler is gone, which is after this call:
+            # the cancel's wait for the hand-over can only run out, so a short one.
+            assert other.cancel(timeout=1) == ended
         finally:
             straggler.kill()
             straggler.wait()

@@ -66,6 +66,13 @@ def wait_until(what: str, check: Any, timeout: float, log: Path | None = None) -
         raise AssertionError(f"{exc}\n{tail}") from None
 
 
+def _up_or_ended(proc: subprocess.Popen, base: str, token: str) -> bool:
+    """Does the hub's API answer? An AssertionError (with its exit status) once it has exited."""
+    if proc.poll() is not None:
+        raise AssertionError(f"the hub exited with status {proc.returncode}")
+    return http("GET", f"{base}/hub/api/", token)[0] == 200
+
+
 def _students_python(root: Path) -> Path:
     """A venv the students' Unix users can run (jupyterhub-singleuser, workbench_lab): the
     interpreter copied out of its 0700 home under /root into ``root``, the project's venv added
@@ -180,8 +187,9 @@ def running_hub(people: dict[str, str], course_of: Callable[[dict[str, str]], di
                             "service": f"{base}/services/course/",
                             "course_json": state / "course.json", "tokens": {}}
     try:
-        wait_until("the hub API", lambda: http("GET", f"{base}/hub/api/", admin_token)[0] == 200,
-                  120, log)
+        # Up when its API answers, failed when its process ended; the limit is only a bound for
+        # a hub that hangs, generous because a loaded 2-core machine starts one slowly.
+        wait_until("the hub API", lambda: _up_or_ended(proc, base, admin_token), 600, log)
         for key, name in users.items():
             code, answer = http("POST", f"{base}/hub/api/users/{name}/tokens", admin_token,
                                  {"scopes": ["access:services!service=course",
@@ -192,7 +200,7 @@ def running_hub(people: dict[str, str], course_of: Callable[[dict[str, str]], di
         first = next(k for k, n in users.items() if n in course["students"])
         wait_until("the course service",
                   lambda: http("GET", info["service"] + "me", info["tokens"][first])[0] == 200,
-                  120, log)
+                  300, log)
         yield info
     finally:
         os.killpg(proc.pid, signal.SIGTERM)

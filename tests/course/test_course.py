@@ -2,10 +2,11 @@
 students and an instructor, each calling the service with their own hub token or, in the browser
 test, logging in through the hub's login page into their own JupyterLab.
 
-The tests run in file order and build on each other (A's run, B's refusal, isolation, B refused
-from a notebook in the browser and the instructor's table, the grant, then B's run across a kill
-of the service). The runs are real training of the built-in tiny model on CPU, priced by the
-course's CPU price.
+The tests run in file order and build on each other (B refused from a notebook in the browser
+and the instructor's table, A's run, B's refusal, isolation, the grant, then B's run across a
+kill of the service; last, the culler has stopped the servers the browser test left idle, so
+its minute of idleness passes while the tests between run). The runs are real training of the
+built-in tiny model on CPU, priced by the course's CPU price.
 """
 
 from __future__ import annotations
@@ -90,6 +91,100 @@ def a_launched(hub: dict[str, Any]) -> dict[str, Any]:
         job = workbench.launch(SMALL_RUN)
     view = wait_until("A's run to end and settle", lambda: _settled(a, job.id), 300, hub["log"])
     return {"job": job, "run": job.id, "view": view, "before": before, "after": a.me()}
+
+
+def _log_in(page: Any, hub: dict[str, Any], key: str, path: str = "lab") -> str:
+    """Log ``key`` in through the hub's login page (PAM: the Unix user's password); the hub
+    starts their server and sends the browser on to ``path`` in it, once JupyterLab is up."""
+    name = hub["users"][key]
+    spawn = f"/hub/spawn?next={quote(f'/user/{name}/{path}', safe='')}"
+    page.goto(f"{hub['base']}/hub/login?next={quote(spawn, safe='')}")
+    page.fill("#username_input", name)
+    page.fill("#password_input", hub["passwords"][key])
+    page.click("#login_submit")
+    # Through the spawn page to the server itself (not the hub's /hub/user/... pages).
+    page.wait_for_url(lambda url: f"/user/{name}/lab" in url and "/hub/" not in url,
+                      timeout=240_000)
+    tab = page.locator(".jp-SideBar [data-id='workbench-runs']")  # the Workbench panel's tab
+    try:
+        tab.wait_for(timeout=120_000)
+    finally:
+        shot(page, f"course-lab-{key}")
+    tab.click()
+    return name
+
+
+def test_in_the_browser_a_student_is_refused_and_the_instructor_sees_every_student(
+        hub: dict[str, Any]) -> None:
+    """Headless Chromium (Debian's, driven by Playwright): B logs in on the hub's login page,
+    lands in JupyterLab in their own server (run as B's Unix user), and the Workbench panel shows
+    B's credit; a notebook cell's workbench.launch() is refused with the service's 402 message,
+    and nothing is held or started. The instructor, logged in the same way, sees every student's
+    credit, spend and runs in the panel."""
+    from playwright.sync_api import expect
+
+    from tests.lab.browser import browser_page, run_first_cell
+
+    base, admin, users = hub["base"], hub["admin"], hub["users"]
+    # The instructor's server starts while B's session runs (the login then finds it up).
+    assert http("POST", f"{base}/hub/api/users/{users['teacher']}/server", admin)[0] in (201, 202)
+    home_b = Path(pwd.getpwnam(users["b"]).pw_dir)
+    nb = new_notebook(cells=[new_code_cell(f"import workbench\nworkbench.launch({SMALL_RUN!r})")],
+                      metadata={"kernelspec": {"name": "python3", "language": "python",
+                                               "display_name": "Python 3 (ipykernel)"}})
+    nbformat.write(nb, home_b / "refused.ipynb")
+    shutil.chown(home_b / "refused.ipynb", users["b"], users["b"])
+    before = _runs_on_disk(hub)
+    a = hub["client"]["a"].me()
+    with browser_page() as page:
+        _log_in(page, hub, "b", "lab/tree/refused.ipynb")
+        credit = page.locator(".jp-WorkbenchCourse-credit")
+        try:
+            # Generous waits throughout: a loaded 2-core machine takes tens of seconds per step.
+            expect(credit).to_contain_text("Credit left 0.01 CNY", timeout=120_000)
+            expect(credit).to_contain_text("held 0.00 CNY")
+            # As tests/lab's browser tests: the notebook's kernel up and idle, then JupyterLab's
+            # run-cell command, asked again while the cell's prompt shows it was dropped.
+            page.locator(".jp-Toolbar-kernelName", has_text="Python 3").wait_for(timeout=180_000)
+            page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").wait_for(
+                timeout=180_000)
+            run_first_cell(page)
+            # The cell's error: the message itself, its traceback folded in the output above it.
+            refused = page.locator(".jp-OutputArea-output[data-mime-type="
+                                   "'application/vnd.jupyter.stderr']",
+                                   has_text="InsufficientCreditError")
+            refused.wait_for(timeout=180_000)
+            message = refused.inner_text()
+            assert message.startswith("InsufficientCreditError: "), message
+            assert "0.01 CNY" in message and "nothing was started" in message, message
+            assert "instructor" in message and "Traceback" not in message, message
+            expect(page.locator(".jp-OutputArea-output summary",
+                                has_text="full traceback")).to_be_visible()
+            expect(credit).to_contain_text("held 0.00 CNY")  # the panel after the refusal
+        finally:
+            shot(page, "course-student-refused")
+
+        teacher = page.context.browser.new_context(viewport={"width": 1400, "height": 900})
+        tpage = teacher.new_page()
+        tpage.set_default_timeout(60_000)
+        _log_in(tpage, hub, "teacher")
+        rows = tpage.locator(".jp-WorkbenchCourse-students tbody tr")
+        expect(rows).to_have_count(2, timeout=120_000)
+        shot(tpage, "course-instructor-table")
+        table = {cells[0]: cells[1:] for cells in
+                 (rows.nth(i).locator("td").all_inner_texts() for i in range(2))}
+        spent_a = f"{a['charges'] / 100:.2f} CNY"
+        launched_a = str(len([r for r in a["runs"] if r["kind"] == "launch"]))
+        assert table[users["a"]] == [f"{a['balance'] / 100:.2f} CNY", "0.00 CNY", spent_a,
+                                     launched_a]
+        assert table[users["b"]] == ["0.01 CNY", "0.00 CNY", "0.00 CNY", "0"]
+        teacher.close()
+    assert _runs_on_disk(hub) == before
+    ledger = Ledger(f"sqlite:///{hub['state'] / 'ledger.sqlite'}")
+    assert [e["kind"] for e in ledger.entries(users["b"])] == ["credit"]
+    owners = {p.username() for p in psutil.process_iter()
+              if "jupyterhub.singleuser" in " ".join(_cmdline(p))}
+    assert owners == {users["b"], users["teacher"]}  # each server runs as its user, not root
 
 
 def test_a_student_launches_through_workbench_launch_within_credit(
@@ -386,100 +481,6 @@ def test_a_student_cannot_see_others_runs_or_raise_their_credit(
         assert read.returncode != 0 and "Permission denied" in read.stderr, path
 
 
-def _log_in(page: Any, hub: dict[str, Any], key: str, path: str = "lab") -> str:
-    """Log ``key`` in through the hub's login page (PAM: the Unix user's password); the hub
-    starts their server and sends the browser on to ``path`` in it, once JupyterLab is up."""
-    name = hub["users"][key]
-    spawn = f"/hub/spawn?next={quote(f'/user/{name}/{path}', safe='')}"
-    page.goto(f"{hub['base']}/hub/login?next={quote(spawn, safe='')}")
-    page.fill("#username_input", name)
-    page.fill("#password_input", hub["passwords"][key])
-    page.click("#login_submit")
-    # Through the spawn page to the server itself (not the hub's /hub/user/... pages).
-    page.wait_for_url(lambda url: f"/user/{name}/lab" in url and "/hub/" not in url,
-                      timeout=240_000)
-    tab = page.locator(".jp-SideBar [data-id='workbench-runs']")  # the Workbench panel's tab
-    try:
-        tab.wait_for(timeout=120_000)
-    finally:
-        shot(page, f"course-lab-{key}")
-    tab.click()
-    return name
-
-
-def test_in_the_browser_a_student_is_refused_and_the_instructor_sees_every_student(
-        hub: dict[str, Any]) -> None:
-    """Headless Chromium (Debian's, driven by Playwright): B logs in on the hub's login page,
-    lands in JupyterLab in their own server (run as B's Unix user), and the Workbench panel shows
-    B's credit; a notebook cell's workbench.launch() is refused with the service's 402 message,
-    and nothing is held or started. The instructor, logged in the same way, sees every student's
-    credit, spend and runs in the panel."""
-    from playwright.sync_api import expect
-
-    from tests.lab.browser import browser_page, run_first_cell
-
-    base, admin, users = hub["base"], hub["admin"], hub["users"]
-    # The instructor's server starts while B's session runs (the login then finds it up).
-    assert http("POST", f"{base}/hub/api/users/{users['teacher']}/server", admin)[0] in (201, 202)
-    home_b = Path(pwd.getpwnam(users["b"]).pw_dir)
-    nb = new_notebook(cells=[new_code_cell(f"import workbench\nworkbench.launch({SMALL_RUN!r})")],
-                      metadata={"kernelspec": {"name": "python3", "language": "python",
-                                               "display_name": "Python 3 (ipykernel)"}})
-    nbformat.write(nb, home_b / "refused.ipynb")
-    shutil.chown(home_b / "refused.ipynb", users["b"], users["b"])
-    before = _runs_on_disk(hub)
-    a = hub["client"]["a"].me()
-    with browser_page() as page:
-        _log_in(page, hub, "b", "lab/tree/refused.ipynb")
-        credit = page.locator(".jp-WorkbenchCourse-credit")
-        try:
-            # Generous waits throughout: a loaded 2-core machine takes tens of seconds per step.
-            expect(credit).to_contain_text("Credit left 0.01 CNY", timeout=120_000)
-            expect(credit).to_contain_text("held 0.00 CNY")
-            # As tests/lab's browser tests: the notebook's kernel up and idle, then JupyterLab's
-            # run-cell command, asked again while the cell's prompt shows it was dropped.
-            page.locator(".jp-Toolbar-kernelName", has_text="Python 3").wait_for(timeout=180_000)
-            page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").wait_for(
-                timeout=180_000)
-            run_first_cell(page)
-            # The cell's error: the message itself, its traceback folded in the output above it.
-            refused = page.locator(".jp-OutputArea-output[data-mime-type="
-                                   "'application/vnd.jupyter.stderr']",
-                                   has_text="InsufficientCreditError")
-            refused.wait_for(timeout=180_000)
-            message = refused.inner_text()
-            assert message.startswith("InsufficientCreditError: "), message
-            assert "0.01 CNY" in message and "nothing was started" in message, message
-            assert "instructor" in message and "Traceback" not in message, message
-            expect(page.locator(".jp-OutputArea-output summary",
-                                has_text="full traceback")).to_be_visible()
-            expect(credit).to_contain_text("held 0.00 CNY")  # the panel after the refusal
-        finally:
-            shot(page, "course-student-refused")
-
-        teacher = page.context.browser.new_context(viewport={"width": 1400, "height": 900})
-        tpage = teacher.new_page()
-        tpage.set_default_timeout(60_000)
-        _log_in(tpage, hub, "teacher")
-        rows = tpage.locator(".jp-WorkbenchCourse-students tbody tr")
-        expect(rows).to_have_count(2, timeout=120_000)
-        shot(tpage, "course-instructor-table")
-        table = {cells[0]: cells[1:] for cells in
-                 (rows.nth(i).locator("td").all_inner_texts() for i in range(2))}
-        spent_a = f"{a['charges'] / 100:.2f} CNY"
-        launched_a = str(len([r for r in a["runs"] if r["kind"] == "launch"]))
-        assert table[users["a"]] == [f"{a['balance'] / 100:.2f} CNY", "0.00 CNY", spent_a,
-                                     launched_a]
-        assert table[users["b"]] == ["0.01 CNY", "0.00 CNY", "0.00 CNY", "0"]
-        teacher.close()
-    assert _runs_on_disk(hub) == before
-    ledger = Ledger(f"sqlite:///{hub['state'] / 'ledger.sqlite'}")
-    assert [e["kind"] for e in ledger.entries(users["b"])] == ["credit"]
-    owners = {p.username() for p in psutil.process_iter()
-              if "jupyterhub.singleuser" in " ".join(_cmdline(p))}
-    assert owners == {users["b"], users["teacher"]}  # each server runs as its user, not root
-
-
 def _cmdline(p: psutil.Process) -> list[str]:
     try:
         return p.cmdline()
@@ -539,21 +540,6 @@ def test_a_student_is_refused_force_and_a_course_error_is_typed(hub: dict[str, A
         hub["client"]["a"].launch({**SMALL_RUN, "resources": {"processes_per_node": 2}})
 
 
-def test_the_idle_culler_stopped_the_servers_left_idle(hub: dict[str, Any]) -> None:
-    """jupyterhub-idle-culler, configured by `workbench course init` (idle_minutes: 1), stops
-    B's and the instructor's servers, idle since the browser test closed its pages."""
-    base, admin = hub["base"], hub["admin"]
-    services = http("GET", f"{base}/hub/api/services", admin)[1]
-    assert "idle-culler" in services
-    for key in ("b", "teacher"):
-        name = hub["users"][key]
-        wait_until(f"the culler to stop {name}'s idle server",
-                   lambda u=name: http("GET", f"{base}/hub/api/users/{u}", admin)[1]["servers"]
-                   == {},
-                   240, hub["log"])
-    assert "Culling server" in hub["log"].read_text(errors="replace")
-
-
 @pytest.mark.parametrize("route, body, words", [
     ("grant", {"student": "X", "amount": "nan"}, "positive number"),
     ("grant", {"student": "X", "amount": float("inf")}, "positive number"),
@@ -590,3 +576,18 @@ def test_someone_not_in_the_course_gets_a_403_not_a_500(hub: dict[str, Any]) -> 
     assert code == 400 and "not a student" in answer["message"], answer
     code, answer = http("POST", hub["service"] + "launch", hub["tokens"]["teacher"], {})
     assert code == 403 and "not a student" in answer["message"], answer
+
+
+def test_the_idle_culler_stopped_the_servers_left_idle(hub: dict[str, Any]) -> None:
+    """jupyterhub-idle-culler, configured by `workbench course init` (idle_minutes: 1), stops
+    B's and the instructor's servers, idle since the browser test closed its pages."""
+    base, admin = hub["base"], hub["admin"]
+    services = http("GET", f"{base}/hub/api/services", admin)[1]
+    assert "idle-culler" in services
+    for key in ("b", "teacher"):
+        name = hub["users"][key]
+        wait_until(f"the culler to stop {name}'s idle server",
+                   lambda u=name: http("GET", f"{base}/hub/api/users/{u}", admin)[1]["servers"]
+                   == {},
+                   240, hub["log"])
+    assert "Culling server" in hub["log"].read_text(errors="replace")
