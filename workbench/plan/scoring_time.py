@@ -75,19 +75,18 @@ def _count(task: Any, validation_rows: int | None) -> int | None:
 
 
 def _not_scored_in_run(spec: Any) -> str:
-    """Why the run's trainer scores no ``eval:`` task in the run (workbench.train.run: only an
-    SFT run of a text model has the scoring callback), or "" when it does."""
-    if spec.method.stage != "sft":
-        return (f"a {spec.method.stage} run reports TRL's own validation metrics; its eval: "
-                "tasks answer SFT prompts")
-    from workbench.spec.models import is_vision_model
+    """Why the run's trainer scores no ``eval:`` task in the run (only the text path has the
+    scoring callback: workbench.spec.models.trainer_path), or "" when it does."""
+    from workbench.spec.models import trainer_path
 
     try:
-        vision = is_vision_model(spec.model.id, spec.model.revision,
-                                 spec.model.trust_remote_code, local_only=True)
+        path = trainer_path(spec, local_only=True)
     except Exception:  # noqa: BLE001 - a model this machine cannot read: the text path's plan
-        vision = False
-    return "an image model's run reports its validation loss only" if vision else ""
+        path = "text"
+    if path == "preference":
+        return (f"a {spec.method.stage} run reports TRL's own validation metrics; its eval: "
+                "tasks answer SFT prompts")
+    return "an image model's run reports its validation loss only" if path == "vision" else ""
 
 
 def scoring_seconds(spec: Any, shape: Any, m: Any, *, on_gpu: bool, gpu: Any,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 from workbench.errors import ModelNotFoundError
 
@@ -80,6 +81,18 @@ def is_vision_model(model_id: str, revision: str | None = None,
         return False
     return getattr(load_config(model_id, revision, trust_remote_code), "vision_config",
                    None) is not None
+
+
+def trainer_path(spec: Any, local_only: bool = False) -> str:
+    """Which trainer a run of ``spec`` takes: ``"preference"`` (a DPO/ORPO/KTO/GRPO stage: TRL's
+    trainers), ``"vision"`` (an SFT run of a model that reads images) or ``"text"``. Only the
+    text path scores the spec's ``eval:`` tasks during the run (workbench.train.run), and the
+    planner prices that scoring by the same answer (workbench.plan.scoring_time)."""
+    if spec.method.stage != "sft":
+        return "preference"
+    m = spec.model
+    return ("vision" if is_vision_model(m.id, m.revision, m.trust_remote_code, local_only)
+            else "text")
 
 
 def is_absolute_folder_id(model_id: str) -> bool:

@@ -105,7 +105,7 @@ def main(run_dir: str) -> int:
     from workbench.evaluate.callback import EvalCallback
     from workbench.runs.budget import Billing
     from workbench.runs.snapshots import Uploader, agreed_resume_point, newest_verified, storage_prefix
-    from workbench.spec.models import is_vision_model, resolve_model
+    from workbench.spec.models import resolve_model, trainer_path
     from workbench.train.callbacks import BudgetSpentAtStart, RunDirCallback, SnapshotCallback, hold_callbacks
     from workbench.train.preload import import_training_libraries, imports_done
 
@@ -118,9 +118,10 @@ def main(run_dir: str) -> int:
             shutil.rmtree(stale, ignore_errors=True)  # a snapshot a crash left half-written
     source = resolve_model(spec.model.id)
     stage: Any = None  # workbench.train.preference (a non-SFT stage) or .vision (an image model)
-    if spec.method.stage != "sft":  # dpo/orpo/kto/grpo: TRL's trainers, the same path otherwise
+    path = trainer_path(spec)
+    if path == "preference":  # dpo/orpo/kto/grpo: TRL's trainers, the same path otherwise
         from workbench.train import preference as stage
-    elif is_vision_model(spec.model.id, spec.model.revision, spec.model.trust_remote_code):
+    elif path == "vision":
         from workbench.train import vision as stage
     # A vision run's "tokenizer" is its processor: it batches, and is saved beside the adapter.
     tokenizer = (stage.load_processor(spec, source) if hasattr(stage, "load_processor")
