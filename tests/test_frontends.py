@@ -89,7 +89,7 @@ def test_job_view_renders_a_finished_run(finished_job):
     train = view.chart.figure.data[0]  # the interactive chart holds every train step
     assert list(train.x) == list(range(1, 41)) and len(view.chart.figure.data[2].x) > 0
     assert "step <b>40</b>" in view.stats.value
-    assert view.cancel_button.disabled
+    assert view.cancel_button.disabled and view.cancel_button.layout.display == "none"
     assert view.progress.value == view.progress.max == 40
 
 

@@ -91,6 +91,7 @@ def test_job_view_grows_incrementally_from_a_live_run(two_runs):
     assert view.chart.redraws <= 2 + watched_s / REDRAW_S, (view.chart.redraws, watched_s)
     assert f"loss <b>{train[-1]['loss']:.4f}</b>" in view.stats.value
     assert "succeeded" in view.header.value and view.cancel_button.disabled
+    assert view.cancel_button.layout.display == "none"  # nothing left to cancel: not shown
 
 
 @pytest.mark.slow

@@ -136,7 +136,9 @@ class JobView(W.VBox):
             f"ETA {_duration(status.get('eta_s'))}" if state not in TERMINAL else "",
         ]
         self.stats.value = " &nbsp;·&nbsp; ".join(p for p in parts if p)
+        # An ended run has nothing to cancel: the button goes (the header says how it ended).
         self.cancel_button.disabled = state in TERMINAL
+        self.cancel_button.layout.display = "none" if state in TERMINAL else None
         err, note = status.get("error"), status.get("note")  # note: why a run stopped short
         if not note and state not in TERMINAL:
             note = status.get("budget_warning")  # the projection passes the limit: say so early
