@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import base64
+import io
+import re
 import subprocess
 import sys
 
@@ -55,6 +58,49 @@ def test_the_form_never_changes_a_value_nobody_touched(wb_home, fields):
     assert form.spec == spec
     form.epochs.value = 7  # the one change the user makes
     assert form.spec == spec.updated(**{"train.epochs": 7})
+
+
+def _stats_line(text: str, split: str) -> tuple[int, list[int]]:
+    """(examples, [min, median, p95, max]) of ``split`` in the form's token statistics."""
+    m = re.search(split + r": (\d+) examples, tokens min/median/p95/max (\d+)/(\d+)/(\d+)/(\d+)",
+                  text)
+    assert m, text
+    return int(m.group(1)), [int(g) for g in m.groups()[1:]]
+
+
+@pytest.mark.slow  # the form plans a VLM: its first step is timed here
+def test_the_form_shows_image_rows_as_thumbnails_and_counts_their_image_tokens(wb_home):
+    from PIL import Image
+
+    from workbench.data.images import load_processor, split_images
+    from workbench.data.vision import image_examples
+    from workbench.spec.models import resolve_model
+    from workbench.spec.sections import DataSource
+
+    form = RunForm(RunSpec(model={"id": "builtin:tiny-qwen2-vl"},
+                           data={"sources": [{"path": "builtin:teaching-images"}],
+                                 "max_length": 256}))
+    # Three rows, each with its picture shrunk to a thumbnail beside its question and answer.
+    rows = form.preview.value.split("<tr>")[2:]
+    assert len(rows) == 3 and all(r.count("<img") == 1 for r in rows), form.preview.value
+    png = base64.b64decode(re.search(r"base64,([^']+)'", rows[0]).group(1))
+    assert Image.open(io.BytesIO(png)).size == (64, 64)  # the 84x84 picture, scaled down
+    assert "What colour is the shape?" in rows[0] or "How many" in rows[0]
+    # The token statistics count each image as the processor expands it: against the processor
+    # itself, row by row, on the same rows.
+    processor = load_processor(resolve_model("builtin:tiny-qwen2-vl"))
+    lengths = []
+    for _where, ex in image_examples(DataSource(path="builtin:teaching-images")):
+        messages, images = split_images(ex)
+        text = processor.apply_chat_template(messages, tokenize=False)
+        lengths.append(len(processor(text=[text], images=images)["input_ids"][0]))
+    text = "".join(o.get("text", "") for o in form.lengths.outputs)
+    (n_train, train), (n_val, val) = _stats_line(text, "train"), _stats_line(text, "validation")
+    assert n_train + n_val == len(lengths)
+    assert min(train[0], val[0]) == min(lengths) and max(train[3], val[3]) == max(lengths)
+    # A text model given the same rows: one line that says which model reads them.
+    form.model.value = "builtin:tiny-llama"
+    assert "cannot read" in form.preview.value and "<img" not in form.preview.value
 
 
 def test_the_form_offers_the_column_mapping_a_file_needs(wb_home, tmp_path):

@@ -14,6 +14,8 @@ from typing import Any, get_args
 
 import ipywidgets as W
 
+from workbench.assets.teaching_images import BUILTIN_IMAGE_DATASET
+from workbench.assets.tiny_vlm import BUILTIN_VLM
 from workbench.errors import SpecError, WorkbenchError
 from workbench.spec import RunSpec
 from workbench.spec.sections import BUILTIN_DATASET, BUILTIN_MODEL, DataSource
@@ -101,11 +103,11 @@ class RunForm(W.VBox):
         self._base = spec
         self.job: Any = None
         self.name = W.Text(spec.name, description="Run name", style=_STYLE, layout=_WIDE)
-        self.model = W.Combobox(value=spec.model.id, options=[BUILTIN_MODEL],
+        self.model = W.Combobox(value=spec.model.id, options=[BUILTIN_MODEL, BUILTIN_VLM],
                                 description="Model", style=_STYLE, layout=_WIDE,
                                 placeholder="builtin:tiny-llama, a folder, or ORG/NAME")
         src = spec.data.sources[0]
-        self.dataset = W.Combobox(value=src.path, options=[BUILTIN_DATASET],
+        self.dataset = W.Combobox(value=src.path, options=[BUILTIN_DATASET, BUILTIN_IMAGE_DATASET],
                                   description="Dataset", style=_STYLE, layout=_WIDE,
                                   placeholder="jsonl / csv / parquet path, or ORG/NAME")
         self.format = W.Dropdown(options=list(get_args(DataSource.model_fields["format"].annotation)),
@@ -162,6 +164,7 @@ class RunForm(W.VBox):
         self.dataset.observe(lambda _c: self.update_preview(), names="value")
         self.columns.observe(lambda _c: self.update_preview(), names="value")
         self.format.observe(lambda _c: self.update_preview(), names="value")
+        self.model.observe(lambda _c: self.update_preview(), names="value")  # text or images
         for w in (self.model, self.method, self.lora_r, self.lr, self.epochs, self.batch,
                   self.gpus, self.procs, self.target, self.name, self.gpu_type, self.columns):
             w.observe(lambda _c: self.validate(), names="value")
@@ -244,13 +247,36 @@ class RunForm(W.VBox):
 
         self.use_columns.layout.display = "none"
         try:
-            rows = preview_rows(self._source(), 3)
-            self.preview.value = _preview_html(rows)
+            if self._reads_images():
+                self.preview.value = self._image_preview(3)
+            else:
+                self.preview.value = _preview_html(preview_rows(self._source(), 3))
         except WorkbenchError as exc:
             self.preview.value = f"<span style='color:#d62728'>{html.escape(str(exc))}</span>"
             self._offer_columns()
             return
         self.update_lengths()
+
+    def _reads_images(self) -> bool:
+        """Is the model picked one that reads images (asked of a folder here, never the hub)?"""
+        from workbench.spec.models import is_vision_model
+
+        try:
+            return is_vision_model(self.model.value, local_only=True)
+        except (WorkbenchError, OSError, ValueError):  # not found here: validate() says so
+            return False
+
+    def _image_preview(self, n: int) -> str:
+        """The first ``n`` image rows, pictures as thumbnails beside their text."""
+        from workbench.data.vision import image_examples
+        from workbench.errors import EmptyDatasetError
+        from workbench.widgets.image_preview import image_rows_html
+
+        source = self._source()
+        rows = [ex for _where, ex in image_examples(source.model_copy(update={"max_rows": n}))]
+        if not rows:
+            raise EmptyDatasetError(f"dataset {source.path!r} has no rows; give a non-empty file")
+        return image_rows_html(rows)
 
     def _source(self) -> DataSource:
         """The first data source as the form shows it (the rest of the spec may be invalid)."""
@@ -286,7 +312,16 @@ class RunForm(W.VBox):
 
         self.lengths.clear_output()
         try:
-            stats = token_stats(self.spec, max_rows=sample)
+            if self._reads_images():  # image tokens as the model's processor makes them
+                from workbench.data.images import load_processor
+                from workbench.data.vision import vision_token_stats
+                from workbench.spec.models import resolve_model
+
+                spec = self.spec
+                stats = vision_token_stats(spec, load_processor(resolve_model(spec.model.id)),
+                                           max_rows=sample)
+            else:
+                stats = token_stats(self.spec, max_rows=sample)
         except (WorkbenchError, OSError, ValueError) as exc:  # e.g. a tokenizer out of reach
             self.lengths.append_stdout(f"token statistics unavailable: {exc}\n")
             return None
