@@ -298,6 +298,19 @@ def split_images(example: dict[str, Any]) -> tuple[list[dict[str, Any]], list[An
 # -- the processor -----------------------------------------------------------------------------
 
 
+def encode(processor: Any, conversations: list[list[dict[str, Any]]], images: list[list[Any]],
+           prompt: bool) -> Any:
+    """Tokens and pixels of conversations (each as :func:`split_images` gives it, with its
+    images) through the processor's chat template, padded on the tokenizer's side; ``prompt``
+    adds the assistant's opening, as generation wants. Training and evaluation both batch so."""
+    texts = [processor.apply_chat_template(m, tokenize=False, add_generation_prompt=prompt)
+             for m in conversations]
+    flat = [image for some in images for image in some]
+    # mm_token_type_ids marks the image tokens: Qwen2-VL's 3-D positions (M-RoPE) need them.
+    return processor(text=texts, images=flat or None, return_tensors="pt", padding=True,
+                     return_mm_token_type_ids=bool(flat))
+
+
 def load_processor(model_path: str | Path) -> Any:
     """The model's processor. Without torchvision (which video processors need) transformers
     cannot build a Qwen2-VL processor, so this builds it from the tokenizer and the image

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,26 +30,46 @@ _WORD = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\u3040-\u30ff\uac00
 def load_examples(path: str | Path, max_samples: int | None) -> list[tuple[Messages, str]]:
     """(prompt messages, reference answer) pairs from a jsonl/csv/parquet file in any chat format
     Workbench trains on (messages, sharegpt, alpaca): the last assistant turn is the reference."""
-    from workbench.data.formats import to_example
+    from workbench.data.formats import row_has_image, to_example
     from workbench.data.sources import read_rows
-    from workbench.errors import DatasetError
     from workbench.spec.sections import DataSource
 
     if not Path(path).is_file():
         raise EvalTaskError(f"eval file {path} does not exist; give a jsonl file of prompts and "
                             "answers (messages or alpaca format), or leave file out to use the "
                             "run's validation split")
-    out: list[tuple[Messages, str]] = []
-    try:
+    def conversations() -> Any:
         for where, row in read_rows(DataSource(path=str(path))):
+            if row_has_image(row):
+                raise EvalTaskError(
+                    f"eval file {path}: {where} holds an image, which a text model cannot read; "
+                    "evaluate a vision-language model (builtin:tiny-qwen2-vl or a run of one) "
+                    "on image rows, or give a file of text prompts and answers")
             ex = to_example(row, "auto", where)
             if "messages" not in ex:
                 raise EvalTaskError(f"{where}: a text row has no answer to compare with; heldout "
                                     "needs prompts and answers (messages or alpaca format); "
                                     "score plain text with the perplexity task instead")
-            msgs = ex["messages"]
+            yield ex["messages"]
+
+    return prompt_answer_pairs(path, conversations(), max_samples)
+
+
+def prompt_answer_pairs(path: str | Path, conversations: Any, max_samples: int | None
+                        ) -> list[tuple[Any, str]]:
+    """(prompt, reference) of each conversation (at most ``max_samples``): the last assistant
+    turn's text is the reference, the turns before it the prompt. A row the reader refuses is an
+    :class:`EvalTaskError` naming ``path``."""
+    from workbench.errors import DatasetError
+
+    out: list[tuple[Any, str]] = []
+    try:
+        for msgs in conversations:
             last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
-            out.append((msgs[:last], msgs[last]["content"]))
+            answer = msgs[last]["content"]
+            if not isinstance(answer, str):  # content parts: the text ones
+                answer = "".join(p["text"] for p in answer if p["type"] == "text")
+            out.append((msgs[:last], answer))
             if max_samples is not None and len(out) >= max_samples:
                 break
     except DatasetError as exc:
@@ -113,13 +133,21 @@ def bleu_means_something(references: Sequence[str], zh: bool = False) -> bool:
     return bool(lengths) and lengths[len(lengths) // 2] >= BLEU_MIN_WORDS
 
 
-def run(source: Any, examples: list[tuple[Messages, str]], max_new_tokens: int
+def run(source: Any, examples: list[tuple[Any, str]], max_new_tokens: int,
+        describe: Callable[[Any], dict[str, Any]] | None = None
         ) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """Generate with ``source`` and score: (metrics, per-example rows)."""
+    """Generate with ``source`` and score: (metrics, per-example rows). ``describe`` gives a
+    row's prompt fields from its messages (default: the last turn's text as ``prompt``; image
+    prompts add their images: :func:`workbench.evaluate.images.describe`)."""
     prompts = [m for m, _ in examples]
     refs = [r for _, r in examples]
     preds = source.generate(prompts, max_new_tokens=max_new_tokens)
     result = scores(preds, refs)
-    rows = [{"prompt": m[-1]["content"] if m else "", "reference": ref, "prediction": pred, **s}
+    describe = describe or _prompt
+    rows = [{**describe(m), "reference": ref, "prediction": pred, **s}
             for m, ref, pred, s in zip(prompts, refs, preds, result.pop("rows"))]
     return result, rows
+
+
+def _prompt(messages: Messages) -> dict[str, Any]:
+    return {"prompt": messages[-1]["content"] if messages else ""}

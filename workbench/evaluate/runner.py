@@ -129,8 +129,14 @@ def _one(source: Any, task: EvalTask, default_file: str | Path | None, base_id: 
     if task.kind == "heldout":
         from workbench.evaluate import heldout
 
-        metrics, rows = heldout.run(source, heldout.load_examples(file, task.max_samples),
-                                    task.max_new_tokens)
+        if getattr(source, "kind", None) == "vision":  # image questions: a VLM's own reader
+            from workbench.evaluate import images
+
+            metrics, rows = heldout.run(source, images.load_examples(file, task.max_samples),
+                                        task.max_new_tokens, images.describe)
+        else:
+            metrics, rows = heldout.run(source, heldout.load_examples(file, task.max_samples),
+                                        task.max_new_tokens)
         return [("heldout", metrics, len(rows), rows, {})]
     if task.kind == "perplexity":
         from workbench.evaluate import perplexity
@@ -175,6 +181,15 @@ def _reach_judges(tasks: list[EvalTask]) -> None:
             _ = open_endpoint(t.judge, t.judge_model, t.api_key_env).model
 
 
+def _open_weights(model: Any, label: str) -> Any:
+    """Weights in this process: a vision-language model (or a run of one) with its processor,
+    any other with its tokenizer."""
+    from workbench.evaluate.images import is_vision, open_vision
+    from workbench.evaluate.sources import open_weights
+
+    return open_vision(model, label) if is_vision(model) else open_weights(model, label)
+
+
 def evaluate(model: Any = None, tasks: Any = ("heldout",), *, endpoint: str | None = None,
              file: str | Path | None = None, max_samples: int | None = None,
              max_new_tokens: int | None = None, judge: str | None = None,
@@ -184,7 +199,7 @@ def evaluate(model: Any = None, tasks: Any = ("heldout",), *, endpoint: str | No
     name or URL) on ``tasks`` (kinds, mappings or EvalTasks); ``file`` is the heldout/judge/
     perplexity data. With ``run_dir`` the lines also go to that run's eval.jsonl. An endpoint is
     sent up to ``concurrency`` requests at once (default :data:`sources.CONCURRENCY`)."""
-    from workbench.evaluate.sources import CONCURRENCY, open_endpoint, open_weights
+    from workbench.evaluate.sources import CONCURRENCY, open_endpoint
 
     if (model is None) == (endpoint is None):
         raise EvalError("give a model (id, folder, adapter or snapshot) or endpoint=NAME_OR_URL")
@@ -194,7 +209,7 @@ def evaluate(model: Any = None, tasks: Any = ("heldout",), *, endpoint: str | No
     _reach_judges(parsed)
     source: Any = (open_endpoint(endpoint, label=label, concurrency=concurrency or CONCURRENCY)
                    if endpoint is not None
-                   else open_weights(model, label=label or "run"))
+                   else _open_weights(model, label=label or "run"))
     return score(source, parsed, phase=phase, step=step, run_dir=run_dir)
 
 
@@ -204,7 +219,7 @@ def evaluate_run_dir(path: str | Path, tasks: Any = None, *, endpoint: str | Non
     ``tasks`` (default: the spec's), its validation split the default file; lines go to its
     eval.jsonl as phase ``manual`` at ``step`` (default: status.json's). What ``job.evaluate``
     does here, and what ``workbench eval --run-dir`` runs on a remote run's target."""
-    from workbench.evaluate.sources import open_endpoint, open_weights
+    from workbench.evaluate.sources import open_endpoint
     from workbench.runs.rundir import RunDir
 
     rd = RunDir(path)
@@ -223,7 +238,7 @@ def evaluate_run_dir(path: str | Path, tasks: Any = None, *, endpoint: str | Non
             raise EvalError(f"run {rd.path.name} has no adapter/ or model/ (state "
                             f"{rd.status().get('state')}); only a run that saved its weights "
                             "can be scored")
-        source = open_weights(art, label="run")
+        source = _open_weights(art, label="run")
     if step is None:
         step = int(rd.status().get("step") or 0)
     return score(source, parsed, phase="manual", step=step, run_dir=rd.path,

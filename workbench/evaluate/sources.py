@@ -3,9 +3,11 @@
 A source is weights in this process (:class:`TransformersSource`: a base model id or folder, a
 run's adapter/model folder, a snapshot folder, or the live model of a training run) or an
 OpenAI-compatible endpoint (:class:`EndpointSource`: a Workbench endpoint name or any URL).
-Both answer chat prompts greedily, so their scores are comparable. A vLLM server gets a batch of
-prompts as ONE request (its /v1/chat/completions/batch: the same rendering and sampling as its chat
-completions, less work per prompt); any other server gets one chat completion per prompt.
+Both answer chat prompts greedily, so their scores are comparable (a vision-language model's
+weights are :class:`workbench.evaluate.images.VisionSource`, found by :func:`locate_weights`).
+A vLLM server gets a batch of prompts as ONE request (its /v1/chat/completions/batch: the same
+rendering and sampling as its chat completions, less work per prompt); any other server gets one
+chat completion per prompt.
 
     >>> src = open_weights("builtin:tiny-llama")                        # doctest: +SKIP
     >>> src.generate([[{"role": "user", "content": "What does a cow say?"}]])  # doctest: +SKIP
@@ -14,13 +16,14 @@ completions, less work per prompt); any other server gets one chat completion pe
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from workbench.errors import EvalError, JudgeError
 
@@ -62,6 +65,13 @@ class TransformersSource:
             if was_training:
                 self.model.train()
 
+    def _encode(self, prompts: Sequence[Messages]) -> Any:
+        """Tokens of a batch of prompts with the assistant's turn opened, padded on the
+        tokenizer's side."""
+        texts = [self.tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
+                 for m in prompts]
+        return self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+
     def generate(self, prompts: Sequence[Messages], max_new_tokens: int = 32) -> list[str]:
         tok = self.tokenizer
         side = tok.padding_side
@@ -71,10 +81,7 @@ class TransformersSource:
         try:
             with self.inference():
                 for i in range(0, len(prompts), self.batch_size):
-                    texts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
-                             for m in prompts[i:i + self.batch_size]]
-                    enc = tok(texts, return_tensors="pt", padding=True,
-                              add_special_tokens=False).to(device)
+                    enc = self._encode(prompts[i:i + self.batch_size]).to(device)
                     gen = self.model.generate(**enc, max_new_tokens=max_new_tokens,
                                               do_sample=False, pad_token_id=tok.pad_token_id)
                     new = gen[:, enc["input_ids"].shape[1]:]
@@ -89,13 +96,13 @@ class TransformersSource:
         if self.label == "base":
             return None
         if hasattr(self.model, "disable_adapter"):
-            twin = TransformersSource(self.model, self.tokenizer, "base", self.base_id,
-                                      self.batch_size)
-            twin._adapters_off = True
+            twin = copy.copy(self)  # the same weights and tokenizer, answering as the base
+            twin.label, twin._adapters_off = "base", True
             return twin
-        if self.base_id:
-            return open_weights(self.base_id, label="base")
-        return None
+        return self._open_base()
+
+    def _open_base(self) -> TransformersSource | None:
+        return open_weights(self.base_id, label="base") if self.base_id else None
 
 
 class EndpointSource:
@@ -238,29 +245,45 @@ def open_weights(source: str | Path, label: str = "run") -> TransformersSource:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from workbench.data.tokenize import ensure_chat_template
+
+    where = locate_weights(source)
+    model: Any = AutoModelForCausalLM.from_pretrained(where.base)
+    if where.adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(where.adapter))
+    tok = AutoTokenizer.from_pretrained(str(where.tokenizer))
+    ensure_chat_template(tok)
+    return TransformersSource(model, tok, label, where.base_id)
+
+
+class Weights(NamedTuple):
+    """Where a source's weights are: ``base`` (a folder or hub id), the LoRA ``adapter`` folder
+    on it (None: the weights are whole), the ``tokenizer`` folder and the ``base_id`` trained
+    from (for a judge's baseline; None when not known)."""
+
+    base: str
+    adapter: Path | None
+    tokenizer: Path
+    base_id: str | None
+
+
+def locate_weights(source: str | Path) -> Weights:
+    """:class:`Weights` of a base model id/folder, a run's adapter/ or model/, or a snapshot."""
     from workbench.spec.models import resolve_model
 
     path = Path(str(source))
     if (path / "adapter_config.json").is_file():
-        from peft import PeftModel
-
         meta = _meta(path)
         cfg = json.loads((path / "adapter_config.json").read_text())
         base = meta.get("base_model") or cfg["base_model_name_or_path"]
         if meta.get("base_model_id"):
             base = resolve_model(meta["base_model_id"])
-        model: Any = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base),
-                                               str(path))
         tok_dir = path if (path / "tokenizer_config.json").is_file() else Path(base)
-        base_id = meta.get("base_model_id") or base
-    else:
-        resolved = resolve_model(str(source))
-        model = AutoModelForCausalLM.from_pretrained(resolved)
-        tok_dir = Path(resolved)
-        base_id = _meta(path).get("base_model_id") if path.is_dir() else None
-    tok = AutoTokenizer.from_pretrained(str(tok_dir))
-    ensure_chat_template(tok)
-    return TransformersSource(model, tok, label, base_id)
+        return Weights(str(base), path, tok_dir, meta.get("base_model_id") or base)
+    resolved = resolve_model(str(source))
+    base_id = _meta(path).get("base_model_id") if path.is_dir() else None
+    return Weights(str(resolved), None, Path(resolved), base_id)
 
 
 def _meta(path: Path) -> dict[str, Any]:

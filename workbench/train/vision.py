@@ -96,11 +96,9 @@ class VisionCollator:
         self.pad_id = processor.tokenizer.pad_token_id
 
     def _ids(self, messages: list[dict[str, Any]], images: list[Any], prompt: bool) -> Any:
-        text = self.processor.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=prompt)
-        # mm_token_type_ids marks the image tokens: Qwen2-VL's 3-D positions (M-RoPE) need them.
-        return self.processor(text=[text], images=images or None, return_tensors="pt",
-                              return_mm_token_type_ids=bool(images))
+        from workbench.data.images import encode
+
+        return encode(self.processor, [messages], [images], prompt)
 
     def example(self, row: dict[str, Any]) -> dict[str, Any]:
         import torch
