@@ -562,3 +562,58 @@ def test_the_plan_counts_the_adapter_peft_builds_on_a_vlm(targets):
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert trainable > 0
     assert workbench.plan(spec).trainable_params == trainable
+
+
+def test_the_specs_pixel_cap_sizes_each_image_as_the_processors_own_setting_would(vlm, tmp_path):
+    """``data.image_max_pixels`` must count, batch and save each image as a processor whose own
+    preprocessor_config.json has that cap does. The oracle is such a copy of the model, its rows
+    processed by transformers with their real pixels."""
+    import workbench
+    from workbench.spec import RunSpec
+    from workbench.train.vision import load_processor as run_processor
+
+    model = _wide_vlm(vlm, tmp_path / "wide-vlm")  # up to 64 tokens an image
+    capped = tmp_path / "capped-vlm"
+    shutil.copytree(model, capped)
+    config = json.loads((capped / "preprocessor_config.json").read_text())
+    config["size"]["longest_edge"] = 4 * 28 * 28
+    (capped / "preprocessor_config.json").write_text(json.dumps(config))
+    path = _sized_rows(tmp_path)
+    lengths, image_tokens = _processed(capped, path)
+    # One token per 28x28 pixels, at most four: the 84x84 picture is shrunk to 56x56.
+    assert image_tokens[:3] == [1, 2, 4] and max(image_tokens) == 4, image_tokens
+
+    spec = RunSpec(model={"id": str(model)}, train={"batch_size": 1},
+                   resources={"processes_per_node": 1},
+                   data={"sources": [{"path": str(path)}], "validation_fraction": 0,
+                         "max_length": 512, "image_max_pixels": 4 * 28 * 28})
+    plan = workbench.plan(spec)
+    train = plan.data_tokens["splits"]["train"]
+    assert (train["tokens"]["min"], train["tokens"]["max"]) == (min(lengths), max(lengths))
+    assert plan.tokens_per_step == round(sum(lengths) / len(lengths)), plan.data_note
+    # What the ranks batch with, what they save beside the adapter, and what evaluation loads
+    # back from there: the same cap.
+    processor = run_processor(spec, str(model))
+    assert [image_token_count(processor, *size) for size in _SIZES] == image_tokens
+    processor.save_pretrained(tmp_path / "adapter")
+    again = load_processor(model, saved=tmp_path / "adapter")
+    assert [image_token_count(again, *size) for size in _SIZES] == image_tokens
+
+
+def test_pixel_bounds_that_cannot_hold_are_refused_in_one_line(vlm, tmp_path):
+    from transformers import CLIPImageProcessor
+
+    from workbench.errors import DatasetError, SpecError
+    from workbench.spec import RunSpec
+
+    with pytest.raises(SpecError, match=r"image_min_pixels \(5000\) is above image_max_pixels"):
+        RunSpec(data={"image_min_pixels": 5000, "image_max_pixels": 1000})
+    # A floor above the processor's own cap (84x84 pixels for the built-in).
+    with pytest.raises(DatasetError, match=r"image_min_pixels \(1000000\) is above") as info:
+        load_processor(vlm, min_pixels=1_000_000)
+    assert "\n" not in str(info.value)
+    # A processor that resizes to a fixed size, not to a pixel budget, would ignore the cap.
+    CLIPImageProcessor().save_pretrained(tmp_path / "clip")
+    with pytest.raises(DatasetError, match="sizes images its own way.*remove them") as info:
+        load_processor(vlm, max_pixels=4 * 28 * 28, saved=tmp_path / "clip")
+    assert "\n" not in str(info.value)

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.data.formats import suggest_columns, to_example
-from workbench.errors import DatasetFormatError, ImageDataError
+from workbench.errors import DatasetError, DatasetFormatError, ImageDataError
 
 IMAGE_FORMATS = ("auto", "messages", "llava", "columns")
 IMAGE_TOKEN = "<image>"  # LLaVA's mark of where an image goes in a turn
@@ -311,16 +311,29 @@ def encode(processor: Any, conversations: list[list[dict[str, Any]]], images: li
                      return_mm_token_type_ids=bool(flat))
 
 
-def load_processor(model_path: str | Path) -> Any:
-    """The model's processor. Without torchvision (which video processors need) transformers
-    cannot build a Qwen2-VL processor, so this builds it from the tokenizer and the image
-    processor alone: images work, videos are refused."""
+def load_processor(model_path: str | Path, *, min_pixels: int | None = None,
+                   max_pixels: int | None = None, saved: str | Path | None = None) -> Any:
+    """The model's processor; ``min_pixels`` / ``max_pixels`` bound the pixels each image is
+    resized to (the spec's ``data.image_min_pixels`` / ``image_max_pixels``); ``saved``, a
+    folder a run saved its processor into, gives the image processor the run trained with.
+
+    Without torchvision (which video processors need) transformers cannot build a Qwen2-VL
+    processor, so this builds it from the tokenizer and the image processor alone: images work,
+    videos are refused."""
     import importlib.util
 
     from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
 
+    bounds = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v}
+    if saved is not None and (Path(saved) / "preprocessor_config.json").is_file():
+        image_processor = AutoImageProcessor.from_pretrained(saved, **bounds)
+    else:
+        image_processor = AutoImageProcessor.from_pretrained(model_path, **bounds)
+    _check_bounds(image_processor, bounds, model_path)
     if importlib.util.find_spec("torchvision") is not None:
-        return AutoProcessor.from_pretrained(model_path)
+        processor = AutoProcessor.from_pretrained(model_path)
+        processor.image_processor = image_processor
+        return processor
     import transformers
     from transformers import AutoConfig
 
@@ -342,9 +355,24 @@ def load_processor(model_path: str | Path) -> Any:
                     *self.image_processor.save_pretrained(save_directory, **kwargs)]
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    return ImageOnlyProcessor(image_processor=AutoImageProcessor.from_pretrained(model_path),
-                              tokenizer=tokenizer, video_processor=None,
-                              chat_template=tokenizer.chat_template)
+    return ImageOnlyProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                              video_processor=None, chat_template=tokenizer.chat_template)
+
+
+def _check_bounds(image_processor: Any, bounds: dict[str, int], model: str | Path) -> None:
+    """Pixel bounds apply to processors that resize each image to a pixel budget (Qwen2-VL and
+    its kin keep them as the size's shortest_edge / longest_edge); any other sizes images its
+    own way, and the bounds would be silently ignored: refused."""
+    size = dict(getattr(image_processor, "size", None) or {})
+    held = {"min_pixels": size.get("shortest_edge"), "max_pixels": size.get("longest_edge")}
+    if any(held[k] != v for k, v in bounds.items()):
+        raise DatasetError(f"data.image_min_pixels / image_max_pixels: {Path(str(model)).name}'s "
+                           f"image processor ({type(image_processor).__name__}) sizes images its "
+                           "own way, not to a pixel budget; remove them from the spec")
+    if held["min_pixels"] and held["max_pixels"] and held["min_pixels"] > held["max_pixels"]:
+        raise DatasetError(f"data.image_min_pixels ({held['min_pixels']}) is above "
+                           f"image_max_pixels ({held['max_pixels']}); lower the first or raise "
+                           "the second")
 
 
 def image_token_count(processor: Any, width: int, height: int) -> int:

@@ -168,17 +168,21 @@ def vision_token_stats(spec: RunSpec, processor: Any, max_rows: int | None = Non
     return TokenStats(splits=splits, max_length=L, truncation=spec.data.truncation, packing=False)
 
 
+def spec_processor(spec: RunSpec, folder: str | Path) -> Any:
+    """The processor of ``spec``'s model (in ``folder``), with the spec's image pixel bounds."""
+    from workbench.data.images import load_processor
+
+    return load_processor(folder, min_pixels=spec.data.image_min_pixels,
+                          max_pixels=spec.data.image_max_pixels)
+
+
 def _local_processor(spec: RunSpec) -> Any:
     """The run's processor when its model is a folder here (built-in or local); None for a hub
     id, whose processor the ranks load."""
     from workbench.spec.models import resolve_model
 
     source = resolve_model(spec.model.id)
-    if not Path(source).is_dir():
-        return None
-    from workbench.data.images import load_processor
-
-    return load_processor(source)
+    return spec_processor(spec, source) if Path(source).is_dir() else None
 
 
 def prepare_vision_data(spec: RunSpec, out_dir: str | Path) -> DataSummary:

@@ -35,7 +35,8 @@ def is_vision(source: str | Path) -> bool:
 
 
 def open_vision(source: str | Path, label: str = "run") -> VisionSource:
-    """A VLM's weights (a base id/folder, a run's adapter/ or model/) with the base's processor."""
+    """A VLM's weights (a base id/folder, a run's adapter/ or model/) with the base's processor,
+    its image processor the one the run saved (the run's pixel bounds) where there is one."""
     from transformers import AutoModelForImageTextToText
 
     from workbench.data.images import load_processor
@@ -46,7 +47,8 @@ def open_vision(source: str | Path, label: str = "run") -> VisionSource:
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, str(where.adapter))
-    return VisionSource(model, load_processor(where.base), label, where.base_id)
+    return VisionSource(model, load_processor(where.base, saved=where.tokenizer), label,
+                        where.base_id)
 
 
 class VisionSource(TransformersSource):

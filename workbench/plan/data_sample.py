@@ -102,10 +102,10 @@ def token_sample(spec: RunSpec) -> tuple[Any, str | None]:
         folder = None
     try:
         if folder is not None and is_vision_model(folder, local_only=True):
-            from workbench.data.images import load_processor
-            from workbench.data.vision import vision_token_stats
+            from workbench.data.vision import spec_processor, vision_token_stats
 
-            return vision_token_stats(spec, load_processor(folder), max_rows=SAMPLE_ROWS), None
+            return vision_token_stats(spec, spec_processor(spec, folder),
+                                      max_rows=SAMPLE_ROWS), None
     except (OSError, ValueError, ImportError, WorkbenchError) as err:
         return None, (str(err).strip().splitlines() or [type(err).__name__])[0]
     try:  # the same data tokenised before, known from its files: every row, no tokenizer

@@ -32,6 +32,10 @@ KNOBS: dict[str, str] = {
     "data.max_dropped_fraction": "launch refuses when more examples would have nothing to train",
     "data.packing": "whole examples share max_length rows (no padding, attention per example)",
     "data.eval_samples": "validation examples evaluated each time; 0 or null: all",
+    "data.image_min_pixels": "vision models: each image resized to at least this many pixels; "
+                             "null: the processor's own",
+    "data.image_max_pixels": "vision models: each image resized to at most this many pixels "
+                             "(Qwen2-VL: a token per 28x28); null: the processor's own",
     "data.clean.enabled": "run the cleaning pipeline on the text first (docs/data.md)",
     "data.clean.steps": "null: the default pipeline, in its default order",
     "data.clean.options": "per-step parameters, e.g. {near_dedup: {threshold: 0.8}}",

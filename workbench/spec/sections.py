@@ -81,6 +81,19 @@ class DataSpec(Section):
     packing: bool = False  # whole examples share max_length rows, attention kept per example
     eval_samples: int | None = Field(256, ge=0)  # validation examples evaluated; 0/None: all
     clean: CleanSpec = Field(default_factory=CleanSpec)
+    # Vision-language models that resize each image to a pixel budget (Qwen2-VL and its kin):
+    # the budget's bounds (None: the processor's own). An image's tokens, so its memory and
+    # time, follow its pixels: Qwen2-VL makes one token of each 28x28 pixels.
+    image_min_pixels: int | None = Field(None, ge=1)
+    image_max_pixels: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _image_bounds_in_order(self) -> DataSpec:
+        low, high = self.image_min_pixels, self.image_max_pixels
+        if low is not None and high is not None and low > high:
+            raise ValueError(f"image_min_pixels ({low}) is above image_max_pixels ({high}); "
+                             "lower the first or raise the second")
+        return self
 
 
 Stage = Literal["sft", "dpo", "orpo", "kto", "grpo"]

@@ -45,9 +45,9 @@ def trainer_base(spec: RunSpec) -> None:
 
 
 def load_processor(spec: RunSpec, source: str) -> Any:
-    from workbench.data.images import load_processor as load
+    from workbench.data.vision import spec_processor
 
-    processor = load(source)
+    processor = spec_processor(spec, source)
     processor.tokenizer.padding_side = "right"  # the collator pads itself; labels line up
     return processor
 

@@ -313,12 +313,11 @@ class RunForm(W.VBox):
         self.lengths.clear_output()
         try:
             if self._reads_images():  # image tokens as the model's processor makes them
-                from workbench.data.images import load_processor
-                from workbench.data.vision import vision_token_stats
+                from workbench.data.vision import spec_processor, vision_token_stats
                 from workbench.spec.models import resolve_model
 
                 spec = self.spec
-                stats = vision_token_stats(spec, load_processor(resolve_model(spec.model.id)),
+                stats = vision_token_stats(spec, spec_processor(spec, resolve_model(spec.model.id)),
                                            max_rows=sample)
             else:
                 stats = token_stats(self.spec, max_rows=sample)
