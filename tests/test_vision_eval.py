@@ -23,6 +23,7 @@ from workbench.assets.teaching_images import builtin_image_dataset_path, image_t
 from workbench.errors import EvalTaskError
 from workbench.evaluate import results
 from workbench.evaluate.runner import evaluate
+from workbench.widgets.answers import answers_html, example_answers
 
 VLM = "builtin:tiny-qwen2-vl"
 HELDOUT = len(list(image_teaching_rows("heldout")))  # 56 questions on 44 pictures
@@ -102,7 +103,7 @@ def test_a_tuned_vlm_answers_held_out_pictures_the_base_cannot(tmp_path):
     assert job.wait(timeout=300, progress=False) == "succeeded", job.logs(tail=20)
     tuned = job.evaluate(["heldout"], file="builtin:teaching-images", max_new_tokens=8)
     base = evaluate(VLM, tasks=["heldout"], file="builtin:teaching-images", max_new_tokens=8,
-                    label="base")
+                    label="base", run_dir=job.run_dir.path, phase="manual", step=0)
     assert len(tuned.examples["heldout"]) == len(base.examples["heldout"]) == HELDOUT
     before = base.metrics["heldout.exact_match"]
     after = tuned.metrics["heldout.exact_match"]
@@ -110,8 +111,16 @@ def test_a_tuned_vlm_answers_held_out_pictures_the_base_cannot(tmp_path):
     # scores about 0.27; the tuned model reads the pictures well past that.
     assert before == 0.0 and after >= 0.4, (before, after)
     # The line is the run's; its per-example rows on disk name each picture, which exists.
-    line = results.read(job.run_dir.path)[-1]
+    line = next(ln for ln in results.read(job.run_dir.path) if ln["model"] == "run")
     assert (line["phase"], line["task"], line["n"]) == ("manual", "heldout", HELDOUT)
     rows = [json.loads(r) for r in (job.run_dir.path / line["examples"]).read_text().splitlines()]
     assert len(rows) == HELDOUT and all(Path(r["images"][0]).is_file() for r in rows)
     assert sum(r["exact_match"] for r in rows) / HELDOUT == pytest.approx(after)
+    # The answers view: one row per question and picture (the same question is asked of many
+    # pictures), the picture drawn beside the base's and the run's answers.
+    df = example_answers([job], "heldout")
+    assert list(df.columns) == ["image", "prompt", "reference", "base", job.id]
+    assert len(df) == HELDOUT
+    assert [list(df[job.id]), list(df["base"])] == [
+        [r["prediction"] for r in rows], [r["prediction"] for r in base.examples["heldout"]]]
+    assert answers_html(df).count("<img src='data:image/png;base64,") == HELDOUT

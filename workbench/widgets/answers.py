@@ -8,7 +8,9 @@ base, then each run's adapter or model), on held-out prompts: the first run's va
 
 Per-example rows are JSON objects; the prompt is read from ``prompt`` (or ``input``,
 ``question``), the answer from ``prediction`` (or ``output``, ``answer``, ``completion``,
-``response``) and the expected answer from ``reference`` (or ``target``, ``expected``).
+``response``) and the expected answer from ``reference`` (or ``target``, ``expected``). Rows of
+image questions also name their pictures (``images``): a question is its text and its pictures,
+and the pictures show as thumbnails in an ``image`` column.
 """
 
 from __future__ import annotations
@@ -60,9 +62,11 @@ def example_answers(jobs: Sequence[Any], task: str | None = None) -> Any:
         task = next((ln["task"] for lines in per_job for ln in lines if ln.get("examples")), None)
         if task is None:
             return None
-    columns: dict[str, dict[str, Any]] = {}
-    refs: dict[str, Any] = {}
-    order: list[str] = []
+    # A question is its text and its pictures: "What colour is the shape?" is asked of many.
+    Key = tuple[str, tuple[str, ...]]
+    columns: dict[str, dict[Key, Any]] = {}
+    refs: dict[Key, Any] = {}
+    order: list[Key] = []
     for job, lines in zip(jobs, per_job):
         sources = [("run", job.id)]
         if "base" not in columns:
@@ -76,17 +80,20 @@ def example_answers(jobs: Sequence[Any], task: str | None = None) -> Any:
                 prompt = _first(row, PROMPT_KEYS)
                 if prompt is None:
                     continue
-                prompt = str(prompt)
-                if prompt not in refs:
-                    order.append(prompt)
-                    refs[prompt] = _first(row, REFERENCE_KEYS)
-                answers[prompt] = _first(row, ANSWER_KEYS)
+                key = (str(prompt), tuple(str(i) for i in row.get("images") or ()))
+                if key not in refs:
+                    order.append(key)
+                    refs[key] = _first(row, REFERENCE_KEYS)
+                answers[key] = _first(row, ANSWER_KEYS)
     if not order:
         return None
-    table = {"prompt": order, "reference": [refs[p] for p in order]}
+    table: dict[str, list[Any]] = {}
+    if any(images for _, images in order):
+        table["image"] = [list(images) for _, images in order]
+    table.update(prompt=[p for p, _ in order], reference=[refs[k] for k in order])
     for column in ["base", *[j.id for j in jobs]]:
         if column in columns:
-            table[column] = [columns[column].get(p) for p in order]
+            table[column] = [columns[column].get(k) for k in order]
     return pd.DataFrame(table)
 
 
@@ -128,12 +135,33 @@ def generate_answers(jobs: Sequence[Any], prompts: Sequence[str],
 
 
 def answers_html(df: Any) -> str:
+    """The table as HTML; an ``image`` column's pictures drawn as thumbnails."""
     head = "".join(f"<th style='text-align:left'>{html.escape(str(c))}</th>" for c in df.columns)
+    cell = "<td style='text-align:left;vertical-align:top;white-space:pre-wrap'>{}</td>"
     body = "".join(
-        "<tr>" + "".join(f"<td style='text-align:left;vertical-align:top;white-space:pre-wrap'>"
-                         f"{html.escape('' if v is None else str(v))}</td>" for v in r) + "</tr>"
+        "<tr>" + "".join(cell.format(_pictures(v) if c == "image"
+                                     else html.escape("" if v is None else str(v)))
+                         for c, v in zip(df.columns, r)) + "</tr>"
         for r in df.itertuples(index=False))
     return f"<table style='font-size:12px'><tr>{head}</tr>{body}</table>"
+
+
+def _pictures(refs: Sequence[str]) -> str:
+    """Thumbnails of a row's pictures (paths, or ``data:`` URLs of their bytes); a picture that
+    can no longer be read shows as its name."""
+    import base64
+
+    from workbench.widgets.image_preview import thumbnail_url
+
+    out = []
+    for ref in refs:
+        try:
+            image = (base64.b64decode(ref.split(",", 1)[1]) if ref.startswith("data:")
+                     else ref)
+            out.append(f"<img src='{thumbnail_url(image)}'>")
+        except (OSError, ValueError, IndexError):
+            out.append(html.escape(ref[:80]))
+    return "".join(out)
 
 
 class AnswersView(W.VBox):
