@@ -180,18 +180,23 @@ def test_a_limit_spent_during_start_up_stops_before_the_first_step():
     assert f"workbench resume {job.id} --budget N" in status["note"]
 
 
-@pytest.fixture(scope="module")
-def stopped():
-    """A run the budget stopped mid-training (120 units: 60 s, start-up included, which took
-    25 s on a loaded 2-core machine)."""
+def test_a_budget_stopped_run_from_its_stop_to_its_resume():
+    """One run the budget stopped mid-training (120 units: 60 s, start-up included, which took
+    25 s on a loaded 2-core machine), followed through what can come after a stop, in the order
+    it comes: its bill and its views; resumes refused while nothing more is paid; a requeued
+    attempt that stops before starting the ranks; a resume with a larger budget. One test, so
+    that nothing depends on the order tests run in."""
     job = workbench.launch(_spec("budget-stop", 120.0))
     held_from = _supervisor_started(job)
     assert job.wait(timeout=600, progress=False) == "budget_stopped", job.logs(tail=30)
-    return job, held_from
+    _bills_start_up_and_stays_within_the_limit(job, held_from)
+    _snapshots_on_the_way_out_and_every_view_says_how_to_go_on(job)
+    _is_not_resumed_into_spending(job)
+    _a_requeued_attempt_stops_before_starting_the_ranks(job)
+    _resumes_with_a_larger_budget_and_the_bill_carries_over(job)
 
 
-def test_a_budget_stop_bills_start_up_and_stays_within_the_limit(stopped):
-    job, held_from = stopped
+def _bills_start_up_and_stays_within_the_limit(job: workbench.Job, held_from: float) -> None:
     status = job.status()
     _check_bill(status, 120.0, held_from)
     steps = [m for m in _lines(job) if "loss" in m]
@@ -203,8 +208,7 @@ def test_a_budget_stop_bills_start_up_and_stays_within_the_limit(stopped):
     assert f"{status['cost']:.4g} of 120 CNY spent at step {status['step']}" in status["note"]
 
 
-def test_a_budget_stop_snapshots_on_the_way_out_and_every_view_says_how_to_go_on(stopped):
-    job, _ = stopped
+def _snapshots_on_the_way_out_and_every_view_says_how_to_go_on(job: workbench.Job) -> None:
     status = job.status()
     stopped_at = status["step"]
     assert 0 < stopped_at < 100000 and status["currency"] == "CNY"
@@ -217,8 +221,7 @@ def test_a_budget_stop_snapshots_on_the_way_out_and_every_view_says_how_to_go_on
     assert html.escape(note) in JobView(job, autostart=False).error.value
 
 
-def test_a_budget_stopped_run_is_not_resumed_into_spending(stopped):
-    job, _ = stopped
+def _is_not_resumed_into_spending(job: workbench.Job) -> None:
     before = job.status()
     with pytest.raises(BudgetError, match=f"{before['cost']:.4g} CNY spent of 120") as err:
         job.resume()
@@ -233,9 +236,8 @@ def test_a_budget_stopped_run_is_not_resumed_into_spending(stopped):
     assert not job.run_dir.resume_file.exists()  # nothing recorded for a refused resume
 
 
-def test_a_requeued_attempt_of_a_spent_run_stops_before_starting_the_ranks(stopped):
+def _a_requeued_attempt_stops_before_starting_the_ranks(job: workbench.Job) -> None:
     """What a Slurm requeue does: the batch script runs the supervisor again, no resume() check."""
-    job, _ = stopped
     before = job.status()
     launcher = job.run_dir.logs_dir / "launcher.log"
     size = launcher.stat().st_size
@@ -252,9 +254,7 @@ def test_a_requeued_attempt_of_a_spent_run_stops_before_starting_the_ranks(stopp
     assert status["billed_before_s"] == pytest.approx(before["billed_s"])  # continues the bill
 
 
-# Resumes the shared stopped run into success: keep it after the other tests of `stopped`.
-def test_a_budget_stopped_run_resumes_with_a_larger_budget_and_the_bill_carries_over(stopped):
-    job, _ = stopped
+def _resumes_with_a_larger_budget_and_the_bill_carries_over(job: workbench.Job) -> None:
     status = job.status()
     stopped_at = status["step"]
     with pytest.raises(workbench.WorkbenchError, match="would stop it again at once"):
