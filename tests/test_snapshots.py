@@ -220,7 +220,8 @@ def test_reproduce_bundle_recreates_the_spec_and_holds_no_secret(uninterrupted, 
         compare_bundle(tmp_path / "nope.zip")
 
 
-# Resumes the shared run: keep it after the tests that read that run as it first ended.
+# Resumes the shared run, and asserts that what the other tests read of it (its losses, its
+# snapshots, its weights) is as the run first ended: they pass before or after it.
 def test_a_resume_at_the_final_step_trains_nothing_and_ends_as_the_run_did(uninterrupted):
     from safetensors.torch import load_file
 
