@@ -351,6 +351,21 @@ def test_head_size_the_cpu_backend_cannot_serve(tmp_path, serve_python):
              folder, name="head16")
 
 
+def test_an_image_model_is_refused_where_the_serving_python_has_no_torchvision(serve_python):
+    """The CPU serving environment has no torchvision (`make serve-env` removes the CUDA-linked
+    one), and vLLM cannot build a Qwen2-VL's processor without it: refused before any start."""
+    from workbench.serve.checks import check_reads_images
+    from workbench.spec.models import resolve_model
+
+    has = subprocess.run([serve_python, "-c", "import importlib.util; print(importlib.util."
+                          "find_spec('torchvision') is not None)"], capture_output=True, text=True)
+    assert has.stdout.strip() == "False", has  # the environment this test is about
+    _refused(UnsupportedModelError, "reads images.*torchvision.*install the torchvision build",
+             "builtin:tiny-qwen2-vl", name="vlm", python=serve_python)
+    # Where torchvision is there, the check lets it through (vLLM decides the rest).
+    check_reads_images(resolve_model("builtin:tiny-qwen2-vl"), serve_python, {"torchvision": True})
+
+
 def test_a_server_that_dies_while_starting_is_reported_and_cleaned_up(trained, serve_python):
     # vLLM itself rejects the flag, after its imports: the failure comes from a started server.
     with pytest.raises(EndpointStartError, match="(?s)exited during start-up.*--no-such-flag"):

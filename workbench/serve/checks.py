@@ -1,4 +1,5 @@
-"""The checks that refuse a deploy before anything starts: LoRA ranks, head sizes, ports.
+"""The checks that refuse a deploy before anything starts: LoRA ranks, head sizes, image models
+the serving Python cannot read, ports.
 
 Each raises a typed :class:`~workbench.errors.DeployError` whose message says what to pass
 instead, so a deploy that cannot work fails in the cell that asked for it, not minutes later in a
@@ -10,6 +11,7 @@ from __future__ import annotations
 import socket
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from workbench.errors import LoraRankError, PortInUseError, UnsupportedModelError
 from workbench.serve.sources import Adapter, _read_json
@@ -59,6 +61,20 @@ def check_head_size(model: str, on_cpu: bool) -> None:
             f"{', '.join(map(str, sorted(CPU_HEAD_SIZES)))}. Use a model whose hidden_size / "
             "num_attention_heads is one of those, or deploy to a GPU target"
         )
+
+
+def check_reads_images(model: str, python: str, probed: dict[str, Any]) -> None:
+    """A vision-language model needs torchvision where vLLM runs: transformers builds its image
+    and video processors with it, and the server fails at start-up without it."""
+    from workbench.spec.models import is_vision_model
+
+    if probed.get("torchvision", True) or not is_vision_model(model, local_only=True):
+        return
+    raise UnsupportedModelError(
+        f"model {Path(model).name} reads images, and vLLM builds its image processor with "
+        f"torchvision, which the serving Python {python} does not have (`make serve-env` "
+        "removes the CUDA-linked one a CPU machine cannot load); install the torchvision build "
+        "of its torch there, or deploy to a GPU target whose vLLM has it")
 
 
 def check_port_free(host: str, port: int) -> None:

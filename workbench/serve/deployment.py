@@ -18,7 +18,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from workbench.errors import DeployError, EndpointNotFoundError
-from workbench.serve.checks import _max_lora_rank, check_head_size, check_port_free
+from workbench.serve.checks import (
+    _max_lora_rank,
+    check_head_size,
+    check_port_free,
+    check_reads_images,
+)
 from workbench.serve.endpoint import LIVE_STATES, Endpoint, endpoints_dir, refresh_state
 from workbench.serve.identity import new_deployment
 from workbench.serve.server import (
@@ -86,6 +91,7 @@ def deploy(source: Any, *more: Any, name: str | None = None, target: str = "loca
     gpus = serve_target.gpus(plan.gpus)
     on_cpu = _on_cpu(info, None if gpus is None else gpus > 0)
     check_head_size(plan.model, on_cpu)
+    check_reads_images(plan.model, py, info)
     lora_rank = _max_lora_rank(plan.adapters, max_lora_rank)
     name = name or plan.names[-1]
     if not re.fullmatch(r"[A-Za-z0-9][\w.-]{0,99}", name):

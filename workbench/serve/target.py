@@ -26,7 +26,8 @@ ANY_ADDRESS = ("0.0.0.0", "::")
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # Whether a Python can run vLLM, without importing it (that alone takes seconds); printed as one
-# JSON line. ``gpu``: an NVIDIA device exists where the probe runs.
+# JSON line. ``gpu``: an NVIDIA device exists where the probe runs; ``torchvision``: installed
+# (vLLM builds a vision-language model's image processor with it).
 PROBE = (
     "import importlib.util, importlib.metadata as m, json, os, sys\n"
     "found = importlib.util.find_spec('vllm') is not None\n"
@@ -38,7 +39,8 @@ PROBE = (
     "    except m.PackageNotFoundError:\n"
     "        pass\n"
     "print('WORKBENCH-SERVE-PROBE ' + json.dumps({'found': found, 'dist': dist, 'version': ver,\n"
-    "      'python': sys.executable, 'gpu': os.path.exists('/dev/nvidia0')}))\n"
+    "      'python': sys.executable, 'gpu': os.path.exists('/dev/nvidia0'),\n"
+    "      'torchvision': importlib.util.find_spec('torchvision') is not None}))\n"
 )
 
 
