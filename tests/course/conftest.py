@@ -112,6 +112,26 @@ def _students_python(root: Path) -> Path:
     return root / "venv" / "bin" / "python"
 
 
+def _kill_left_of(hub_pid: int, base: str) -> None:
+    """Kill what a hub at ``base`` started and left (a hub killed before its shutdown ended):
+    its process group, its proxy (on the hub's port), and processes given its API (its
+    services: the culler, the course service; the students' servers)."""
+    try:
+        os.killpg(hub_pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    port = base.rsplit(":", 1)[1]
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        try:
+            proxy = any("configurable-http-proxy" in c for c in cmd) and any(
+                a == "--port" and b == port for a, b in zip(cmd, cmd[1:]))
+            if proxy or p.environ().get("JUPYTERHUB_API_URL", "").startswith(f"{base}/"):
+                p.kill()
+        except (psutil.Error, OSError):
+            continue
+
+
 def service_pids(course_json: Path) -> list[int]:
     out = []
     for p in psutil.process_iter(["cmdline"]):
@@ -203,13 +223,14 @@ def running_hub(people: dict[str, str], course_of: Callable[[dict[str, str]], di
                   300, log)
         yield info
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        # The hub alone: its own shutdown stops its services (each in a session of its own,
+        # out of reach of its process group), the proxy and the students' servers.
+        proc.terminate()
         try:
-            proc.wait(timeout=30)
+            proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        for pid in service_pids(state / "course.json"):  # one the hub restarted late
-            os.kill(pid, signal.SIGKILL)
+            proc.kill()
+        _kill_left_of(proc.pid, base)
         for name in users.values():
             subprocess.run(["userdel", "-r", name], check=False, capture_output=True)
         shutil.rmtree(root, ignore_errors=True)
