@@ -11,10 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "gpu_check.py"
 PUBLISHED = SCRIPT.with_name("gpu_published.py")
 
 
+@pytest.mark.slow  # real training of the tiny model, in the check's own process
 def test_smoke_mode_measures_everything_on_cpu(tmp_path, wb_home):
     out = tmp_path / "check.json"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # the CPU path even on a GPU machine

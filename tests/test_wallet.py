@@ -274,6 +274,7 @@ def test_an_evaluation_past_its_hold_is_stopped_and_charged_no_more(wallet_dir: 
     assert _sums(wallet_dir)["hold"] == _sums(wallet_dir)["release"]
 
 
+@pytest.mark.slow  # a server paid block by block until the credit runs out: half a minute
 def test_a_keeper_killed_mid_way_is_started_again_and_the_endpoint_is_paid_to_its_end(
         wallet_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """kill -9 of the wallet's keeper while an endpoint holds: `workbench credit` starts it
