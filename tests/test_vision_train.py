@@ -114,6 +114,10 @@ def _pictures(folder: Path) -> dict:
 TEXT_MODEL: dict = {}  # the default model: the built-in tiny text model
 
 
+def _text_with_pixel_cap(folder: Path) -> dict:
+    return {"sources": [{"path": "builtin:teaching"}], "image_max_pixels": 3136}
+
+
 @pytest.mark.parametrize("model, data, error, says", [
     (VISION["model"], _packed, DatasetError, ["vision-language model", "data.packing: false"]),
     (TEXT_MODEL, _pictures, DatasetFormatError,
@@ -124,8 +128,10 @@ TEXT_MODEL: dict = {}  # the default model: the built-in tiny text model
      ["line 2 of pictures.jsonl", "cut.png is not a readable image", "replace the file"]),
     (VISION["model"], _text_named_png, ImageDataError,
      ["line 2 of pictures.jsonl", "list.png is not a readable image (not an image file)"]),
+    (TEXT_MODEL, _text_with_pixel_cap, DatasetError,
+     ["image_max_pixels size the images", "builtin:tiny-llama reads text only; remove them"]),
 ], ids=["vlm-packing", "text-model-images", "missing-image", "cut-image",
-        "text-named-png"])
+        "text-named-png", "text-model-pixel-cap"])
 def test_what_the_vision_path_cannot_take_is_refused_in_one_line_leaving_nothing(
         tmp_path, model, data, error, says):
     before_runs, before_reg = set(runs_dir().iterdir()), len(Registry().list_runs())

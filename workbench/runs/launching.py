@@ -21,7 +21,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from workbench.errors import DataTruncationWarning, LaunchError
+from workbench.errors import DatasetError, DataTruncationWarning, LaunchError
 from workbench.runs.attempts import submit_attempt
 from workbench.runs.home import runs_dir
 from workbench.runs.jobs import Job, get_job
@@ -109,6 +109,9 @@ def _prepare_data(spec: RunSpec, rd: RunDir, force: bool = False,
 
         rd.write_status(data=prepare_vision_data(spec, rd.data_dir).counts)
         return
+    if on_target is None and (spec.data.image_min_pixels or spec.data.image_max_pixels):
+        raise DatasetError(f"data.image_min_pixels / image_max_pixels size the images of a model "
+                           f"that reads them, and {spec.model.id} reads text only; remove them")
     key = files_key(spec)  # before reading the sources, as prepare_data's own key is
     summary = prepare_data(spec, rd.data_dir, cache=True)
     if rd.write_status(data=summary.counts).get(CANCEL_REQUESTED) is not None:
