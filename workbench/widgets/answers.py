@@ -149,17 +149,16 @@ def answers_html(df: Any) -> str:
 def _pictures(refs: Sequence[str]) -> str:
     """Thumbnails of a row's pictures (paths, or ``data:`` URLs of their bytes); a picture that
     can no longer be read shows as its name."""
-    import base64
+    from pathlib import Path
 
+    from workbench.data.images import resolve_image
     from workbench.widgets.image_preview import thumbnail_url
 
     out = []
     for ref in refs:
         try:
-            image = (base64.b64decode(ref.split(",", 1)[1]) if ref.startswith("data:")
-                     else ref)
-            out.append(f"<img src='{thumbnail_url(image)}'>")
-        except (OSError, ValueError, IndexError):
+            out.append(f"<img src='{thumbnail_url(resolve_image(ref, 'answers', Path('/')))}'>")
+        except (OSError, ValueError):  # ImageDataError is a ValueError
             out.append(html.escape(ref[:80]))
     return "".join(out)
 
