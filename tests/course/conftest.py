@@ -241,10 +241,12 @@ def hub(students_reach: list) -> Iterator[dict[str, Any]]:  # students_reach: te
     def course(users: dict[str, str]) -> dict[str, Any]:
         return {
             "name": "test-class", "instructors": [users["teacher"]],
-            "students": [users["a"], users["b"]], "currency": "CNY", "default_credit": 20,
+            "students": [users["a"], users["b"], users["c"]], "currency": "CNY",
+            "default_credit": 20,
             # 36 CNY a core-hour is 1 fen a second; an endpoint's first hour (1000 CNY) fits
-            # nobody.
-            "credits": {users["b"]: 0.01},
+            # nobody. B keeps its 1 fen (the refusals); C is the one the instructor's grant
+            # lifts, so no test finds B's balance changed by another.
+            "credits": {users["b"]: 0.01, users["c"]: 0.01},
             "prices": {"cpu_core_hour": 36, "endpoint_hour": 1000},
             "hold_margin": 10,  # the shared 2-core machine runs far slower than planned
             # Two at once: A's sweep runs its two trials side by side (half the wall time).
@@ -253,7 +255,7 @@ def hub(students_reach: list) -> Iterator[dict[str, Any]]:  # students_reach: te
             "idle_minutes": 1,  # the culler stops the browser test's servers once its pages close
         }
 
-    with running_hub({"a": "a", "b": "b", "teacher": "t"}, course) as info:
+    with running_hub({"a": "a", "b": "b", "c": "c", "teacher": "t"}, course) as info:
         yield info
 
 

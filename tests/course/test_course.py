@@ -2,10 +2,11 @@
 students and an instructor, each calling the service with their own hub token or, in the browser
 test, logging in through the hub's login page into their own JupyterLab.
 
-The tests run in file order and build on each other (B refused from a notebook in the browser
-and the instructor's table, A's run, B's refusal, isolation, the grant, then B's run across a
-kill of the service; last, the culler has stopped the servers the browser test left idle, so
-its minute of idleness passes while the tests between run). The runs are real training of the
+Each test sets up what it reads, so any one runs alone or in any order: A's first run is a
+module fixture; B keeps its 1 fen of credit throughout (every refusal is B's), and the
+instructor's grant goes to C. The culler test stops the servers the browser test left idle
+(in file order it comes last, so their minute of idleness passes while the tests between run),
+or, run without it, starts an idle server of its own. The runs are real training of the
 built-in tiny model on CPU, priced by the course's CPU price.
 """
 
@@ -169,10 +170,10 @@ def test_in_the_browser_a_student_is_refused_and_the_instructor_sees_every_stude
         tpage.set_default_timeout(60_000)
         _log_in(tpage, hub, "teacher")
         rows = tpage.locator(".jp-WorkbenchCourse-students tbody tr")
-        expect(rows).to_have_count(2, timeout=120_000)
+        expect(rows).to_have_count(3, timeout=120_000)
         shot(tpage, "course-instructor-table")
         table = {cells[0]: cells[1:] for cells in
-                 (rows.nth(i).locator("td").all_inner_texts() for i in range(2))}
+                 (rows.nth(i).locator("td").all_inner_texts() for i in range(3))}
         spent_a = f"{a['charges'] / 100:.2f} CNY"
         launched_a = str(len([r for r in a["runs"] if r["kind"] == "launch"]))
         assert table[users["a"]] == [f"{a['balance'] / 100:.2f} CNY", "0.00 CNY", spent_a,
@@ -488,25 +489,26 @@ def _cmdline(p: psutil.Process) -> list[str]:
         return []
 
 
-def test_instructor_grant_lets_the_launch_run_across_a_service_kill(hub: dict[str, Any]) -> None:
+def test_instructor_grant_lets_the_launch_run_across_a_service_kill(
+        hub: dict[str, Any], a_launched: dict[str, Any]) -> None:
     from workbench_lab.course import course_grant, course_panel
 
-    teacher, b = hub["client"]["teacher"], hub["client"]["b"]
-    user_b = hub["users"]["b"]
-    # The planner learns from ended runs (A's), so ask the course what B's run will hold.
-    need = b.quote(SMALL_RUN)["hold"]
-    assert need > b.me()["balance"] == 1
+    teacher, c = hub["client"]["teacher"], hub["client"]["c"]
+    user_c = hub["users"]["c"]
+    # The planner learns from ended runs (A's), so ask the course what C's run will hold.
+    need = c.quote(SMALL_RUN)["hold"]
+    assert need > c.me()["balance"] == 1
     grant = (need // 100) + 1  # whole CNY, enough for the hold
     # The instructor's panel: every student's account, and its grant form.
     table = {row["student"]: row for row in course_panel(teacher)["students"]}
-    assert table[user_b]["balance"] == 0.01 and table[hub["users"]["a"]]["runs"] == 1
-    panel = course_grant({"student": user_b, "amount": grant, "note": "lab 2"}, teacher)
-    assert {row["student"]: row for row in panel["students"]}[user_b]["balance"] == \
+    assert table[user_c]["balance"] == 0.01 and table[hub["users"]["a"]]["runs"] == 1
+    panel = course_grant({"student": user_c, "amount": grant, "note": "lab 2"}, teacher)
+    assert {row["student"]: row for row in panel["students"]}[user_c]["balance"] == \
         pytest.approx(0.01 + grant)
-    assert b.me()["balance"] == 1 + grant * 100
-    job = b.launch(SMALL_RUN)
+    assert c.me()["balance"] == 1 + grant * 100
+    job = c.launch(SMALL_RUN)
     assert job.id in [r["run"] for r in teacher.runs()]  # the instructor sees every run
-    wait_until("B's run to start", lambda: job.state in ("running", "succeeded"), 240, hub["log"])
+    wait_until("C's run to start", lambda: job.state in ("running", "succeeded"), 240, hub["log"])
     ledger = Ledger(f"sqlite:///{hub['state'] / 'ledger.sqlite'}")
     rows_before = ledger.entries()
     assert job.id in [h.run_id for h in ledger.holds(open_only=True)]  # killed before settling
@@ -517,18 +519,18 @@ def test_instructor_grant_lets_the_launch_run_across_a_service_kill(hub: dict[st
               lambda: [p for p in service_pids(hub["course_json"]) if p != old_pid], 120,
               hub["log"])
     wait_until("the restarted service to answer",
-              lambda: http("GET", hub["service"] + "me", hub["tokens"]["b"])[0] == 200, 120,
+              lambda: http("GET", hub["service"] + "me", hub["tokens"]["c"])[0] == 200, 120,
               hub["log"])
-    view = wait_until("B's run to settle after the restart", lambda: _settled(b, job.id), 300,
+    view = wait_until("C's run to settle after the restart", lambda: _settled(c, job.id), 300,
                      hub["log"])
     rows_after = ledger.entries()
     assert rows_after[:len(rows_before)] == rows_before
     assert view["state"] in ("succeeded", "budget_stopped") and 0 < view["charge"] <= view["hold"]
-    assert b.me()["balance"] == 1 + grant * 100 - view["charge"]
+    assert c.me()["balance"] == 1 + grant * 100 - view["charge"]
     csv = teacher.export_csv().splitlines()
     spend = {line.split(",")[0]: line.split(",") for line in csv[1:]}
-    assert float(spend[user_b][3]) * 100 == pytest.approx(view["charge"])
-    assert float(spend[user_b][2]) == grant
+    assert float(spend[user_c][3]) * 100 == pytest.approx(view["charge"])
+    assert float(spend[user_c][2]) == grant
 
 
 def test_a_student_is_refused_force_and_a_course_error_is_typed(hub: dict[str, Any]) -> None:
@@ -578,16 +580,25 @@ def test_someone_not_in_the_course_gets_a_403_not_a_500(hub: dict[str, Any]) -> 
     assert code == 403 and "not a student" in answer["message"], answer
 
 
-def test_the_idle_culler_stopped_the_servers_left_idle(hub: dict[str, Any]) -> None:
+def test_the_idle_culler_stops_the_servers_left_idle(hub: dict[str, Any]) -> None:
     """jupyterhub-idle-culler, configured by `workbench course init` (idle_minutes: 1), stops
-    B's and the instructor's servers, idle since the browser test closed its pages."""
+    B's and the instructor's servers, idle since the browser test closed its pages; run without
+    that test, it stops an instructor's server started here and never used."""
     base, admin = hub["base"], hub["admin"]
     services = http("GET", f"{base}/hub/api/services", admin)[1]
     assert "idle-culler" in services
-    for key in ("b", "teacher"):
-        name = hub["users"][key]
+    names = [hub["users"][k] for k in ("b", "teacher")]
+
+    def servers(name: str) -> dict[str, Any]:
+        return dict(http("GET", f"{base}/hub/api/users/{name}", admin)[1]["servers"])
+
+    if "Culling server" not in hub["log"].read_text(errors="replace") and not any(
+            servers(n) for n in names):
+        teacher = hub["users"]["teacher"]
+        assert http("POST", f"{base}/hub/api/users/{teacher}/server", admin)[0] in (201, 202)
+        wait_until(f"{teacher}'s server to be ready",
+                   lambda: servers(teacher).get("", {}).get("ready"), 240, hub["log"])
+    for name in names:
         wait_until(f"the culler to stop {name}'s idle server",
-                   lambda u=name: http("GET", f"{base}/hub/api/users/{u}", admin)[1]["servers"]
-                   == {},
-                   240, hub["log"])
+                   lambda u=name: servers(u) == {}, 240, hub["log"])
     assert "Culling server" in hub["log"].read_text(errors="replace")
