@@ -41,6 +41,7 @@ import logging
 import math
 import os
 import re
+import signal
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -343,7 +344,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, format="[course %(asctime)s] %(message)s")
     os.umask(0o077)  # runs, logs and the ledger stay the service's own
-    asyncio.run(serve(argv[0]))
+    # The hub stops its services with SIGINT, then SIGTERM: either ends the service between
+    # settlements (the ledger is written in transactions), a stop, not a crash to log.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        asyncio.run(serve(argv[0]))
+    except KeyboardInterrupt:
+        log.info("stopped")
     return 0
 
 
