@@ -28,7 +28,12 @@ from tests.remote.cluster import processes_with
 from tests.waiting import wait_for
 from workbench.cli import run as cli
 
-BOUND_S = 45.0  # docs/kernels.md, "A client that is gone"
+# docs/kernels.md, "A client that is gone": the kernels here are installed with --orphan-after
+# 10s, so each ends within 25 s of its client (45 s is the bound of the default 30 s), and not
+# before 10 s after the client's last beat (beats come every 5 s, so at least 5 s after the kill).
+ORPHAN_S = 10.0
+BOUND_S = ORPHAN_S + 15.0
+EARLIEST_S = ORPHAN_S - 5.0
 MARGIN_S = 30.0  # a loaded two-core test box: the run's own commands are slow too
 SLURM_CLOCK_S = 1.0  # Slurm records whole seconds
 
@@ -125,7 +130,7 @@ def _kernel_process(kernel_id: str) -> psutil.Process:
 
 
 def test_ssh_kernel_of_a_killed_client_ends_and_is_billed_its_life(jupyter_data, tmp_path):
-    cli(["kernels", "install", "ssh:one"])
+    cli(["kernels", "install", "ssh:one", "--orphan-after", "10s"])
     client, kernel_id = _start_client("workbench-ssh-one", tmp_path)
     try:
         kernel = _kernel_process(kernel_id)
@@ -135,7 +140,7 @@ def test_ssh_kernel_of_a_killed_client_ends_and_is_billed_its_life(jupyter_data,
         watch = Watch(lambda: _runs(kernel))
         wait_for(watch.gone, BOUND_S + MARGIN_S, "the kernel of the killed client to end")
         assert watch.gone_at - killed <= BOUND_S + 1, (killed, watch.gone_at)
-        assert watch.last_seen >= killed  # it ended on its own, after its client
+        assert watch.last_seen >= killed + EARLIEST_S - 1  # on its own, its orphan time after
         wait_for(lambda: not processes_with(kernel_id), 30, "no process of the kernel left")
     finally:
         if client.poll() is None:
@@ -169,7 +174,8 @@ def _slurm_times(job: str) -> dict[str, float]:
 
 def test_slurm_kernel_of_a_killed_client_releases_its_allocation(jupyter_data, cluster,
                                                                  tmp_path):
-    cli(["kernels", "install", "slurm:login", "--gpus", "1", "--time", "10m"])
+    cli(["kernels", "install", "slurm:login", "--gpus", "1", "--time", "10m",
+         "--orphan-after", "10s"])
     client, kernel_id = _start_client("workbench-slurm-login", tmp_path)
 
     def job_state() -> str:
@@ -183,6 +189,7 @@ def test_slurm_kernel_of_a_killed_client_releases_its_allocation(jupyter_data, c
         watch = Watch(job_state)
         wait_for(watch.gone, BOUND_S + MARGIN_S, f"job {job} to leave the queue")
         assert watch.gone_at - killed <= BOUND_S + 1, (killed, watch.gone_at)
+        assert watch.last_seen >= killed + EARLIEST_S - 1  # its orphan time after its client
         wait_for(lambda: not processes_with(kernel_id), 30, "no process of the kernel left")
     finally:
         if client.poll() is None:

@@ -24,7 +24,7 @@ from jupyter_client import KernelManager
 
 from tests.remote.cluster import processes_with, squeue_job_names
 from workbench.cli import run as cli
-from workbench.errors import RemoteKernelError, TargetError
+from workbench.errors import RemoteKernelError, TargetError, WorkbenchError
 from workbench.targets.named import SlurmTarget, SSHTarget, get_target, save_target
 
 try:
@@ -141,6 +141,10 @@ def test_kernels_install_list_remove(kernels):
     assert "workbench-ssh-one" not in KernelSpecManager().find_kernel_specs()
     with pytest.raises(TargetError, match="not configured"):
         cli(["kernels", "install", "ssh:nope"])
+    # Shorter than two of the client's 5 s beats, one late beat would end a kernel in use.
+    with pytest.raises(WorkbenchError, match=r"--orphan-after must be at least 10s.*not 4s"):
+        cli(["kernels", "install", "ssh:one", "--orphan-after", "4s"])
+    assert "workbench-ssh-one" not in KernelSpecManager().find_kernel_specs()
 
 
 def test_slurm_kernel_runs_in_its_allocation_and_ends_with_it(kernels, cluster):

@@ -47,7 +47,8 @@ def _kernels(args: argparse.Namespace) -> Any:
 
     if args.kernels_command == "install":
         name = install_kernel(args.target, gpus=args.gpus, time=args.time,
-                              cull_idle=args.cull_idle, wait=args.wait, budget=args.budget)
+                              cull_idle=args.cull_idle, wait=args.wait, budget=args.budget,
+                              orphan_after=args.orphan_after)
         return f"installed kernel {name}; it is in JupyterLab's launcher\n{kernels_table()}"
     if args.kernels_command == "remove":
         return f"removed {remove_kernel(args.name)}"
@@ -82,6 +83,8 @@ def register(sub: Any) -> None:
     k.add_argument("--wait", default="5m", help="how long an allocation may stay pending (Slurm)")
     k.add_argument("--budget", type=float, help="stop the kernel once it has cost this much at the "
                    "target's price (its currency); restarts count on")
+    k.add_argument("--orphan-after", help="end the kernel this long after its notebook's server "
+                   "is gone, e.g. 2m (default 30s, at least 10s)")
     k = ksub.add_parser("list", help="the installed Workbench remote kernels")
     k = ksub.add_parser("remove", help="remove a Workbench remote kernel")
     k.add_argument("name", help="kernel name (workbench-slurm-NAME) or target")

@@ -13,10 +13,11 @@ client is compared), writes ``ended.json`` (``{"ended": time, "reason": ...}``),
 processes (SIGTERM, then SIGKILL after :data:`CHILD_GRACE_S`) and exits. On Slurm the job's script
 ``exec``\\ s the kernel's step, so the allocation ends with it.
 
-:data:`BOUND_S` is what docs/kernels.md promises: from the client's death until the kernel is
+:func:`bound_s` is what docs/kernels.md promises: from the client's death until the kernel is
 gone (and on Slurm its allocation left the queue). The client's last beat came before its death,
-so the kernel ends at most :data:`ORPHAN_AFTER_S` + :data:`CHECK_EVERY_S` + :data:`CHILD_GRACE_S`
-after it; the rest is Slurm ending the job.
+so the kernel ends at most its orphan time (:data:`ORPHAN_AFTER_S` unless the kernelspec says
+``orphan_after_s``) + :data:`CHECK_EVERY_S` + :data:`CHILD_GRACE_S` after it; the rest of the
+bound is for Slurm ending the job.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ BEAT_EVERY_S = 5.0
 ORPHAN_AFTER_S = 30.0
 CHECK_EVERY_S = 1.0
 CHILD_GRACE_S = 3.0
-BOUND_S = 45.0
+BOUND_SLACK_S = 15.0  # over the orphan time: the check, the children's grace, Slurm's end
+MIN_ORPHAN_S = 2 * BEAT_EVERY_S  # a shorter wait would end a kernel whose client missed one beat
 ORPHAN_ENV = "WORKBENCH_KERNEL_ORPHAN_S"  # set by the provisioner: the kernel watches its beats
 HEARTBEAT_FILE = "heartbeat"
 ENDED_FILE = "ended.json"
@@ -82,6 +84,11 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data), encoding="utf-8")
     os.replace(tmp, path)  # a reader never sees half a file
+
+
+def bound_s(orphan_after_s: float = ORPHAN_AFTER_S) -> float:
+    """Seconds from a client's death until its kernel is gone (docs/kernels.md)."""
+    return orphan_after_s + BOUND_SLACK_S
 
 
 def watch(folder: Path, orphan_after_s: float) -> threading.Thread:

@@ -52,7 +52,8 @@ class Session:
     """One kernel session's record: ``open`` when the kernel holds its node, ``bill`` while it
     runs (the provisioner's polls and heartbeats), ``close`` once it is gone."""
 
-    def __init__(self, kernel_id: str, target: str, gpus: int, job: str | None = None) -> None:
+    def __init__(self, kernel_id: str, target: str, gpus: int, job: str | None = None,
+                 orphan_after_s: float | None = None) -> None:
         from workbench.runs.procs import ProcessIdentity
 
         self.path = sessions_dir() / f"{kernel_id}-{time.strftime('%Y%m%d-%H%M%S')}.json"
@@ -61,7 +62,7 @@ class Session:
         self.data: dict[str, Any] = {
             "kernel_id": kernel_id, "target": target, "gpus": gpus, "job": job,
             "price_per_hour": price, "currency": currency, "started": None, "ended": None,
-            "billed_s": 0.0, "cost": 0.0,
+            "billed_s": 0.0, "cost": 0.0, "orphan_after_s": orphan_after_s,
             # Who keeps this bill; once it is gone, settle() closes it from the target's view.
             "client": ProcessIdentity.me("kernel client").to_dict(), "dir": None, "identity": None}
 
@@ -107,11 +108,11 @@ def settle(kernel_id: str | None = None) -> None:
     """Close the open sessions (of ``kernel_id``, or all) whose client is gone, with the kernel's
     life as its target saw it (:func:`workbench.targets.kernels.observe.observe`). A kernel that still
     runs is billed up to now and stays open; one whose end the target did not record is billed
-    up to its last bill plus heartbeat.BOUND_S, the longest it can have outlived its client; a
+    up to its last bill plus heartbeat.bound_s(), the longest it can have outlived its client; a
     target that cannot be reached is asked again at the next settle."""
     from workbench.errors import RemoteKernelError, TargetError
     from workbench.runs.procs import ProcessIdentity
-    from workbench.targets.kernels.heartbeat import BOUND_S
+    from workbench.targets.kernels.heartbeat import ORPHAN_AFTER_S, bound_s
     from workbench.targets.kernels.observe import observe
 
     for path in sorted(sessions_dir().glob("*.json")) if sessions_dir().is_dir() else []:
@@ -135,7 +136,8 @@ def settle(kernel_id: str | None = None) -> None:
             session.bill()
             continue
         started = seen["started"] or d["started"]
-        ended = seen["ended"] or min(time.time(), d["started"] + d["billed_s"] + BOUND_S)
+        outlived = bound_s(d.get("orphan_after_s") or ORPHAN_AFTER_S)
+        ended = seen["ended"] or min(time.time(), d["started"] + d["billed_s"] + outlived)
         session.close(f"its client ended; {seen['how']}", ended=ended, started=started)
 
 

@@ -73,6 +73,8 @@ class WorkbenchProvisioner(KernelProvisionerBase):  # type: ignore[misc]
     budget_limit = Float(0.0, config=True, help="stop the kernel once its sessions cost this "
                                                   "much (the target's currency); 0: no limit")
     start_timeout_s = Float(180.0, config=True, help="how long the kernel may take to start")
+    orphan_after_s = Float(ORPHAN_AFTER_S, config=True, help="end the kernel once its client "
+                                                             "has not beaten for this long")
 
     placement: SSHPlacement | SlurmPlacement | None = None
     tunnel: Tunnel | None = None
@@ -100,7 +102,7 @@ class WorkbenchProvisioner(KernelProvisionerBase):  # type: ignore[misc]
         env = kwargs.get("env") or {}
         remote_env = {"WORKBENCH_TARGET": self.target, "WORKBENCH_KERNEL_ID": self.kernel_id,
                       "JPY_SESSION_NAME": env.get("JPY_SESSION_NAME", ""),
-                      ORPHAN_ENV: f"{ORPHAN_AFTER_S:g}"}
+                      ORPHAN_ENV: f"{self.orphan_after_s:g}"}
         self.dead_reason, self._polled = None, (0.0, None)
         try:
             info = await _off_loop(self._launch, remote_env)
@@ -142,7 +144,8 @@ class WorkbenchProvisioner(KernelProvisionerBase):  # type: ignore[misc]
                                                                     self.start_timeout_s))
                 started = float((ssh.identity or {}).get("create_time") or started)
                 ip = "127.0.0.1"
-            self.session = Session(self.kernel_id, self.target, self.gpus)
+            self.session = Session(self.kernel_id, self.target, self.gpus,
+                                  orphan_after_s=self.orphan_after_s)
             self.session.open(started, self.placement.job, self.placement.dir,
                               self.placement.identity)
             self.beater = Beater(self._beat, self.log, name=self.kernel_id).start()

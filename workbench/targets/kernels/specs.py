@@ -23,6 +23,7 @@ from typing import Any
 from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 
 from workbench.errors import WorkbenchError
+from workbench.targets.kernels.heartbeat import BEAT_EVERY_S, MIN_ORPHAN_S, ORPHAN_AFTER_S
 from workbench.targets.kernels.placement import MODULE
 from workbench.targets.kernels.provisioner import NAME as PROVISIONER
 from workbench.targets.named import get_target
@@ -56,16 +57,21 @@ def kernel_name(target: str) -> str:
 
 def install_kernel(target: str, gpus: int = 0, time: str = "1h", cull_idle: str | None = None,
                    wait: str = "5m", prefix: str | None = None,
-                   budget: float | None = None) -> str:
+                   budget: float | None = None, orphan_after: str | None = None) -> str:
     """Write the kernelspec for ``target`` and return its name. ``cull_idle`` defaults to 1h for a
     kernel with GPUs and to never (``0``) without; ``budget`` stops the kernel once its sessions
-    cost that much at the target's price (a restart counts on)."""
+    cost that much at the target's price (a restart counts on); ``orphan_after`` is how long the
+    kernel outlives a client that stopped beating (default 30 s, at least 10 s)."""
     t = get_target(target)  # an unknown target is refused here, with the known ones
     if gpus < 0:
         raise WorkbenchError(f"--gpus must be 0 or more, not {gpus}")
     if budget is not None and budget <= 0:
         raise WorkbenchError(f"--budget must be more than 0, not {budget:g} (leave it out for none)")
     cull = parse_duration(cull_idle) if cull_idle is not None else (3600.0 if gpus else 0.0)
+    orphan = parse_duration(orphan_after) if orphan_after is not None else ORPHAN_AFTER_S
+    if orphan < MIN_ORPHAN_S:
+        raise WorkbenchError(f"--orphan-after must be at least {MIN_ORPHAN_S:g}s (the client beats "
+                             f"every {BEAT_EVERY_S:g} s), not {orphan_after}")
     what = f"{gpus} GPU{'s' if gpus != 1 else ''}" if gpus else "CPU"
     spec: dict[str, Any] = {
         "argv": [t.python, "-m", MODULE, "-f", "{connection_file}"],
@@ -78,7 +84,7 @@ def install_kernel(target: str, gpus: int = 0, time: str = "1h", cull_idle: str 
             "kernel_provisioner": {"provisioner_name": PROVISIONER, "config": {
                 "target": target, "gpus": gpus, "time_limit": slurm_time(parse_duration(time)),
                 "cull_idle_s": cull, "wait_s": parse_duration(wait),
-                "budget_limit": budget or 0.0}},
+                "budget_limit": budget or 0.0, "orphan_after_s": orphan}},
         },
     }
     name = kernel_name(target)
