@@ -425,9 +425,13 @@ def test_a_kill_of_the_service_mid_settle_charges_each_attempt_once(rt: dict[str
     assert sorted(r["kind"] for r in rows) == ["charge", "release"]
 
 
-def test_a_student_cannot_write_the_meter_or_the_ledger(rt: dict[str, Any]) -> None:
-    """A's own Unix user tries to end its attempts early or rewrite its bill on disk."""
-    for target in (rt["state"] / "meters" / "1.json", rt["state"] / "ledger.sqlite",
+def test_a_student_cannot_write_the_meter_or_the_ledger(rt: dict[str, Any], a_run: str) -> None:
+    """A's own Unix user tries to end its run's attempt early, add an attempt of its own or
+    rewrite its bill on disk."""
+    meters = rt["state"] / "meters"
+    meter = meters / f"{_ledger(rt).run_hold(a_run).hold_id}.json"
+    wait_until("the meter of A's run", meter.exists, 120, rt["log"])
+    for target in (meter, meters / "0.json", rt["state"] / "ledger.sqlite",
                    rt["state"] / "course.json"):
         done = subprocess.run(["runuser", "-u", rt["users"]["a"], "--", "bash", "-c",
                                f"echo '{{}}' > {target}"], capture_output=True, text=True)
