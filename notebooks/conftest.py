@@ -1,5 +1,9 @@
 """The notebooks run under nbval with the test session's own WORKBENCH_HOME, never ~/.workbench.
 
+quickstart.ipynb is not collected here: tests/lab/test_browser.py runs it top to bottom in
+JupyterLab, in the kernel `make lab` gives it, and fails on any error output (its own asserts
+included), so nbval would only train it a second time.
+
 tests/conftest.py makes that home when it is imported and puts it in os.environ, which every
 kernel nbval starts inherits. A session that collects only notebooks/ would not import it, so
 this file does: once per session whatever the order of the paths (Python imports a module once),
@@ -20,3 +24,5 @@ if "tests.conftest" not in sys.modules:
     sys.path.append(str(_TESTS_ONLY))
 
 import tests.conftest  # noqa: E402,F401  (sets WORKBENCH_HOME for the kernels)
+
+collect_ignore = ["quickstart.ipynb"]
