@@ -181,12 +181,12 @@ def test_a_limit_spent_during_start_up_stops_before_the_first_step():
 
 
 def test_a_budget_stopped_run_from_its_stop_to_its_resume():
-    """One run the budget stopped mid-training (120 units: 60 s, start-up included, which took
+    """One run the budget stopped mid-training (90 units: 45 s, start-up included, which took
     25 s on a loaded 2-core machine), followed through what can come after a stop, in the order
     it comes: its bill and its views; resumes refused while nothing more is paid; a requeued
     attempt that stops before starting the ranks; a resume with a larger budget. One test, so
     that nothing depends on the order tests run in."""
-    job = workbench.launch(_spec("budget-stop", 120.0))
+    job = workbench.launch(_spec("budget-stop", 90.0))
     held_from = _supervisor_started(job)
     assert job.wait(timeout=600, progress=False) == "budget_stopped", job.logs(tail=30)
     _bills_start_up_and_stays_within_the_limit(job, held_from)
@@ -198,14 +198,14 @@ def test_a_budget_stopped_run_from_its_stop_to_its_resume():
 
 def _bills_start_up_and_stays_within_the_limit(job: workbench.Job, held_from: float) -> None:
     status = job.status()
-    _check_bill(status, 120.0, held_from)
+    _check_bill(status, 90.0, held_from)
     steps = [m for m in _lines(job) if "loss" in m]
     assert steps and status["step"] == steps[-1]["step"]
     # Start-up is billed: the bill covers the supervisor's start to the first step's line...
     assert status["billed_s"] >= steps[0]["time"] - held_from
     # ...and the whole attempt, saving and the bundle included.
     assert status["billed_s"] >= status["updated"] - held_from - 0.5
-    assert f"{status['cost']:.4g} of 120 CNY spent at step {status['step']}" in status["note"]
+    assert f"{status['cost']:.4g} of 90 CNY spent at step {status['step']}" in status["note"]
 
 
 def _snapshots_on_the_way_out_and_every_view_says_how_to_go_on(job: workbench.Job) -> None:
@@ -215,7 +215,7 @@ def _snapshots_on_the_way_out_and_every_view_says_how_to_go_on(job: workbench.Jo
     assert newest_verified(job.run_dir).name == f"step-{stopped_at}"
     # status.json, the summary and the job view: where it stopped and how to go on.
     note = status["note"]
-    assert f"{status['cost']:.4g} of 120 CNY spent at step {stopped_at} of 100000" in note
+    assert f"{status['cost']:.4g} of 90 CNY spent at step {stopped_at} of 100000" in note
     assert f"workbench resume {job.id} --budget N" in note and "'budget.limit'" in note
     assert job.summary()["note"] == note
     assert html.escape(note) in JobView(job, autostart=False).error.value
@@ -223,7 +223,7 @@ def _snapshots_on_the_way_out_and_every_view_says_how_to_go_on(job: workbench.Jo
 
 def _is_not_resumed_into_spending(job: workbench.Job) -> None:
     before = job.status()
-    with pytest.raises(BudgetError, match=f"{before['cost']:.4g} CNY spent of 120") as err:
+    with pytest.raises(BudgetError, match=f"{before['cost']:.4g} CNY spent of 90") as err:
         job.resume()
     assert f"workbench resume {job.id} --budget N" in str(err.value)
     with pytest.raises(BudgetError):
@@ -250,7 +250,7 @@ def _a_requeued_attempt_stops_before_starting_the_ranks(job: workbench.Job) -> N
     # the limit unbilled, since stopping took less than its margin: that is no reason to start.)
     assert [p["role"] for p in status["processes"]] == ["supervisor"]
     assert launcher.stat().st_size == size
-    _check_bill(status, 120.0)
+    _check_bill(status, 90.0)
     assert status["billed_before_s"] == pytest.approx(before["billed_s"])  # continues the bill
 
 
