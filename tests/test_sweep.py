@@ -164,6 +164,19 @@ def test_a_resumed_controller_makes_record_and_study_agree_again(monkeypatch):
     assert len(optuna.load_study(study_name="sweep", storage=s.record.study_url).trials) == 2
 
 
+def test_a_valued_trial_without_its_run_is_no_best_and_breaks_no_listing(monkeypatch, tmp_path):
+    """A record mended by hand (a value, no run): best says no trial has a value instead of a
+    KeyError, and the panel's listing of runs and sweeps still answers."""
+    from workbench_lab.view import RunsView
+
+    s = _recorded_sweep(monkeypatch, space={"train.lr": [1e-3, 3e-3]})
+    s.record.update_trial(0, state="succeeded", value=0.5, released=True, cost=1.0)
+    with pytest.raises(WorkbenchError, match="no trial with a value"):
+        _ = s.best
+    group = next(g for g in RunsView(tmp_path).runs()["sweeps"] if g["id"] == s.id)
+    assert group["best"] is None
+
+
 def test_a_grid_sweep_can_tell_the_study_its_last_point(monkeypatch):
     """The controller asks and tells without Study.optimize(): covering the whole grid must not
     make the sampler stop an optimisation loop that does not exist."""

@@ -103,9 +103,10 @@ class Sweep:
 
     @property
     def best(self) -> dict[str, Any]:
-        """The best completed trial: {trial, value, params, run_id, job}."""
+        """The best completed trial: {trial, value, params, run_id, job}. A trial counts once it
+        has a value and the run it came from (a record mended by hand may lack the run)."""
         data = self.data()
-        done = [t for t in data["trials"] if t.get("value") is not None]
+        done = [t for t in data["trials"] if t.get("value") is not None and t.get("run_id")]
         if not done:
             raise SweepError(f"sweep {self.id} has no trial with a value of "
                              f"{data['objective']!r} yet (state {data.get('state')}"
