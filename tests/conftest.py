@@ -7,6 +7,7 @@ import ast
 import functools
 import inspect
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Callable
@@ -72,6 +73,20 @@ def _starts_a_run(func: Callable[..., Any]) -> bool:
     except TypeError:  # a built-in
         return False
     return path is not None and getattr(func, "__name__", "") in _launches(path)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A session that passed takes its home with it (its runs, calibrations and the target set-up
+    tests' wheelhouse: hundreds of MB a session); a failed one's stays for its logs, and the
+    summary says where (every session fixture has ended by now)."""
+    if exitstatus == 0:
+        shutil.rmtree(_HOME, ignore_errors=True)
+        shutil.rmtree(_TESTS_ONLY, ignore_errors=True)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int) -> None:
+    if exitstatus != 0 and _HOME.exists():
+        terminalreporter.write_line(f"the session's WORKBENCH_HOME (runs and their logs): {_HOME}")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
