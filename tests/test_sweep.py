@@ -81,6 +81,32 @@ def test_money_shows_what_was_spent_and_what_is_held_apart():
     assert money(ended) == "spent 12.75 · held 30 of 100 CNY"
 
 
+@pytest.mark.parametrize("others, waiting, slots, factor", [
+    # Cases worked by hand with two trials taking turns evenly (each half as fast beside
+    # another), for a trial of 10 s of work alone.
+    ([], 0, 2, 1.0),  # nothing beside it
+    ([], 1, 2, 2.0),  # its twin starts with it: both take 20 s
+    ([4.0], 0, 2, 1.4),  # a neighbour with 4 s left ends at 8 s, having let it do 4 s; 6 s alone
+    ([4.0], 1, 2, 2.0),  # ... and a waiting trial takes the freed slot: it shares to the end
+    ([30.0], 0, 2, 2.0),  # a neighbour that outlasts it
+    ([], 3, 1, 1.0),  # one slot: the waiting trials never run beside it
+    ([float("inf")], 0, 2, 2.0),  # a neighbour of unknown length counts as sharing throughout
+])
+def test_a_trial_is_priced_for_the_overlap_it_can_still_have(others, waiting, slots, factor):
+    from workbench.sweep.budget import beside
+
+    assert beside(10.0, others, waiting, slots, slow=float) == pytest.approx(factor)
+
+
+def test_a_running_trials_work_left_is_its_plan_less_what_it_ran_at_its_slowdown():
+    from workbench.sweep.budget import left_s
+
+    trial = {"alone_s": 10.0, "launched": 100.0, "sharing": 2.0}
+    assert left_s(trial, now=108.0, default=99.0) == pytest.approx(6.0)
+    assert left_s(trial, now=200.0, default=99.0) == 0.0
+    assert left_s({"launched": 100.0}, now=108.0, default=99.0) == 99.0
+
+
 def test_unknown_sweep_is_a_typed_error():
     with pytest.raises(SweepNotFoundError, match="no sweep"):
         workbench.get_sweep("no-such-sweep")
@@ -322,7 +348,7 @@ def test_budget_sweep_survives_a_controller_restart_and_never_overspends(wb_home
     alone = workbench.launch({**SPEC, "name": "sw-alone"})
     assert alone.wait(progress=False, timeout=400) == "succeeded"
     trial_cost = _run_cost(alone.run_dir.path)
-    reserve = max(trial_price(RunSpec.parse({**SPEC, "method": {"lora_r": r}}))[1] for r in (4, 8))
+    reserve = max(trial_price(RunSpec.parse({**SPEC, "method": {"lora_r": r}})).need for r in (4, 8))
     limit = reserve + 1.5 * trial_cost
     s = workbench.sweep(SPEC, space={"train.lr": [1e-3, 3e-3], "method.lora_r": [4, 8]},
                         concurrent=1, budget=limit, pruner="none")

@@ -9,7 +9,8 @@ neither spent nor held keeps the sum of the trials' costs under the sweep's limi
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from workbench.runs.budget import KILL_GRACE_S, RELEASE_S, hourly_price
 from workbench.spec import RunSpec
@@ -42,17 +43,64 @@ def sharing(spec: RunSpec, at_once: int) -> float:
     return max(1.0, 1.0 + (share - 1.0) * BUSY)
 
 
-def trial_price(spec: RunSpec, at_once: int = 1) -> tuple[float | None, float]:
-    """The planner's cost of a trial of ``spec``, slowed by the ``at_once`` trials it runs
-    beside (:func:`sharing`), and what the controller sets aside before it starts one: that
-    cost times PRICE_MARGIN, plus starting and releasing its processes."""
+def beside(alone_s: float, others_left_s: list[float], waiting: int, slots: int,
+           slow: Callable[[int], float]) -> float:
+    """How many times longer than ``alone_s`` a trial starting now runs: it shares the machine
+    with the running trials (``others_left_s``: the seconds of work, at the pace of a run alone,
+    each has left) and with the ``waiting`` trials that start, each as long as this one, whenever
+    fewer than ``slots`` run. While ``k`` trials run, each goes ``slow(k)`` times slower than
+    alone. The last trials of a sweep run partly alone once their neighbours end."""
+    if alone_s <= 0:
+        return 1.0
+    mine, others, clock = alone_s, sorted(x for x in others_left_s if x > 0), 0.0
+    while True:
+        while waiting and len(others) + 1 < slots:
+            others.append(alone_s)
+            waiting -= 1
+        factor = slow(len(others) + 1)
+        first = min([mine, *others])  # the next trial to end, in seconds of work alone
+        clock += first * factor
+        mine -= first
+        if mine <= 1e-9:
+            return clock / alone_s
+        others = [x - first for x in others if x - first > 1e-9]
+
+
+class Price(NamedTuple):
+    """A trial's price before it starts."""
+
+    planned: float | None  # the planner's cost, slowed by the trials beside it
+    need: float  # what the controller sets aside: planned x PRICE_MARGIN, plus start and release
+    shared: float  # the slowdown it was priced for (1: alone)
+    alone_s: float | None  # the planner's time for it alone, in seconds
+
+
+def trial_price(spec: RunSpec, others_left_s: list[float] | None = None, waiting: int = 0,
+                slots: int = 1) -> Price:
+    """The planner's price of a trial of ``spec`` that starts beside the running trials
+    (``others_left_s``, see :func:`left_s`) with ``waiting`` more to start after it, ``slots`` at
+    once (:func:`beside`, :func:`sharing`)."""
     from workbench.plan import plan
 
     planned = plan(spec).cost
-    if planned is not None:
-        planned *= sharing(spec, at_once)
     per_hour, _ = hourly_price(spec)
-    return planned, (planned or 0.0) * PRICE_MARGIN + per_hour * (KILL_GRACE_S + RELEASE_S) / 3600.0
+    shared, alone_s = 1.0, None
+    if planned is not None and per_hour > 0:
+        alone_s = planned / per_hour * 3600.0
+        shared = beside(alone_s, others_left_s or [], waiting, slots, lambda k: sharing(spec, k))
+        planned *= shared
+    need = (planned or 0.0) * PRICE_MARGIN + per_hour * (KILL_GRACE_S + RELEASE_S) / 3600.0
+    return Price(planned, need, shared, alone_s)
+
+
+def left_s(trial: dict[str, Any], now: float, default: float) -> float:
+    """The seconds of work, at the pace of a run alone, a running trial has left: its planned
+    time alone less what it has run at the slowdown it was priced for (``default`` for a trial
+    recorded without its plan)."""
+    if trial.get("alone_s") is None or trial.get("launched") is None:
+        return default
+    ran = (now - float(trial["launched"])) / float(trial.get("sharing") or 1.0)
+    return max(0.0, float(trial["alone_s"]) - ran)
 
 
 def spent(data: dict[str, Any]) -> float:

@@ -41,7 +41,7 @@ from workbench.runs.rundir import (
 )
 from workbench.spec import RunSpec
 from workbench.sweep import record as rec
-from workbench.sweep.budget import PRICE_MARGIN, committed, sharing, trial_price
+from workbench.sweep.budget import PRICE_MARGIN, Price, committed, left_s, trial_price
 from workbench.sweep.objective import Objective
 from workbench.sweep.space import parse_space, trial_spec
 from workbench.sweep.study import open_study, suggest, trial_of, trial_of_frozen
@@ -241,8 +241,11 @@ class Controller:
             started = sum(1 for x in data["trials"] if x.get("run_id") or x.get("released"))
             to_start = max(1, data["trials_total"] - started)
             # Priced for the trials it will run beside: they share this machine's cores.
-            at_once = min(data["concurrent"], len(self.active) + to_start)
-            planned, need = trial_price(spec, at_once)
+            now = time.time()
+            price = trial_price(spec, [left_s(x, now, float("inf")) for x in data["trials"]
+                                       if x["number"] in self.active], to_start - 1,
+                                data["concurrent"])
+            need = price.need
             limit = data.get("budget")
             trial_limit = spec.budget.limit
             if limit is not None:
@@ -255,19 +258,20 @@ class Controller:
                 free = max(1, min(data["concurrent"] - len(self.active), to_start))
                 trial_limit = min(left, max(need, left / free))
                 spec = spec.updated(**{"budget.limit": trial_limit})
-            if not self._launch(t, spec, planned, trial_limit, sharing(spec, at_once)):
+            if not self._launch(t, spec, price, trial_limit):
                 return
 
-    def _launch(self, t: dict[str, Any], spec: RunSpec, planned: float | None,
-                limit: float | None, shared: float = 1.0) -> bool:
+    def _launch(self, t: dict[str, Any], spec: RunSpec, price: Price, limit: float | None) -> bool:
         """Start trial ``t``; False when the wallet cannot cover it (it waits for a running
         trial to settle, or, with none running, the sweep ends as when its budget is spent)."""
         from workbench.errors import CreditError
         from workbench.runs.launching import launch
 
         n = t["number"]
+        planned = price.planned
         self.record.update_trial(n, state=rec.LAUNCHING, limit=limit, planned_cost=planned,
-                                 launched=time.time())
+                                 launched=time.time(), sharing=price.shared,
+                                 alone_s=price.alone_s)
         try:
             job = launch(spec, registry=self.registry)
         except CreditError as exc:  # the owner's wallet (workbench.runs.wallet) is short
@@ -281,7 +285,7 @@ class Controller:
             self._tell(next(x for x in data["trials"] if x["number"] == n))
             print(f"controller: trial {n} could not start: {exc}", flush=True)
             return True
-        job.run_dir.write_status(sweep={"id": self.record.id, "trial": n, "sharing": shared})
+        job.run_dir.write_status(sweep={"id": self.record.id, "trial": n, "sharing": price.shared})
         self.record.update_trial(n, run_id=job.id, state=job.record.state)
         self.active[n] = job
         print(f"controller: trial {n} started as {job.id} {t['params']} limit {limit}", flush=True)
