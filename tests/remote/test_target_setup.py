@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -51,10 +52,10 @@ def _trains(ref: str, venv: Path) -> workbench.Job:
 def test_ssh_setup_without_a_registry_carries_the_wheels(targets, tmp_path):
     venv = tmp_path / "env"
     base = targets["ssh"]["one"]
-    ref = _add_target("ssh", "fresh", {
-        "hosts": ["wb-node0"], "ssh_config": base["ssh_config"], "workdir": str(tmp_path / "runs"),
-        "env": {**base["env"], **OFFLINE},
-        "install": {"venv": str(venv), "torch_index": "none"}})
+    body = {"hosts": ["wb-node0"], "ssh_config": base["ssh_config"],
+            "workdir": str(tmp_path / "runs")}
+    ref = _add_target("ssh", "fresh", {**body, "env": {**base["env"], **OFFLINE},
+                                       "install": {"venv": str(venv), "torch_index": "none"}})
     lines: list[str] = []
     started = time.monotonic()
     done = setup_target(ref, progress=lines.append)
@@ -82,6 +83,18 @@ def test_ssh_setup_without_a_registry_carries_the_wheels(targets, tmp_path):
     print(f"ssh set-up again after drift: {time.monotonic() - started:.0f} s")
     report, versions = _check(ref)
     assert report.ok and versions[0].ok, report
+
+    # A set-up again that fails on the target (a torch no registry has) keeps what worked.
+    _add_target("ssh", "fresh", {**body, "env": base["env"], "python": str(venv / "bin" / "python"),
+                                 "install": {"venv": str(venv), "torch": "torch==0.0.1"}})
+    with pytest.raises(SetupError, match="pip install failed.*set up before is kept") as info:
+        setup_target(ref, progress=lines.append)
+    assert "\n" not in str(info.value)
+    assert (venv / MARKER).is_file() and not (venv / ".workbench-partial").exists()
+    assert not Path(f"{venv}.setup").exists()
+    assert get_target(ref).python == str(venv / "bin" / "python")
+    subprocess.run([venv / "bin" / "python", "-c", "import workbench.runs.supervise, torch, peft"],
+                   check=True)
 
 
 def test_slurm_setup_runs_in_a_job_from_the_registry(targets, cluster, tmp_path):

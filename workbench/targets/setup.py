@@ -8,11 +8,11 @@ from the registry where the target reaches one, else as wheels downloaded here, 
 target's SSH (or this machine's shell) and installed with ``pip --no-index``. On Slurm the
 install runs as a short ``srun`` job on a compute node; the venv then lives on the shared
 filesystem. Once it imports, the environment is marked done (``VENV/.workbench-setup.json``) and
-its python recorded as the target's ``python:``; a set-up that fails removes the venv it made,
-records nothing, and raises a :class:`SetupError` that says what to do. What is installed (the
-torch build, requirements, constraints, the Workbench wheel, a wheelhouse) is
-:mod:`workbench.targets.wheels`'s to choose and gather; this module looks at the node, carries the
-packages there and installs them.
+its python recorded as the target's ``python:``. A set-up that fails records nothing, raises a
+:class:`SetupError` that says what to do, and removes the venv it made; a venv set up before that
+still imports is kept. What is installed (the torch build, requirements, constraints, the
+Workbench wheel, a wheelhouse) is :mod:`workbench.targets.wheels`'s to choose and gather; this
+module looks at the node, carries the packages there and installs them.
 """
 
 from __future__ import annotations
@@ -111,11 +111,33 @@ import json, os, shutil, subprocess, sys, time
 venv, staged, source, pip_args = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 partial, marker = os.path.join(venv, ".workbench-partial"), os.path.join(venv, %(marker)r)
 made = not os.path.exists(os.path.join(venv, "pyvenv.cfg"))
+py = os.path.join(venv, "bin", "python")
+CHECK = ("import json, workbench.runs.supervise, torch, transformers, peft; from importlib.metadata "
+         "import version; print(json.dumps({'workbench': version('workbench'), 'torch': "
+         "torch.__version__, 'cuda': torch.cuda.is_available()}))")
+def imports():
+    r = subprocess.run([py, "-c", CHECK], capture_output=True, text=True)
+    return (json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else None), r
+def mark(got, src):
+    got.update(source=src, date=time.strftime("%%Y-%%m-%%d %%H:%%M"))
+    with open(marker, "w") as fh:
+        json.dump(got, fh)
+    if os.path.exists(partial):
+        os.remove(partial)
+    return got
 def fail(msg):
-    if made or os.path.exists(partial):
+    # A venv that was set up before and still imports is kept, marked with what it now has;
+    # one this set-up made, or one it left not importing, is removed.
+    got = imports()[0] if complete else None
+    if got is not None:
+        mark(got, before.get("source", source))
+        msg += "; the environment set up before is kept, and still imports"
+    elif made or os.path.exists(partial):
         shutil.rmtree(venv, ignore_errors=True)
     shutil.rmtree(staged, ignore_errors=True)
     print("WB-FAIL " + msg, flush=True); sys.exit(3)
+complete = not made and os.path.exists(marker) and not os.path.exists(partial)
+before = json.load(open(marker)) if complete else {}
 if os.path.exists(partial):  # what a failed set-up left: start again
     shutil.rmtree(venv); made = True
 if made:
@@ -126,7 +148,6 @@ if made:
 open(partial, "w").close()
 if os.path.exists(marker):
     os.remove(marker)
-py = os.path.join(venv, "bin", "python")
 env = dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1")
 if source == "wheels":
     env["PIP_CONFIG_FILE"] = os.devnull
@@ -138,17 +159,10 @@ r = subprocess.run([py, "-m", "pip", "install", "--progress-bar", "off", "--no-c
                    + pip_args, env=env)
 if r.returncode:
     fail("pip install failed (its output is above)")
-r = subprocess.run([py, "-c", "import json, workbench.runs.supervise, torch, transformers, peft; "
-                    "from importlib.metadata import version; print(json.dumps({'workbench': "
-                    "version('workbench'), 'torch': torch.__version__, 'cuda': "
-                    "torch.cuda.is_available()}))"], capture_output=True, text=True)
-if r.returncode:
+got, r = imports()
+if got is None:
     fail("the new environment does not import: " + r.stderr.strip().splitlines()[-1])
-got = json.loads(r.stdout.strip().splitlines()[-1])
-got.update(source=source, date=time.strftime("%%Y-%%m-%%d %%H:%%M"))
-with open(marker, "w") as fh:
-    json.dump(got, fh)
-os.remove(partial)
+mark(got, source)
 shutil.rmtree(staged, ignore_errors=True)
 print("WB-RESULT " + json.dumps(dict(got, python=py)), flush=True)
 """.replace("%(marker)r", repr(MARKER)).replace("%%", "%")
