@@ -8,6 +8,7 @@ no kernel process, no tunnel, no allocation in squeue.
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
@@ -128,11 +129,13 @@ def _squeue_of(job: str) -> str:
 
 
 def test_kernels_install_list_remove(kernels):
-    assert "installed kernel workbench-ssh-one" in cli(["kernels", "install", "ssh:one"])
+    assert "installed kernel workbench-ssh-one" in cli(["kernels", "install", "ssh:one",
+                                                         "--orphan-after", "2m"])
     table = cli(["kernels", "list"])
     assert "Workbench on one (CPU)" in table and "never" in table
     row = next(ln for ln in table.splitlines() if ln.startswith("workbench-ssh-one "))
     assert "01:00:00" not in row and " none " in row  # no time limit holds an SSH kernel
+    assert "ORPHAN AFTER" in table and " 00:02:00 " in row
     from jupyter_client.kernelspec import KernelSpecManager
 
     spec = KernelSpecManager().get_kernel_spec("workbench-ssh-one")  # what the launcher lists
@@ -295,6 +298,22 @@ def test_a_kernel_stops_within_its_budget_and_cannot_start_past_it(kernels, clus
     with pytest.raises(RemoteKernelError, match="budget of 30 USD is spent"):
         again.start_kernel()
     assert not _kernel_jobs()
+
+
+def test_a_kernelspec_written_with_a_too_short_orphan_time_is_refused_at_start(kernels):
+    cli(["kernels", "install", "ssh:one"])
+    path = kernels / "kernels" / "workbench-ssh-one" / "kernel.json"
+    installed = path.read_text()
+    raw = json.loads(installed)
+    raw["metadata"]["kernel_provisioner"]["config"]["orphan_after_s"] = 3
+    path.write_text(json.dumps(raw))
+    try:
+        km = KernelManager(kernel_name="workbench-ssh-one")
+        with pytest.raises(RemoteKernelError, match=r"orphan_after_s is 3 s: under 10 s.*again"):
+            km.start_kernel()
+        assert not km.is_alive()
+    finally:
+        path.write_text(installed)
 
 
 def test_a_kernel_budget_without_a_price_is_refused(kernels):

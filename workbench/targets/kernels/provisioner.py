@@ -39,7 +39,13 @@ from jupyter_client.provisioning.provisioner_base import KernelProvisionerBase
 from traitlets import Float, Integer, Unicode
 
 from workbench.errors import RemoteKernelError, TargetError
-from workbench.targets.kernels.heartbeat import ORPHAN_AFTER_S, ORPHAN_ENV, Beater, beat_command
+from workbench.targets.kernels.heartbeat import (
+    MIN_ORPHAN_S,
+    ORPHAN_AFTER_S,
+    ORPHAN_ENV,
+    Beater,
+    beat_command,
+)
 from workbench.targets.kernels.ledger import Session, settle
 from workbench.targets.kernels.placement import SlurmPlacement, SSHPlacement
 from workbench.targets.kernels.tunnel import Tunnel
@@ -117,6 +123,11 @@ class WorkbenchProvisioner(KernelProvisionerBase):  # type: ignore[misc]
         from workbench.targets.named import SlurmTarget, get_target
 
         target = get_target(self.target)
+        if self.orphan_after_s < MIN_ORPHAN_S:  # a kernel.json written by hand, not installed
+            raise RemoteKernelError(
+                f"this kernel's orphan_after_s is {self.orphan_after_s:g} s: under "
+                f"{MIN_ORPHAN_S:g} s it would end whenever its client missed one beat; install it "
+                "again with `workbench kernels install TARGET --orphan-after 30s`")
         self._check_budget()
         key = self.connection_info["key"]
         conn = {**self.connection_info, "key": key.decode() if isinstance(key, bytes) else key}

@@ -127,7 +127,8 @@ def remove_kernel(name: str) -> str:
 
 def kernels_table() -> str:
     """The installed kernels: TIME LIMIT is the Slurm allocation's ``--time`` ("none" on SSH, where
-    nothing limits it), HELD the time its target's kernel sessions held it (ledger, settled)."""
+    nothing limits it), ORPHAN AFTER how long it outlives a client that stopped beating, HELD the
+    time its target's kernel sessions held it (ledger, settled)."""
     from workbench.targets.kernels.ledger import sessions
 
     held: dict[str, float] = {}
@@ -136,13 +137,15 @@ def kernels_table() -> str:
         held[s["target"]] = held.get(s["target"], 0.0) + float(s.get("billed_s") or 0.0)
         if s.get("ended") is None:
             running[s["target"]] = running.get(s["target"], 0) + 1
-    rows = [("NAME", "DISPLAY NAME", "TARGET", "GPUS", "TIME LIMIT", "CULL IDLE", "HELD")]
+    rows = [("NAME", "DISPLAY NAME", "TARGET", "GPUS", "TIME LIMIT", "CULL IDLE", "ORPHAN AFTER",
+             "HELD")]
     for k in list_kernels():
         c, t = k["config"], k["target"]
         cull = slurm_time(c.get("cull_idle_s", 0)) if c.get("cull_idle_s") else "never"
         limit = c.get("time_limit", "-") if t.startswith("slurm:") else "none"
         now = f" ({running[t]} running)" if running.get(t) else ""
-        rows.append((k["name"], k["display_name"], t, str(c.get("gpus", 0)), limit, cull,
+        orphan = slurm_time(c.get("orphan_after_s") or ORPHAN_AFTER_S)
+        rows.append((k["name"], k["display_name"], t, str(c.get("gpus", 0)), limit, cull, orphan,
                      slurm_time(held.get(t, 0.0)) + now))
     if len(rows) == 1:
         return "no Workbench remote kernels; add one with `workbench kernels install ssh:NAME`"
