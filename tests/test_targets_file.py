@@ -91,3 +91,17 @@ def test_ssh_options_written_as_numbers_and_yes_no_reach_ssh_as_it_reads_them(ho
     assert options[-4:] == ["Port=2222", "ForwardAgent=no", "Compression=yes",
                             "ProxyJump=bastion"]
     assert argv[-1] == "gpu1"
+
+
+@pytest.mark.parametrize("name, dist", [
+    ("torch-2.13.0+cpu-cp311-cp311-linux_x86_64.whl", ("torch", "2.13.0+cpu")),
+    ("torch-2.13.0+cpu", ("torch", "2.13.0+cpu")),  # its dist-info folder, less .dist-info
+    ("typing_extensions-4.12.2-py3-none-any.whl", ("typing-extensions", "4.12.2")),
+    ("Jinja2-3.1.4", ("jinja2", "3.1.4")),
+    ("zope.interface-7.0-cp311-cp311-manylinux_2_17_x86_64.whl", ("zope-interface", "7.0")),
+])
+def test_a_wheel_and_the_dist_info_it_installs_name_the_same_release(name, dist):
+    """`targets setup` carries no wheel of a release the target's venv has (by these names)."""
+    from workbench.targets.wheels import dist_key
+
+    assert dist_key(name) == dist

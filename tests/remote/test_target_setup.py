@@ -78,9 +78,11 @@ def test_ssh_setup_without_a_registry_carries_the_wheels(targets, tmp_path):
     report, versions = _check(ref)
     assert not report.ok and "drift: workbench 0.0.1 there" in versions[0].detail, report
     assert f"workbench targets setup {ref}" in versions[0].fix
-    started = time.monotonic()
+    started, seen = time.monotonic(), len(lines)
     setup_target(ref, progress=lines.append)  # the venv is kept: only Workbench is reinstalled
     print(f"ssh set-up again after drift: {time.monotonic() - started:.0f} s")
+    # ... and only its wheel and the constraints are carried: the venv has every other wheel.
+    assert any(re.search(r"copying 2 files \(\d+ MB\)", ln) for ln in lines[seen:]), lines[seen:]
     report, versions = _check(ref)
     assert report.ok and versions[0].ok, report
 

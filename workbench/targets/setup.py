@@ -87,6 +87,15 @@ except OSError as exc:
     out["writable"], out["write_error"] = False, str(exc)
 out["exists"] = os.path.exists(venv) and bool(os.listdir(venv) if os.path.isdir(venv) else 1)
 out["ours"] = any(os.path.exists(os.path.join(venv, f)) for f in (%(marker)r, ".workbench-partial"))
+# What a complete venv has (name-version of each dist-info): their wheels need not be carried.
+out["installed"] = []
+if os.path.exists(os.path.join(venv, %(marker)r)) and not os.path.exists(
+        os.path.join(venv, ".workbench-partial")):
+    for lib in os.listdir(os.path.join(venv, "lib")):
+        site = os.path.join(venv, "lib", lib, "site-packages")
+        if os.path.isdir(site):
+            out["installed"] += [d[:-len(".dist-info")] for d in os.listdir(site)
+                                 if d.endswith(".dist-info")]
 if shutil.which("nvidia-smi"):
     r = subprocess.run(["nvidia-smi"], capture_output=True, text=True)
     m = re.search(r"CUDA Version:\s*(\d+)\.(\d+)", r.stdout)

@@ -8,6 +8,7 @@ registry, every wheel it needs, downloaded here into a cache (WORKBENCH_HOME/whe
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -95,7 +96,8 @@ def _repack(out: Path) -> None:
 def wheelhouse(stage: Path, reqs: list[str], index: str, node: dict[str, Any],
                 cfg: InstallSpec, progress: Callable[[str], None]) -> None:
     """Every wheel the target needs, into ``stage``, from a cache here (WORKBENCH_HOME/wheelhouse,
-    one folder per Python, platform and torch build) filled from this machine's registry."""
+    one folder per Python, platform and torch build) filled from this machine's registry; a
+    wheel of a version the target's venv already has (``node["installed"]``) stays here."""
     import sysconfig
 
     tag = f"cp{node['python'].replace('.', '')}-{node['platform']}-{index.rsplit('/', 1)[-1] or 'any'}"
@@ -123,12 +125,20 @@ def wheelhouse(stage: Path, reqs: list[str], index: str, node: dict[str, Any],
         raise SetupError(f"no registry there and no wheels here: this machine could not get "
                          f"them ({output_tail(r.stderr.splitlines())}); put the wheels in a folder and "
                          "set install.wheels to it")
+    there = {dist_key(d) for d in node.get("installed") or []}
     for p in cache.glob("*.whl"):
-        if not p.name.startswith("workbench-"):
+        if not p.name.startswith("workbench-") and dist_key(p.name) not in there:
             try:  # the install needs them beside the Workbench wheel
                 (stage / p.name).hardlink_to(p)
             except OSError:
                 shutil.copy(p, stage / p.name)
+
+
+def dist_key(name: str) -> tuple[str, str]:
+    """(project, version) of a wheel's file name or a dist-info folder's name (PEP 427/503: the
+    project with runs of ``-_.`` as one ``-``, lower case)."""
+    project, version = name.split("-")[:2]
+    return re.sub(r"[-_.]+", "-", project).lower(), version
 
 
 def output_tail(lines: list[str]) -> str:
