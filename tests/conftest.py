@@ -33,11 +33,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 # Fixtures that start a real server, cluster or browser (the course hub, the Slurm cluster and
-# sshd, the lab server and its browser page, vLLM) or a shared real run: a test that uses one,
+# sshd, the lab server and its browser page, vLLM) or a shared real run, or need vLLM's own
+# environment (`make serve-env`, which `make test-fast` does not build): a test that uses one,
 # directly or through other fixtures, is marked slow. Fixtures and tests that launch a run
 # themselves are found by what they call (_launches), so a new one needs no entry here.
 SLOW_FIXTURES = frozenset({"finished_job", "served_run", "hub", "cluster", "lab_server", "page",
-                           "servers", "lab"})
+                           "servers", "lab", "serve_python"})
 
 
 @functools.cache
