@@ -19,8 +19,8 @@ from workbench.sweep import record as rec
 # The planner's price of a trial is an estimate (start-up on a busy machine is not in it): a trial
 # starts only when this multiple of it, plus starting and releasing, fits in what is left.
 PRICE_MARGIN = 1.5
-# The share of its cores a CPU run alone keeps busy (/proc/stat while a 2-process run of the tiny
-# model trains on 2 cores: 136-179 of every 200 core-ticks busy).
+# The share of its cores a CPU run alone keeps busy (it also waits on its disk and its ranks on
+# each other); docs/sweeps.md gives the measurement.
 BUSY = 0.8
 
 
@@ -31,9 +31,7 @@ def sharing(spec: RunSpec, at_once: int) -> float:
     The planner times a run alone. Once the trials' processes outnumber the cores, they take
     turns on them, start-up and steps alike; a run alone keeps its cores BUSY of the time (it
     also waits on its disk and its ranks on each other), which the others' turns fill first.
-    Measured on 2 cores, two 2-process trials of the tiny model held 1.5-2.0 times as long as
-    the same run alone minutes before (median 1.8; 1.15 and 3.1 once each, as the host's own
-    speed came and went). Trials on GPUs, or on other targets, share no cores here.
+    Trials on GPUs, or on other targets, share no cores here.
     """
     r = spec.resources
     if at_once <= 1 or spec.target != "local" or r.gpus_per_node != 0:
