@@ -63,6 +63,7 @@ def test_ssh_setup_without_a_registry_carries_the_wheels(targets, tmp_path):
     print(f"ssh set-up from carried wheels: {took:.0f} s")
     assert done.source == "wheels", lines
     assert any("copying" in ln and "MB" in ln for ln in lines), lines  # progress was shown
+    assert any("uv pip install (wheels)" in ln for ln in lines), lines  # uv came with the wheels
     assert get_target(ref).python == str(venv / "bin" / "python")
     assert (venv / MARKER).is_file() and not (venv / ".workbench-partial").exists()
     here = notebook_versions()
@@ -83,6 +84,8 @@ def test_ssh_setup_without_a_registry_carries_the_wheels(targets, tmp_path):
     print(f"ssh set-up again after drift: {time.monotonic() - started:.0f} s")
     # ... and only its wheel and the constraints are carried: the venv has every other wheel.
     assert any(re.search(r"copying 2 files \(\d+ MB\)", ln) for ln in lines[seen:]), lines[seen:]
+    # The same requirements as before: the wheelhouse here already holds what they resolve to.
+    assert not any("downloading the wheels" in ln for ln in lines[seen:]), lines[seen:]
     report, versions = _check(ref)
     assert report.ok and versions[0].ok, report
 

@@ -125,7 +125,10 @@ CHECK = ("import json, workbench.runs.supervise, torch, transformers, peft; from
          "import version; print(json.dumps({'workbench': version('workbench'), 'torch': "
          "torch.__version__, 'cuda': torch.cuda.is_available()}))")
 def imports():
-    r = subprocess.run([py, "-c", CHECK], capture_output=True, text=True)
+    # Byte-compiles what a run imports (the install compiles nothing), even where the caller's
+    # environment says not to write bytecode: every later run then starts from it.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    r = subprocess.run([py, "-c", CHECK], capture_output=True, text=True, env=env)
     return (json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else None), r
 def mark(got, src):
     got.update(source=src, date=time.strftime("%%Y-%%m-%%d %%H:%%M"))
@@ -160,14 +163,25 @@ if os.path.exists(marker):
 env = dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1")
 if source == "wheels":
     env["PIP_CONFIG_FILE"] = os.devnull
-print("WB: pip install (" + source + ")", flush=True)
-# --no-compile: pip would byte-compile every module of every package (tens of thousands of files,
-# most never imported); the import check below compiles what a run imports.
-r = subprocess.run([py, "-m", "pip", "install", "--progress-bar", "off", "--no-compile",
-                    "--find-links", staged, "-c", os.path.join(staged, "constraints.txt")]
+# Carried wheels go in with uv when its wheel came with them (pip installs uv first); packages
+# from the registry with pip, which follows the node's own pip configuration.
+uv = os.path.join(venv, "bin", "uv")
+if source == "wheels" and not os.path.exists(uv) and any(
+        f.startswith("uv-") for f in os.listdir(staged)):
+    subprocess.run([py, "-m", "pip", "install", "-q", "--no-index", "--find-links", staged, "uv"],
+                   env=env)
+tool = "uv pip install" if source == "wheels" and os.path.exists(uv) else "pip install"
+print("WB: " + tool + " (" + source + ")", flush=True)
+# Nothing is byte-compiled here (tens of thousands of modules, most never imported): the import
+# check below compiles what a run imports. uv's cache is beside the venv, so its files are
+# hard-linked into it, and goes with the staged wheels.
+base = ([uv, "pip", "install", "--python", py, "--cache-dir", os.path.join(staged, ".uv-cache")]
+        if tool.startswith("uv") else [py, "-m", "pip", "install", "--progress-bar", "off",
+                                       "--no-compile"])
+r = subprocess.run(base + ["--find-links", staged, "-c", os.path.join(staged, "constraints.txt")]
                    + pip_args, env=env)
 if r.returncode:
-    fail("pip install failed (its output is above)")
+    fail(tool + " failed (its output is above)")
 got, r = imports()
 if got is None:
     fail("the new environment does not import: " + r.stderr.strip().splitlines()[-1])
@@ -212,7 +226,8 @@ class _Place:
                 collected += 1
                 if collected % 25 == 0:
                     progress(f"{self.label}: pip has {collected} packages so far")
-            elif line.startswith(("WB:", "Installing collected", "ERROR")):
+            elif line.startswith(("WB:", "Installing collected", "ERROR", "error:", "Resolved ",
+                                  "Installed ")):
                 progress(f"{self.label}: {line.removeprefix('WB: ')[:200]}")
             if time.monotonic() > deadline:
                 proc.kill()

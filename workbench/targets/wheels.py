@@ -94,10 +94,12 @@ def _repack(out: Path) -> None:
 
 
 def wheelhouse(stage: Path, reqs: list[str], index: str, node: dict[str, Any],
-                cfg: InstallSpec, progress: Callable[[str], None]) -> None:
-    """Every wheel the target needs, into ``stage``, from a cache here (WORKBENCH_HOME/wheelhouse,
-    one folder per Python, platform and torch build) filled from this machine's registry; a
-    wheel of a version the target's venv already has (``node["installed"]``) stays here."""
+               cfg: InstallSpec, progress: Callable[[str], None]) -> None:
+    """Every wheel the target needs, and uv's to install them with, into ``stage``, from a cache
+    here (WORKBENCH_HOME/wheelhouse, one folder per Python, platform and torch build) filled from
+    this machine's registry; a wheel of a version the target's venv already has
+    (``node["installed"]``) stays here. The cache keeps what each set of inputs resolved to, so a
+    set-up again with the same requirements asks no registry."""
     import sysconfig
 
     tag = f"cp{node['python'].replace('.', '')}-{node['platform']}-{index.rsplit('/', 1)[-1] or 'any'}"
@@ -117,21 +119,48 @@ def wheelhouse(stage: Path, reqs: list[str], index: str, node: dict[str, Any],
         cmd = [sys.executable, "-m", "pip", "download", "--progress-bar", "off", "-d", str(cache),
                "--only-binary=:all:", "--python-version", node["python"], "--implementation", "cp"]
         cmd += [a for p in plats for a in ("--platform", p)]
-    cmd += links + ["-c", str(stage / "constraints.txt"), str(stage / reqs[0]), *reqs[1:]]
-    cmd += ["--extra-index-url", index] if index else []
-    progress(f"downloading the wheels here into {cache} (kept for the next set-up)")
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode:
-        raise SetupError(f"no registry there and no wheels here: this machine could not get "
-                         f"them ({output_tail(r.stderr.splitlines())}); put the wheels in a folder and "
-                         "set install.wheels to it")
+    extra = ["--extra-index-url", index] if index else []
+    constraint = stage / "constraints.txt"
+    wheel = stage / reqs[0].split("[")[0]
+    known = cache / f"resolved-{_inputs_key(cmd[3:], constraint, wheel, reqs, extra, cfg)}.txt"
+    names = known.read_text().split() if known.is_file() else []
+    if not names or not all((cache / n).is_file() for n in names):
+        progress(f"downloading the wheels here into {cache} (kept for the next set-up)")
+        r = subprocess.run(cmd + links + ["-c", str(constraint), str(stage / reqs[0]), *reqs[1:]]
+                           + extra, capture_output=True, text=True)
+        if r.returncode:
+            raise SetupError(f"no registry there and no wheels here: this machine could not get "
+                             f"them ({output_tail(r.stderr.splitlines())}); put the wheels in a "
+                             "folder and set install.wheels to it")
+        # uv installs the carried wheels on the target, several times faster than pip; without
+        # it (a wheels folder without uv, an offline machine), pip does.
+        subprocess.run(cmd + links + ["--no-deps", "-c", str(constraint), "uv"] + extra,
+                       capture_output=True)
+        names = sorted(p.name for p in cache.glob("*.whl"))
+        known.write_text("\n".join(names) + "\n")
     there = {dist_key(d) for d in node.get("installed") or []}
-    for p in cache.glob("*.whl"):
-        if not p.name.startswith("workbench-") and dist_key(p.name) not in there:
+    for name in names:
+        if not name.startswith("workbench-") and dist_key(name) not in there:
             try:  # the install needs them beside the Workbench wheel
-                (stage / p.name).hardlink_to(p)
+                (stage / name).hardlink_to(cache / name)
             except OSError:
-                shutil.copy(p, stage / p.name)
+                shutil.copy(cache / name, stage / name)
+
+
+def _inputs_key(cmd: list[str], constraint: Path, wheel: Path, reqs: list[str],
+                extra: list[str], cfg: InstallSpec) -> str:
+    """A digest of what a wheelhouse download resolves from: the command's options (platform,
+    Python), the constraints, the Workbench wheel's own requirements, the extras, torch and its
+    index, and the wheels folder."""
+    import hashlib
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as z:
+        meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA")))
+    requires = [ln for ln in meta.decode().splitlines() if ln.startswith("Requires-Dist:")]
+    parts = [*cmd, constraint.read_text(), *requires, *reqs[1:], reqs[0].partition("[")[2],
+             *extra, str(cfg.wheels)]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
 def dist_key(name: str) -> tuple[str, str]:
