@@ -105,3 +105,45 @@ def test_a_wheel_and_the_dist_info_it_installs_name_the_same_release(name, dist)
     from workbench.targets.wheels import dist_key
 
     assert dist_key(name) == dist
+
+
+def test_the_wheelhouse_resolves_again_when_what_it_resolves_from_changes(tmp_path):
+    """A set-up again reuses the wheels an earlier one resolved only for the same inputs: other
+    constraints, another Workbench requirement, or a new wheel in install.wheels resolve anew."""
+    import zipfile
+
+    from workbench.targets.named import InstallSpec
+    from workbench.targets.wheels import _inputs_key
+
+    def wheel(requires: str) -> Path:
+        p = tmp_path / "workbench-0.1.0-py3-none-any.whl"
+        with zipfile.ZipFile(p, "w") as z:
+            z.writestr("workbench-0.1.0.dist-info/METADATA",
+                       f"Name: workbench\nVersion: 0.1.0\nRequires-Dist: {requires}\n")
+        return p
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    pins = tmp_path / "constraints.txt"
+    pins.write_text("peft==0.13.0\n")
+    cfg = InstallSpec(wheels=str(mine))
+    reqs = ["workbench-0.1.0-py3-none-any.whl", "torch==2.13.0"]
+
+    def key() -> str:
+        return _inputs_key(["wheel"], pins, tmp_path / reqs[0].split("[")[0], reqs, [], cfg)
+
+    wheel("peft>=0.12")
+    first = key()
+    assert key() == first
+    wheel("peft>=0.12")  # the same Workbench built again
+    assert key() == first
+    changes = []
+    pins.write_text("peft==0.14.0\n")
+    changes.append(key())
+    wheel("peft>=0.14")
+    changes.append(key())
+    (mine / "peft-0.14.0-py3-none-any.whl").write_bytes(b"")
+    changes.append(key())
+    reqs[0] += "[gpu]"
+    changes.append(key())
+    assert len({first, *changes}) == 5

@@ -151,7 +151,7 @@ def _inputs_key(cmd: list[str], constraint: Path, wheel: Path, reqs: list[str],
                 extra: list[str], cfg: InstallSpec) -> str:
     """A digest of what a wheelhouse download resolves from: the command's options (platform,
     Python), the constraints, the Workbench wheel's own requirements, the extras, torch and its
-    index, and the wheels folder."""
+    index, and the wheels folder's wheels."""
     import hashlib
     import zipfile
 
@@ -159,7 +159,8 @@ def _inputs_key(cmd: list[str], constraint: Path, wheel: Path, reqs: list[str],
         meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA")))
     requires = [ln for ln in meta.decode().splitlines() if ln.startswith("Requires-Dist:")]
     parts = [*cmd, constraint.read_text(), *requires, *reqs[1:], reqs[0].partition("[")[2],
-             *extra, str(cfg.wheels)]
+             *extra, *(sorted(p.name for p in Path(cfg.wheels).expanduser().glob("*.whl"))
+                       if cfg.wheels else [])]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
