@@ -3,6 +3,7 @@ replace whatever a student's spec says."""
 
 from __future__ import annotations
 
+import signal
 import stat
 from pathlib import Path
 
@@ -41,7 +42,13 @@ def test_init_writes_private_files_the_hub_can_load(tmp_path: Path) -> None:
             self[key] = value
 
     c = _Cfg()
-    exec(config.read_text(), {"get_config": lambda: c})
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in a background job of a script
+    try:
+        exec(config.read_text(), {"get_config": lambda: c})
+        # The services the hub starts inherit this, and the hub stops them with SIGINT.
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, before)
     service, culler = c["JupyterHub"]["services"]
     assert service["name"] == "course" and str(state / "course.json") in service["command"]
     # The course file's idle_minutes (2) is the culler's --timeout, in seconds.

@@ -202,6 +202,12 @@ def hub_config(course: Course) -> str:
     lines = [
         "# Written by `workbench course init`; edit the course file and run init again.",
         "c = get_config()  # noqa",
+        # The hub stops its services and servers with SIGINT, and with SIGTERM only 30 s later.
+        # Those it starts before it sets its own handlers inherit its SIGINT disposition: from a
+        # hub started with SIGINT ignored (a background job of a script), each would take the
+        # 30 s. So the hub's SIGINT is Python's default before it starts anything.
+        "import signal",
+        "signal.signal(signal.SIGINT, signal.default_int_handler)",
         f"c.JupyterHub.ip = {course.hub.ip!r}",
         f"c.JupyterHub.port = {course.hub.port}",
         "c.JupyterHub.hub_ip = '127.0.0.1'",
