@@ -8,6 +8,8 @@ be the same, and the scores must move with training.
 from __future__ import annotations
 
 import json
+import os
+from unittest import mock
 
 import pytest
 
@@ -33,11 +35,14 @@ def runs(wb_home, tmp_path_factory):
     plain = workbench.launch({"name": "eval-plain", "train": train,
                               "eval": {"before": False, "after": False}})
     # One process on this 2-core machine: a core is spare, so every_steps scores beside it.
-    # Started with the others so that its start-up and waits overlap theirs.
-    beside = workbench.launch({"name": "eval-beside", "resources": {"processes_per_node": 1},
-                               "train": {"max_steps": BESIDE_STEPS, "lr": 3e-3},
-                               "eval": {"every_steps": 6, "after": False,
-                                        "tasks": [{"kind": "perplexity", "max_samples": 8}]}})
+    # Started with the others so that its start-up and waits overlap theirs. Its rank trains on
+    # one thread, the one core the evaluation does not get (a lone rank otherwise takes every
+    # core, and its threads spin-wait for the ones the evaluation and the other runs hold).
+    with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}):
+        beside = workbench.launch({"name": "eval-beside", "resources": {"processes_per_node": 1},
+                                   "train": {"max_steps": BESIDE_STEPS, "lr": 3e-3},
+                                   "eval": {"every_steps": 6, "after": False,
+                                            "tasks": [{"kind": "perplexity", "max_samples": 8}]}})
     for job in (scored, plain, beside):
         assert job.wait(timeout=900, progress=False) == "succeeded", job.logs(tail=40)
     return scored, plain, beside

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -72,11 +73,19 @@ def servers(trained, serve_python):
         merged.wait_healthy(timeout=400, progress=False)
         yield adapter, merged
     finally:
-        for ep in started:
-            pids = (ep.record.pid, ep.record.server_pid)
-            ep.stop()
+        # Both stop at once: each stop waits for its own guard and server to exit.
+        with ThreadPoolExecutor(max(1, len(started))) as pool:
+            ended = list(pool.map(_stopped, started))
+        for ep, pids in ended:
             assert not any(alive(p) for p in pids), f"{ep.name} left processes {pids}"
             assert get_endpoint(ep.name).record.state == "stopped"
+
+
+def _stopped(ep):
+    """``ep`` stopped, and the (guard, server) PIDs it had."""
+    pids = (ep.record.pid, ep.record.server_pid)
+    ep.stop()
+    return ep, pids
 
 
 @pytest.fixture(scope="session")

@@ -2,8 +2,9 @@
 
 ``python tests/remote/cluster.py up DIR`` (or the pytest fixtures in ``conftest.py``) starts
 munged, slurmctld, slurmd (with two fake gres GPUs) and sshd, each in the foreground as a child
-process, with every key, config, socket and spool file under DIR; ``down DIR`` stops them by the
-PIDs recorded in DIR/pids.json. Nothing system-wide is touched, so it can run next to a real
+process, with every key, config, socket and spool file under DIR; ``down DIR`` kills the jobs
+still there, waits for their slurmstepd processes to exit, and stops the daemons by the PIDs
+recorded in DIR/pids.json. Nothing system-wide is touched, so it can run next to a real
 installation. Requires the Debian packages slurm-wlm, munge and openssh-server (``make
 remote-deps``) and root (slurmd, and a root sshd that lets the test key log in).
 """
@@ -257,13 +258,62 @@ def stop_pids(pids: dict[str, int], timeout: float = 10.0) -> None:
         else:
             try:
                 os.kill(pids[name], signal.SIGKILL)
-            except ProcessLookupError:
+                os.waitpid(pids[name], 0)
+            except (ProcessLookupError, ChildProcessError):
                 pass
 
 
+def step_daemons(root: Path) -> list:
+    """The cluster's live slurmstepd processes: each holds the cluster's slurmd log open."""
+    import psutil
+
+    log = str(root / "slurmd.log")
+    found = []
+    for p in psutil.process_iter(["name"]):
+        try:
+            if p.info["name"] == "slurmstepd" and p.status() != psutil.STATUS_ZOMBIE and any(
+                    f.path == log for f in p.open_files()):
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
+def end_jobs(root: Path, slurm_conf: Path, timeout: float = 30.0) -> None:
+    """Kill every job of the cluster and wait until their slurmstepd processes have exited: a
+    slurmd told to stop while a step still reports its end does not exit on SIGTERM, and that
+    step stays behind."""
+    import psutil
+
+    subprocess.run(["scancel", "--user=root", "--signal=KILL", "--full"], capture_output=True,
+                   env={**os.environ, "SLURM_CONF": str(slurm_conf)})
+    psutil.wait_procs(step_daemons(root), timeout=timeout)
+
+
+def kill_steps(root: Path) -> None:
+    """SIGKILL the cluster's slurmstepd processes that are still there, with what they run."""
+    import psutil
+
+    procs = step_daemons(root)
+    for p in list(procs):
+        try:
+            procs.extend(p.children(recursive=True))
+        except psutil.Error:
+            pass
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
 def down(root: Path) -> None:
+    """Jobs first (their steps report to slurmd), then the daemons, then any step left."""
     saved = json.loads((root / "pids.json").read_text())
+    end_jobs(root, Path(saved["slurm_conf"]))
     stop_pids(saved["pids"])
+    kill_steps(root)
 
 
 # What the tests look for once a run or an endpoint has ended: nothing of it may remain.

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -33,8 +32,7 @@ def cluster() -> Iterator[test_cluster.Cluster]:
         yield c
     finally:
         # Jobs a failed test left behind go first, then the daemons, by PID.
-        subprocess.run(["scancel", "--user=root", "--signal=KILL", "--full"], capture_output=True)
-        test_cluster.stop_pids(c.pids)
+        test_cluster.down(root)
         os.environ.pop("SLURM_CONF", None)
         shutil.rmtree(root, ignore_errors=True)
 
