@@ -170,14 +170,14 @@ if source == "wheels" and not os.path.exists(uv) and any(
         f.startswith("uv-") for f in os.listdir(staged)):
     subprocess.run([py, "-m", "pip", "install", "-q", "--no-index", "--find-links", staged, "uv"],
                    env=env)
-tool = "uv pip install" if source == "wheels" and os.path.exists(uv) else "pip install"
+use_uv = source == "wheels" and os.path.exists(uv)
+tool = "uv pip install" if use_uv else "pip install"
 print("WB: " + tool + " (" + source + ")", flush=True)
 # Nothing is byte-compiled here (tens of thousands of modules, most never imported): the import
-# check below compiles what a run imports. uv's cache is beside the venv, so its files are
-# hard-linked into it, and goes with the staged wheels.
+# check below compiles what a run imports. uv's cache lies in the staged folder, on the venv's
+# filesystem: its files are hard-linked into the venv, and it is removed with the staged wheels.
 base = ([uv, "pip", "install", "--python", py, "--cache-dir", os.path.join(staged, ".uv-cache")]
-        if tool.startswith("uv") else [py, "-m", "pip", "install", "--progress-bar", "off",
-                                       "--no-compile"])
+        if use_uv else [py, "-m", "pip", "install", "--progress-bar", "off", "--no-compile"])
 r = subprocess.run(base + ["--find-links", staged, "-c", os.path.join(staged, "constraints.txt")]
                    + pip_args, env=env)
 if r.returncode:
