@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from jupyterhub.services import service as services
 
 from workbench.course.config import init, load_course
 from workbench.course.policy import priced_spec
@@ -43,12 +44,17 @@ def test_init_writes_private_files_the_hub_can_load(tmp_path: Path) -> None:
 
     c = _Cfg()
     before = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in a background job of a script
+    spawner = services._ServiceSpawner
     try:
         exec(config.read_text(), {"get_config": lambda: c})
         # The services the hub starts inherit this, and the hub stops them with SIGINT.
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        # The hub sees a dead service within the 2 s docs/course.md says, not its default 30 s.
+        assert services._ServiceSpawner is not spawner
+        assert services._ServiceSpawner(cmd=["true"]).poll_interval <= 2
     finally:
         signal.signal(signal.SIGINT, before)
+        services._ServiceSpawner = spawner
     service, culler = c["JupyterHub"]["services"]
     assert service["name"] == "course" and str(state / "course.json") in service["command"]
     # The course file's idle_minutes (2) is the culler's --timeout, in seconds.

@@ -19,6 +19,7 @@ import pwd
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -418,8 +419,10 @@ def test_a_kill_of_the_service_mid_settle_charges_each_attempt_once(rt: dict[str
                rt["log"])
     [old] = service_pids(rt["course_json"])
     os.kill(old, signal.SIGKILL)
+    killed = time.monotonic()
     wait_until("the hub to restart the service",
                lambda: [p for p in service_pids(rt["course_json"]) if p != old], 120, rt["log"])
+    print(f"the hub started the service again {time.monotonic() - killed:.1f} s after its kill")
     _reconciled(rt)
     rows = [r for r in _ledger(rt).entries(rt["users"]["b"]) if r["hold_id"] == hold.hold_id]
     assert sorted(r["kind"] for r in rows) == ["charge", "release"]

@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from workbench.errors import CourseError
 
 SERVICE_NAME = "course"
+SERVICE_POLL_S = 2  # how often the hub looks whether a service it manages is still alive
 _AUTHENTICATORS = {"pam": "jupyterhub.auth.PAMAuthenticator",
                    "dummy": "jupyterhub.auth.DummyAuthenticator"}
 
@@ -208,6 +209,16 @@ def hub_config(course: Course) -> str:
         # 30 s. So the hub's SIGINT is Python's default before it starts anything.
         "import signal",
         "signal.signal(signal.SIGINT, signal.default_int_handler)",
+        # The hub sees that a service it manages has died by polling it every
+        # Spawner.poll_interval (30 s), and the spawner it makes for a service reads no config:
+        # a crashed course service would be down for up to 30 s. The hub makes that spawner
+        # from this module attribute when it starts the service, so a subclass polled every
+        # SERVICE_POLL_S takes its place (a poll is one os.kill(pid, 0)).
+        "from jupyterhub.services import service as _services",
+        "from traitlets import Integer",
+        "class _ServiceSpawner(_services._ServiceSpawner):",
+        f"    poll_interval = Integer({SERVICE_POLL_S})",
+        "_services._ServiceSpawner = _ServiceSpawner",
         f"c.JupyterHub.ip = {course.hub.ip!r}",
         f"c.JupyterHub.port = {course.hub.port}",
         "c.JupyterHub.hub_ip = '127.0.0.1'",
