@@ -147,3 +147,41 @@ def test_the_wheelhouse_resolves_again_when_what_it_resolves_from_changes(tmp_pa
     reqs[0] += "[gpu]"
     changes.append(key())
     assert len({first, *changes}) == 5
+
+
+# `pip config list` as this machine prints it: files (global.) and PIP_* variables (:env:).
+PIP_HERE = """\
+:env:.cert='/etc/ssl/certs/ca-certificates.crt'
+:env:.default-timeout='180'
+:env:.disable-pip-version-check='1'
+:env:.find-links='/opt/wheels'
+global.cert='/etc/ssl/certs/ca-certificates.crt'
+global.constraint='/etc/xdg/pip/constraints.txt'
+global.extra-index-url='file:///opt/pypi/simple file:///opt/pypi-more/simple'
+global.find-links='/opt/wheels'
+"""
+
+
+def test_the_nodes_pip_configuration_reads_as_uvs_options_or_leaves_the_install_to_pip():
+    from workbench.targets.wheels import uv_options
+
+    assert uv_options(PIP_HERE) == {
+        "args": ["--index-strategy", "unsafe-best-match",
+                 "--constraint", "/etc/xdg/pip/constraints.txt",
+                 "--extra-index-url", "file:///opt/pypi/simple",
+                 "--extra-index-url", "file:///opt/pypi-more/simple",
+                 "--find-links", "/opt/wheels"],
+        "env": {"SSL_CERT_FILE": "/etc/ssl/certs/ca-certificates.crt", "UV_HTTP_TIMEOUT": "180"}}
+    # A PIP_* variable wins over the install section, which wins over global, as in pip.
+    assert uv_options("global.index-url='https://a/simple'\n:env:.index-url='https://c/simple'\n"
+                      "install.index-url='https://b/simple'\nglobal.timeout='7.6'\n") == {
+        "args": ["--index-strategy", "unsafe-best-match", "--index-url", "https://c/simple"],
+        "env": {"UV_HTTP_TIMEOUT": "8"}}
+    assert uv_options("install.trusted-host='mirror.lan'\ndownload.proxy='http://p:3128'\n") == {
+        "args": ["--index-strategy", "unsafe-best-match", "--allow-insecure-host", "mirror.lan"],
+        "env": {}}  # download. settings are not pip install's
+    # What uv is not told here, or no answer from pip at all: pip installs.
+    assert uv_options(PIP_HERE + "global.proxy='http://p:3128'\n") is None
+    assert uv_options(":env:.no-binary=':all:'\n") is None
+    assert uv_options("global.timeout='soon'\n") is None
+    assert uv_options(None) is None

@@ -113,6 +113,8 @@ def test_slurm_setup_runs_in_a_job_from_the_registry(targets, cluster, tmp_path)
     done = setup_target(ref, progress=lines.append)
     print(f"slurm set-up from the registry: {time.monotonic() - started:.0f} s")
     assert done.source == "registry", lines
+    # This node's pip configuration (indexes, find-links, constraints, cert) is uv's to read.
+    assert any("uv pip install (registry)" in ln for ln in lines), lines
     jobs = (cluster.root / "jobcomp.txt").read_text()
     assert "Name=wb-setup-fresh" in jobs  # the preflight and the install ran as Slurm jobs
     report, versions = _check(ref)
@@ -161,6 +163,6 @@ def test_bad_input_is_one_line_and_a_failed_setup_records_nothing(targets, tmp_p
     venv = tmp_path / "e4"
     ref = _add_target("ssh", "fails", {**ssh, "install": {"venv": str(venv),
                                                           "torch": "torch==0.0.1"}})
-    refused(ref, "set-up failed, nothing recorded: pip install failed")
+    refused(ref, "set-up failed, nothing recorded: uv pip install failed")
     assert not venv.exists() and not Path(f"{venv}.setup").exists()
     assert get_target(ref).python == base["python"]

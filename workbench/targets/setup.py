@@ -5,7 +5,8 @@ This module owns making the Python environment a target runs in: a venv at ``ins
 wheel built from this checkout), the notebook's other package versions as constraints, and a
 torch of the notebook's release built for the node (CUDA for its driver, else CPU). Packages come
 from the registry where the target reaches one, else as wheels downloaded here, carried over the
-target's SSH (or this machine's shell) and installed with ``pip --no-index``. On Slurm the
+target's SSH (or this machine's shell) and installed with ``--no-index``; ``uv pip install``
+installs them where uv can be told what the node's pip would read, else pip. On Slurm the
 install runs as a short ``srun`` job on a compute node; the venv then lives on the shared
 filesystem. Once it imports, the environment is marked done (``VENV/.workbench-setup.json``) and
 its python recorded as the target's ``python:``. A set-up that fails records nothing, raises a
@@ -45,6 +46,7 @@ from workbench.targets.wheels import (
     cuda_build,
     output_tail,
     requirements,
+    uv_options,
     wheelhouse,
     workbench_wheel,
 )
@@ -106,6 +108,9 @@ if not index:
                        capture_output=True, text=True)
     index = r.stdout.strip() if r.returncode == 0 and r.stdout.strip() else "https://pypi.org/simple"
 out["index"] = index
+# What pip reads from its files and PIP_* variables here: uv is told the same (wheels.uv_options).
+r = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True)
+out["pip_config"] = r.stdout if r.returncode == 0 else None
 try:
     urllib.request.urlopen(index.rstrip("/") + "/pip/", timeout=10).read(1)
     out["registry"] = True
@@ -117,7 +122,8 @@ print("WB-PREFLIGHT " + json.dumps(out))
 # Runs with the target's base python: makes (or updates) the venv, installs, verifies, marks it.
 INSTALL = r"""
 import json, os, shutil, subprocess, sys, time
-venv, staged, source, pip_args = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+venv, staged, source = sys.argv[1], sys.argv[2], sys.argv[3]
+pip_args, uv_opts = json.loads(sys.argv[4]), json.loads(sys.argv[5])
 partial, marker = os.path.join(venv, ".workbench-partial"), os.path.join(venv, %(marker)r)
 made = not os.path.exists(os.path.join(venv, "pyvenv.cfg"))
 py = os.path.join(venv, "bin", "python")
@@ -163,23 +169,28 @@ if os.path.exists(marker):
 env = dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1")
 if source == "wheels":
     env["PIP_CONFIG_FILE"] = os.devnull
-# Carried wheels go in with uv when its wheel came with them (pip installs uv first); packages
-# from the registry with pip, which follows the node's own pip configuration.
+# uv installs where it is told what pip would read (uv_opts, null where it cannot be): carried
+# wheels, with uv's wheel among them; or the registry's packages, with the node's pip
+# configuration as uv's options. pip installs uv first, from the same place; without it, pip
+# installs everything.
 uv = os.path.join(venv, "bin", "uv")
-if source == "wheels" and not os.path.exists(uv) and any(
-        f.startswith("uv-") for f in os.listdir(staged)):
-    subprocess.run([py, "-m", "pip", "install", "-q", "--no-index", "--find-links", staged, "uv"],
-                   env=env)
-use_uv = source == "wheels" and os.path.exists(uv)
+if uv_opts is not None and not os.path.exists(uv):
+    if source == "registry":
+        subprocess.run([py, "-m", "pip", "install", "-q", "uv"], env=env)
+    elif any(f.startswith("uv-") for f in os.listdir(staged)):
+        subprocess.run([py, "-m", "pip", "install", "-q", "--no-index", "--find-links", staged,
+                        "uv"], env=env)
+use_uv = uv_opts is not None and os.path.exists(uv)
 tool = "uv pip install" if use_uv else "pip install"
 print("WB: " + tool + " (" + source + ")", flush=True)
 # Nothing is byte-compiled here (tens of thousands of modules, most never imported): the import
 # check below compiles what a run imports. uv's cache lies in the staged folder, on the venv's
 # filesystem: its files are hard-linked into the venv, and it is removed with the staged wheels.
-base = ([uv, "pip", "install", "--python", py, "--cache-dir", os.path.join(staged, ".uv-cache")]
+base = ([uv, "pip", "install", "--python", py, "--cache-dir", os.path.join(staged, ".uv-cache"),
+         *uv_opts["args"]]
         if use_uv else [py, "-m", "pip", "install", "--progress-bar", "off", "--no-compile"])
 r = subprocess.run(base + ["--find-links", staged, "-c", os.path.join(staged, "constraints.txt")]
-                   + pip_args, env=env)
+                   + pip_args, env=dict(env, **uv_opts["env"]) if use_uv else env)
 if r.returncode:
     fail(tool + " failed (its output is above)")
 got, r = imports()
@@ -319,8 +330,10 @@ def _setup_place(place: _Place, cfg: InstallSpec, venv: str, src: str, here: dic
     pip_args = ([f"{staged}/{reqs[0]}", *reqs[1:]]
                 + (["--no-index"] if src == "wheels" else
                    ["--extra-index-url", index] if index else []))
+    uv = {"args": [], "env": {}} if src == "wheels" else uv_options(node.get("pip_config"))
     cmd = (f"{shlex.quote(cfg.python)} -c {shlex.quote(INSTALL)} {shlex.quote(node['venv'])} "
-           f"{shlex.quote(staged)} {src} {shlex.quote(json.dumps(pip_args))}")
+           f"{shlex.quote(staged)} {src} {shlex.quote(json.dumps(pip_args))} "
+           f"{shlex.quote(json.dumps(uv))}")
     rc, lines = place.stream(place.wrap(cmd, cfg), progress, 3600)
     line = next((ln for ln in lines if ln.startswith("WB-RESULT ")), None)
     if rc != 0 or line is None:

@@ -1,7 +1,8 @@
 """What a target's environment is installed from: the torch build for the node's driver, the
 requirements (this Workbench's extras and torch of the notebook's release), the notebook's other
 package versions as constraints, a wheel of this Workbench, and, for a target that reaches no
-registry, every wheel it needs, downloaded here into a cache (WORKBENCH_HOME/wheelhouse).
+registry, every wheel it needs, downloaded here into a cache (WORKBENCH_HOME/wheelhouse); and
+the node's pip configuration read as uv's options, where uv can be told all of it.
 
 :mod:`workbench.targets.setup` carries them to the target and installs them.
 """
@@ -169,6 +170,57 @@ def dist_key(name: str) -> tuple[str, str]:
     project with runs of ``-_.`` as one ``-``, lower case)."""
     project, version = name.split("-")[:2]
     return re.sub(r"[-_.]+", "-", project).lower(), version
+
+
+# pip settings uv is told the same way (pip's key: uv's option, one per value), those it reads
+# from the environment, and those that change nothing about what is installed. A pip
+# configuration with any other setting (a proxy, a client certificate, no-binary, ...) is left
+# to pip.
+_UV_OPTIONS = {"index-url": "--index-url", "extra-index-url": "--extra-index-url",
+               "find-links": "--find-links", "constraint": "--constraint",
+               "trusted-host": "--allow-insecure-host"}
+_UV_ENV = {"cert": "SSL_CERT_FILE", "timeout": "UV_HTTP_TIMEOUT",
+           "default-timeout": "UV_HTTP_TIMEOUT"}
+_NO_EFFECT = {"disable-pip-version-check", "no-input", "progress-bar", "quiet", "verbose",
+              "no-color", "root-user-action", "no-warn-script-location", "no-compile",
+              "retries", "cache-dir", "no-cache-dir"}
+
+
+def uv_options(pip_config: str | None) -> dict[str, Any] | None:
+    """What ``pip config list`` printed on the node, as ``uv pip install``'s options and
+    environment ({"args": [...], "env": {...}}), so that uv installs from what pip would; None
+    (install with pip) where that output is missing or sets anything uv is not told here.
+
+    pip's sections apply to ``pip install`` as global < install < the environment (PIP_*); uv
+    looks at every index for the best version, as pip does (``unsafe-best-match``)."""
+    import ast
+
+    if pip_config is None:
+        return None
+    merged: dict[str, str] = {}
+    lines = [ln.partition("=") for ln in pip_config.splitlines() if "=" in ln]
+    for section in ("global", "install", ":env:"):
+        for name, _, value in lines:
+            where, _, key = name.rpartition(".")
+            if where == section:
+                try:  # pip prints each value as Python's repr
+                    merged[key] = str(ast.literal_eval(value.strip()))
+                except (ValueError, SyntaxError):
+                    return None
+    args, env = ["--index-strategy", "unsafe-best-match"], {}
+    for key, value in merged.items():
+        if key in _UV_OPTIONS:
+            args += [a for v in value.split() for a in (_UV_OPTIONS[key], v)]
+        elif key in _UV_ENV:
+            if _UV_ENV[key] == "UV_HTTP_TIMEOUT":  # whole seconds, where pip takes any number
+                try:
+                    value = str(max(1, round(float(value))))
+                except ValueError:
+                    return None
+            env[_UV_ENV[key]] = value
+        elif key not in _NO_EFFECT:
+            return None
+    return {"args": args, "env": env}
 
 
 def output_tail(lines: list[str]) -> str:
