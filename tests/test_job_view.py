@@ -61,6 +61,7 @@ def _launch_pair():
         time.sleep(0.05)  # polling interval of the watcher, not an assertion's wait
     watched_s = time.monotonic() - started
     hold.unlink(missing_ok=True)  # the view never showed a point: the assertions say so
+    hold.parent.rmdir()
     assert a.wait(timeout=600, progress=False) == "succeeded", a.logs(tail=30)
     assert b.wait(timeout=600, progress=False) == "succeeded", b.logs(tail=30)
     return a, b, view, seen, watched_s
