@@ -185,3 +185,33 @@ def test_the_nodes_pip_configuration_reads_as_uvs_options_or_leaves_the_install_
     assert uv_options(":env:.no-binary=':all:'\n") is None
     assert uv_options("global.timeout='soon'\n") is None
     assert uv_options(None) is None
+
+
+def test_the_node_check_probes_the_index_pip_install_would_read(tmp_path):
+    """The set-up's node check, run here with this python's pip and a config file of our own:
+    the registry it probes is PIP_INDEX_URL's, else [install]'s, else [global]'s."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from workbench.targets.setup import PREFLIGHT
+
+    conf = tmp_path / "pip.conf"
+    conf.write_text("[global]\nindex-url = http://127.0.0.1:9/global/simple\n"
+                    "[install]\nindex-url = http://127.0.0.1:9/install/simple\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+
+    def probed(**extra: str) -> dict:
+        r = subprocess.run([sys.executable, "-c", PREFLIGHT, str(tmp_path / "venv")],
+                           capture_output=True, text=True, timeout=120,
+                           env={**env, "PIP_CONFIG_FILE": str(conf), **extra})
+        line = next(ln for ln in r.stdout.splitlines() if ln.startswith("WB-PREFLIGHT "))
+        return json.loads(line.removeprefix("WB-PREFLIGHT "))
+
+    out = probed()
+    assert out["index"] == "http://127.0.0.1:9/install/simple"
+    assert out["registry"] is False  # nothing listens on port 9 here
+    assert "install.index-url='http://127.0.0.1:9/install/simple'" in out["pip_config"]
+    assert probed(PIP_INDEX_URL="http://127.0.0.1:9/env/simple")["index"] == \
+        "http://127.0.0.1:9/env/simple"

@@ -71,7 +71,7 @@ class SetupResult:
 
 # Runs with the target's base python (stdlib only): what the set-up needs to know of the node.
 PREFLIGHT = r"""
-import json, os, platform, re, shutil, subprocess, sys, sysconfig, urllib.request
+import ast, json, os, platform, re, shutil, subprocess, sys, sysconfig, urllib.request
 venv = os.path.abspath(os.path.expanduser(sys.argv[1]))
 out = {"venv": venv, "python": "%d.%d" % sys.version_info[:2], "platform": sysconfig.get_platform(),
        "glibc": platform.libc_ver()[1], "cuda": None}
@@ -102,15 +102,22 @@ if shutil.which("nvidia-smi"):
     r = subprocess.run(["nvidia-smi"], capture_output=True, text=True)
     m = re.search(r"CUDA Version:\s*(\d+)\.(\d+)", r.stdout)
     out["cuda"] = int(m.group(1)) * 10 + int(m.group(2)) if m else None
-index = os.environ.get("PIP_INDEX_URL")
-if not index:
-    r = subprocess.run([sys.executable, "-m", "pip", "config", "get", "global.index-url"],
-                       capture_output=True, text=True)
-    index = r.stdout.strip() if r.returncode == 0 and r.stdout.strip() else "https://pypi.org/simple"
-out["index"] = index
 # What pip reads from its files and PIP_* variables here: uv is told the same (wheels.uv_options).
 r = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True)
 out["pip_config"] = r.stdout if r.returncode == 0 else None
+# The index `pip install` reads: PIP_INDEX_URL over [install] over [global], else PyPI's.
+index = os.environ.get("PIP_INDEX_URL") or "https://pypi.org/simple"
+if out["pip_config"] is not None:
+    found = {}
+    for ln in out["pip_config"].splitlines():
+        name, _, value = ln.partition("=")
+        if name.endswith(".index-url") and not name.endswith(".extra-index-url"):
+            try:  # pip prints each value as Python's repr
+                found[name[:-len(".index-url")]] = ast.literal_eval(value.strip())
+            except (ValueError, SyntaxError):
+                pass
+    index = next((found[s] for s in (":env:", "install", "global") if found.get(s)), index)
+out["index"] = index
 try:
     urllib.request.urlopen(index.rstrip("/") + "/pip/", timeout=10).read(1)
     out["registry"] = True
