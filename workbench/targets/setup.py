@@ -111,7 +111,7 @@ if out["pip_config"] is not None:
     found = {}
     for ln in out["pip_config"].splitlines():
         name, _, value = ln.partition("=")
-        if name.endswith(".index-url") and not name.endswith(".extra-index-url"):
+        if name.endswith(".index-url"):  # not extra-index-url: that ends in "-index-url"
             try:  # pip prints each value as Python's repr
                 found[name[:-len(".index-url")]] = ast.literal_eval(value.strip())
             except (ValueError, SyntaxError):
